@@ -1,0 +1,81 @@
+"""The rollout interface: what every text-generation backend promises the trainer.
+
+A rollout engine turns prompt token ids into sampled continuations with per-token log-probs.
+It knows nothing about rewards or RL. Backends register themselves by name
+(`actor_rollout_ref.rollout.name`): `native` (ours), `hf` (transformers generate, the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one batch. `n` samples are drawn per prompt, stored prompt-major (p0s0, p0s1, ..., p1s0, ...)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()  # EOS ids; generation stops after emitting one
+    ignore_eos: bool = False
+    seed: int | None = None
+    # per-sequence forced lengths (benchmarks use these to model a long-tailed length distribution)
+    forced_lengths: list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Rollout:
+    """Result of `generate`: one row per sample (len(prompt_ids) * n rows, prompt-major).
+
+    token_ids[i] are the generated ids only (no prompt), including the stop token if one was emitted.
+    logprobs[i][t] is log p(token_ids[i][t]) under the *sampling* distribution's logits before temperature,
+    i.e. the policy's log-prob of that token (temperature-scaled if temperature > 0; see backend docs).
+    """
+
+    prompt_index: list[int]  # which prompt each row came from
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reason: list[str]  # "stop" (emitted a stop token) or "length"
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+class RolloutEngine(Protocol):
+    """The narrow seam between the trainer and a generation backend."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF parameter names) in place. Colocated: no copy beyond the engine's own layout."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free the KV cache (and optionally offload weights) while the trainer trains."""
+        ...
+
+    def resume(self) -> None:
+        """Undo `release_memory` before the next `generate`."""
+        ...
+
+
+ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_rollout(name: str):
+    def deco(factory):
+        ROLLOUT_BACKENDS[name] = factory
+        return factory
+
+    return deco

@@ -1,0 +1,60 @@
+"""Stage timing for one RL step, shared by the LLM and diffusion trainers.
+
+`StepTimer.stage("gen")` times a stage under verl's key `timing_s/gen`, wraps it in a named annotation
+(`torch.profiler.record_function`, and an NVTX range on CUDA) so every profiler mode sees stage names, and calls
+optional hooks (the profiler's discrete mode starts and stops one trace per stage through them).
+On CUDA the timer synchronizes at stage boundaries only, never inside a stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Protocol
+
+import torch
+
+
+class StageHooks(Protocol):
+    def stage_start(self, name: str) -> None: ...
+
+    def stage_end(self, name: str) -> None: ...
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class StepTimer:
+    """Collects `timing_s/<stage>` for the current step; `pop()` returns and clears them."""
+
+    def __init__(self, hooks: list[StageHooks] | None = None):
+        self.hooks = list(hooks or [])
+        self._timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        for h in self.hooks:
+            h.stage_start(name)
+        nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(name):
+                yield
+        finally:
+            _sync()
+            dt = time.perf_counter() - t0
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
+            key = f"timing_s/{name}"
+            self._timings[key] = self._timings.get(key, 0.0) + dt
+            for h in reversed(self.hooks):
+                h.stage_end(name)
+
+    def pop(self) -> dict[str, float]:
+        out, self._timings = self._timings, {}
+        return out
