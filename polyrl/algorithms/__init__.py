@@ -1,0 +1,70 @@
+"""RL algorithm math: pure tensor functions in name->function registries (verl `core_algos.py` semantics).
+
+- `advantages`: `compute_advantage(name, ...)` over `ADV_ESTIMATORS` (gae, grpo, rloo, reinforce_plus_plus,
+  reinforce_plus_plus_baseline, remax, opo, gpg).
+- `losses`: `agg_loss` (micro-batch invariant with global normalisers), `policy_loss(name, ...)` over
+  `POLICY_LOSSES` (vanilla, gspo, gpg, clip_cov, kl_cov), `value_loss`, logits helpers.
+- `kl`: `kl_penalty(kind, ...)`, KL controllers, `apply_kl_in_reward`.
+- `dapo`: overlong penalty and dynamic-sampling group selection.
+- `validation`: verl's bootstrapped val-core / val-aux metrics.
+- `masked`: masked sum / mean / var / whiten.
+"""
+
+from polyrl.algorithms.advantages import ADV_ESTIMATORS, compute_advantage, group_ids, group_mean_std, register_adv_est
+from polyrl.algorithms.dapo import overlong_penalty, select_groups
+from polyrl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    check_kl_kind,
+    kl_penalty,
+    make_kl_controller,
+)
+from polyrl.algorithms.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    agg_loss,
+    check_loss_agg_mode,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    register_policy_loss,
+    value_loss,
+)
+from polyrl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from polyrl.algorithms.validation import process_validation_metrics, validation_metrics_by_source
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "PolicyLossConfig",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "check_kl_kind",
+    "check_loss_agg_mode",
+    "compute_advantage",
+    "entropy_from_logits",
+    "group_ids",
+    "group_mean_std",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+    "policy_loss",
+    "process_validation_metrics",
+    "register_adv_est",
+    "register_policy_loss",
+    "select_groups",
+    "validation_metrics_by_source",
+    "value_loss",
+]

@@ -1,0 +1,226 @@
+"""Advantage estimators: pure functions of rewards, masks, group ids (and values for GAE), in a registry.
+
+Semantics follow verl's `core_algos.py` (the key `algorithm.adv_estimator` picks one by name):
+
+- `gae`: GAE over response tokens, skipping padding; advantages whitened over the batch, returns = adv + values.
+- `grpo`: outcome score s = sum of token rewards; per group (s - mean) / (std + eps) with torch.std (unbiased);
+  a group of one gets mean 0, std 1. Dr.GRPO is `norm_adv_by_std_in_grpo=False` (no division).
+- `rloo`: n/(n-1) * (s - group mean), i.e. s minus the mean of the *other* samples; a group of one keeps s.
+- `reinforce_plus_plus`: discounted return-to-go (gamma), whitened over all valid tokens of the batch.
+- `reinforce_plus_plus_baseline`: s minus the group mean, broadcast to tokens, whitened over the batch.
+- `remax`: return-to-go minus the greedy rollout's reward `reward_baselines_B`.
+- `opo`: s minus the length-weighted group mean sum(len * s) / sum(len).
+- `gpg`: B / (number of nonzero scores) * (s - group mean).
+
+Group statistics are computed with scatter-adds instead of verl's per-row Python loop (same values to float
+rounding); padding positions of every advantage are 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from polyrl.algorithms.masked import masked_whiten
+from polyrl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class _Estimator:
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    needs: tuple[str, ...]
+
+
+ADV_ESTIMATORS: dict[str, _Estimator] = {}
+
+# What each optional input is called in the user's world, for error messages.
+_INPUT_HINTS = {
+    "index": "group ids (one per row, rows of the same prompt share one; rollout.n > 1)",
+    "values_BT": "critic values (enable the critic: critic.enable=True)",
+    "reward_baselines_B": "greedy-rollout rewards (ReMax generates one greedy response per prompt)",
+}
+
+
+def register_adv_est(name: str, needs: Sequence[str] = ()):
+    """Register `fn(**inputs) -> (advantages_BT, returns_BT)` under `name`; `needs` lists required optional inputs."""
+
+    def decorator(fn):
+        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name].fn is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered; pick another name")
+        ADV_ESTIMATORS[name] = _Estimator(fn, tuple(needs))
+        return fn
+
+    return decorator
+
+
+def compute_advantage(
+    name: str,
+    *,
+    token_level_rewards_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    index: Sequence | np.ndarray | None = None,
+    values_BT: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    reward_baselines_B: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns ([B, T] each) from the estimator registered as `name`."""
+    if name not in ADV_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.adv_estimator={name!r} is not a known advantage estimator; use one of {sorted(ADV_ESTIMATORS)}."
+        )
+    estimator = ADV_ESTIMATORS[name]
+    inputs = dict(index=index, values_BT=values_BT, reward_baselines_B=reward_baselines_B)
+    for need in estimator.needs:
+        if inputs[need] is None:
+            raise ConfigError(f"algorithm.adv_estimator={name!r} needs {_INPUT_HINTS[need]}, but none were given.")
+    if index is not None and len(index) != token_level_rewards_BT.shape[0]:
+        raise ValueError(f"index has {len(index)} entries but the batch has {token_level_rewards_BT.shape[0]} rows")
+    mask_BT = response_mask_BT.to(token_level_rewards_BT.dtype)
+    with torch.no_grad():
+        return estimator.fn(
+            token_level_rewards_BT=token_level_rewards_BT,
+            response_mask_BT=mask_BT,
+            index=index,
+            values_BT=values_BT,
+            gamma=gamma,
+            lam=lam,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            epsilon=epsilon,
+            reward_baselines_B=reward_baselines_B,
+        )
+
+
+# --------------------------------------------------------------------------- group statistics
+
+
+def group_ids(index: Sequence | np.ndarray, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+    """Map arbitrary group ids (ints, strings, uuids) to 0..G-1; returns (ids_B, G)."""
+    _, inverse = np.unique(np.asarray(index), return_inverse=True)
+    ids_B = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
+    return ids_B, int(inverse.max()) + 1 if inverse.size else 0
+
+
+def group_mean_std(scores_B: torch.Tensor, ids_B: torch.Tensor, num_groups: int):
+    """Per-row group mean and unbiased std; groups of one get mean 0, std 1 (as verl). Also returns sizes."""
+    count_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(
+        0, ids_B, torch.ones_like(scores_B)
+    )
+    mean_G = torch.zeros_like(count_G).index_add_(0, ids_B, scores_B) / count_G
+    sq_dev_G = torch.zeros_like(count_G).index_add_(0, ids_B, (scores_B - mean_G[ids_B]) ** 2)
+    std_G = torch.sqrt(sq_dev_G / (count_G - 1).clamp_min(1))
+    multi_G = count_G > 1
+    mean_G = torch.where(multi_G, mean_G, torch.zeros_like(mean_G))
+    std_G = torch.where(multi_G, std_G, torch.ones_like(std_G))
+    return mean_G[ids_B], std_G[ids_B], count_G[ids_B]
+
+
+def _outcome_scores(token_level_rewards_BT: torch.Tensor, index) -> tuple[torch.Tensor, torch.Tensor, int]:
+    scores_B = token_level_rewards_BT.sum(dim=-1)
+    ids_B, num_groups = group_ids(index, scores_B.device)
+    return scores_B, ids_B, num_groups
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@register_adv_est("gae", needs=("values_BT",))
+def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, **_):
+    """Generalized advantage estimation; padding tokens carry the next value and GAE through unchanged."""
+    next_value_B = torch.zeros_like(token_level_rewards_BT[:, 0])
+    last_gae_B = torch.zeros_like(next_value_B)
+    advantages = []
+    for t in reversed(range(token_level_rewards_BT.shape[1])):
+        mask_B = response_mask_BT[:, t]
+        delta_B = token_level_rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        gae_B = delta_B + gamma * lam * last_gae_B
+        next_value_B = values_BT[:, t] * mask_B + (1 - mask_B) * next_value_B
+        last_gae_B = gae_B * mask_B + (1 - mask_B) * last_gae_B
+        advantages.append(last_gae_B)
+    advantages_BT = torch.stack(advantages[::-1], dim=1)
+    returns_BT = advantages_BT + values_BT
+    return masked_whiten(advantages_BT, response_mask_BT) * response_mask_BT, returns_BT
+
+
+@register_adv_est("grpo", needs=("index",))
+def grpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_grpo, epsilon, **_):
+    """Group-relative advantage; Dr.GRPO skips the division by the group std."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    mean_B, std_B, _ = group_mean_std(scores_B, ids_B, num_groups)
+    adv_B = scores_B - mean_B
+    if norm_adv_by_std_in_grpo:
+        adv_B = adv_B / (std_B + epsilon)
+    adv_BT = adv_B.unsqueeze(-1) * response_mask_BT
+    return adv_BT, adv_BT
+
+
+@register_adv_est("rloo", needs=("index",))
+def rloo(*, token_level_rewards_BT, response_mask_BT, index, **_):
+    """Leave-one-out baseline: n/(n-1) * (s - mean) == s - mean(others); a group of one keeps its raw score."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    mean_B, _, count_B = group_mean_std(scores_B, ids_B, num_groups)
+    loo_B = (scores_B - mean_B) * count_B / (count_B - 1).clamp_min(1)
+    adv_B = torch.where(count_B > 1, loo_B, scores_B)
+    adv_BT = adv_B.unsqueeze(-1) * response_mask_BT
+    return adv_BT, adv_BT
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus(*, token_level_rewards_BT, response_mask_BT, gamma, **_):
+    """Discounted return-to-go (reset at padding), whitened over all valid tokens of the batch."""
+    returns_BT = torch.zeros_like(token_level_rewards_BT)
+    running_B = torch.zeros_like(token_level_rewards_BT[:, 0])
+    for t in reversed(range(token_level_rewards_BT.shape[1])):
+        running_B = token_level_rewards_BT[:, t] + gamma * running_B
+        returns_BT[:, t] = running_B
+        running_B = running_B * response_mask_BT[:, t]
+    advantages_BT = masked_whiten(returns_BT, response_mask_BT) * response_mask_BT
+    return advantages_BT, returns_BT
+
+
+@register_adv_est("reinforce_plus_plus_baseline", needs=("index",))
+def reinforce_plus_plus_baseline(*, token_level_rewards_BT, response_mask_BT, index, **_):
+    """Score minus group mean (a group of one: mean 0), broadcast to tokens, whitened over the batch's tokens."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    mean_B, _, _ = group_mean_std(scores_B, ids_B, num_groups)
+    adv_BT = (scores_B - mean_B).unsqueeze(-1) * response_mask_BT
+    adv_BT = masked_whiten(adv_BT, response_mask_BT) * response_mask_BT
+    return adv_BT, adv_BT
+
+
+@register_adv_est("remax", needs=("reward_baselines_B",))
+def remax(*, token_level_rewards_BT, response_mask_BT, reward_baselines_B, **_):
+    """Return-to-go minus the greedy response's reward (the ReMax baseline)."""
+    returns_BT = (token_level_rewards_BT * response_mask_BT).flip(-1).cumsum(-1).flip(-1)
+    baselines_B = torch.as_tensor(reward_baselines_B, dtype=returns_BT.dtype, device=returns_BT.device)
+    advantages_BT = returns_BT - baselines_B.unsqueeze(-1) * response_mask_BT
+    return advantages_BT, returns_BT
+
+
+@register_adv_est("opo", needs=("index",))
+def opo(*, token_level_rewards_BT, response_mask_BT, index, **_):
+    """Score minus the length-weighted group mean; a group of one has baseline 0."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    lengths_B = response_mask_BT.sum(dim=-1)
+    _, _, count_B = group_mean_std(scores_B, ids_B, num_groups)
+    zeros_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device)
+    weighted_G = zeros_G.index_add(0, ids_B, lengths_B * scores_B)
+    length_G = zeros_G.index_add(0, ids_B, lengths_B)
+    baseline_B = torch.where(count_B > 1, weighted_G[ids_B] / length_G[ids_B].clamp_min(1e-8), 0.0)
+    adv_BT = (scores_B - baseline_B).unsqueeze(-1) * response_mask_BT
+    return adv_BT, adv_BT
+
+
+@register_adv_est("gpg", needs=("index",))
+def gpg(*, token_level_rewards_BT, response_mask_BT, index, **_):
+    """Group-mean baseline scaled by B / #nonzero scores (GPG's alpha; f_norm = 1 as in verl)."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    mean_B, _, _ = group_mean_std(scores_B, ids_B, num_groups)
+    alpha = scores_B.shape[0] / torch.count_nonzero(scores_B).clamp(min=1)
+    adv_BT = (alpha * (scores_B - mean_B)).unsqueeze(-1) * response_mask_BT
+    return adv_BT, adv_BT

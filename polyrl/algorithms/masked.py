@@ -1,0 +1,44 @@
+"""Masked reductions over [batch, response tokens] tensors, with verl's numerics.
+
+Padding positions never contribute: values there are replaced by 0 before summing (so a NaN in padding cannot
+leak in), and `masked_mean` adds 1e-8 to the count so an all-padding micro-batch gives 0, not NaN.
+`masked_var` is Bessel-corrected by default, as verl's `masked_whiten` uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` is nonzero (over `dim`, or over everything)."""
+    valid = torch.where(mask.bool(), values, torch.zeros_like(values))
+    valid = valid * mask
+    return valid.sum() if dim is None else valid.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is nonzero; 0 (not NaN) when the mask is empty."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(values, mask, dim) / (count + 1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked values (scalar); unbiased needs at least two valid entries."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        # No check for count < 2 here: it would cost a host sync per call. Callers whiten whole batches,
+        # which always hold more than one valid token.
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) with masked, unbiased statistics (verl's `masked_whiten`)."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
