@@ -8,6 +8,7 @@ import torch
 
 from polyrl.algorithms import (
     ADV_ESTIMATORS,
+    LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
     PolicyLossConfig,
@@ -35,7 +36,8 @@ T = torch.tensor
 def close(actual, expected, atol=1e-5):
     actual = torch.as_tensor(actual).detach().float()
     expected = torch.as_tensor(expected).detach().float()
-    torch.testing.assert_close(actual, expected.expand_as(actual) if expected.dim() == 0 else expected, atol=atol, rtol=0)
+    expected = expected.expand_as(actual) if expected.dim() == 0 else expected
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
 
 
 def outcome_rewards(scores, T_len=3, mask=None):
@@ -130,7 +132,9 @@ def test_gpg_alpha_scales_by_nonzero_fraction():
 def test_remax_subtracts_greedy_baseline():
     r = T([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
     mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    adv, ret = compute_advantage("remax", token_level_rewards_BT=r, response_mask_BT=mask, reward_baselines_B=T([0.5, 1.0]))
+    adv, ret = compute_advantage(
+        "remax", token_level_rewards_BT=r, response_mask_BT=mask, reward_baselines_B=T([0.5, 1.0])
+    )
     close(ret, [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]])  # return-to-go
     close(adv, [[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]])
 
@@ -150,7 +154,9 @@ def test_reinforce_plus_plus_baseline_group_mean_then_batch_whiten():
     # per-row: a=[1,0] -> +-.5; singleton b -> 1 - 0 = 1. Tokens (T=2): [.5,.5,-.5,-.5,1,1]
     # mean 1/3; deviations 1/6, -5/6, 2/3; sum sq 2*(1/36+25/36+16/36) = 7/3; var (7/3)/5 = .466667, std .683130
     r, mask = outcome_rewards([1.0, 0.0, 1.0], T_len=2)
-    adv, _ = compute_advantage("reinforce_plus_plus_baseline", token_level_rewards_BT=r, response_mask_BT=mask, index=list("aab"))
+    adv, _ = compute_advantage(
+        "reinforce_plus_plus_baseline", token_level_rewards_BT=r, response_mask_BT=mask, index=list("aab")
+    )
     close(adv[:, 0], [0.243975, -1.219875, 0.975900])
     close(adv[:, 1], adv[:, 0])
 
@@ -189,7 +195,8 @@ def test_registry_accepts_new_estimators():
         return z, z
 
     try:
-        adv, _ = compute_advantage("_test_zero", token_level_rewards_BT=torch.ones(2, 2), response_mask_BT=torch.ones(2, 2))
+        ones = torch.ones(2, 2)
+        adv, _ = compute_advantage("_test_zero", token_level_rewards_BT=ones, response_mask_BT=ones)
         assert torch.equal(adv, torch.zeros(2, 2))
     finally:
         ADV_ESTIMATORS.pop("_test_zero")
@@ -233,7 +240,7 @@ def _mini_batch(seed=0, B=8, T_len=6):
     return loss_mat, mask
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("split", [[8], [1] * 8, [4, 4]])
 def test_agg_loss_micro_batch_invariance(mode, split):
     loss_mat, mask = _mini_batch()
@@ -276,7 +283,8 @@ def test_policy_loss_gradient_micro_batch_invariance(name, mode):
 
 
 def _pl(name, log_ratio, adv, mask=None, old=None, mode="token-mean", **cfg):
-    log_ratio, adv = T([log_ratio]) if not torch.is_tensor(log_ratio) else log_ratio, T([adv]) if not torch.is_tensor(adv) else adv
+    log_ratio = log_ratio if torch.is_tensor(log_ratio) else T([log_ratio])
+    adv = adv if torch.is_tensor(adv) else T([adv])
     old = torch.full_like(log_ratio, -1.0) if old is None else old
     new = (old + log_ratio).requires_grad_(True)
     mask = torch.ones_like(log_ratio) if mask is None else mask
@@ -499,7 +507,8 @@ def test_apply_kl_in_reward():
 
 def test_overlong_penalty_linear_in_buffer():
     # L_max 20, buffer 4 -> free up to 16, then -(L-16)/4: 17 -> -.25, 18 -> -.5, 20 -> -1; 25 capped at 20
-    pen = overlong_penalty(T([10, 16, 17, 18, 20, 25]), max_response_length=20, overlong_buffer_len=4, penalty_factor=1.0)
+    lengths = T([10, 16, 17, 18, 20, 25])
+    pen = overlong_penalty(lengths, max_response_length=20, overlong_buffer_len=4, penalty_factor=1.0)
     close(pen, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     close(overlong_penalty(T([18]), 20, 4, 0.5), [-0.25])
     with pytest.raises(ConfigError, match="overlong_buffer_cfg.len=0"):

@@ -41,7 +41,9 @@ def _k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
 
 
-KL_ESTIMATORS: dict[str, KLFn] = {"kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3}
+KL_ESTIMATORS: dict[str, KLFn] = {
+    "kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3,
+}  # fmt: skip
 
 
 _KL_KEYS = "algorithm.kl_penalty / actor_rollout_ref.actor.kl_loss_type"

@@ -186,7 +186,9 @@ def vanilla(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cf
     losses_BT = torch.where(negative_BT, torch.minimum(dual_bound_BT, clip_loss_BT), clip_loss_BT)
     metrics = {
         "actor/pg_clipfrac": masked_mean((clipped_BT > unclipped_BT).float(), response_mask_BT),
-        "actor/pg_clipfrac_lower": masked_mean(((clip_loss_BT > dual_bound_BT) & negative_BT).float(), response_mask_BT),
+        "actor/pg_clipfrac_lower": masked_mean(
+            ((clip_loss_BT > dual_bound_BT) & negative_BT).float(), response_mask_BT
+        ),
         "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT),
     }
     return aggregate(losses_BT), _detached(metrics)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -37,23 +38,31 @@ def bootstrap_ns(n: int) -> list[int]:
     return ns + [n]
 
 
+@lru_cache(maxsize=256)
 def _draws(n_data: int, subset_size: int, seed: int) -> np.ndarray:
-    return np.random.RandomState(seed).choice(n_data, size=(N_BOOTSTRAP, subset_size), replace=True)
+    # Same seed for every prompt (as verl), so the draws depend only on the sizes: compute them once.
+    idx = np.random.RandomState(seed).choice(n_data, size=(N_BOOTSTRAP, subset_size), replace=True)
+    idx.flags.writeable = False
+    return idx
 
 
 def _majority_values(vals: np.ndarray, preds: list, idx: np.ndarray) -> np.ndarray:
     """Per draw: the value of the first sample carrying the draw's most common prediction."""
     _, codes = np.unique(np.asarray(preds, dtype=object).astype(str), return_inverse=True)
-    codes_DN = codes.reshape(-1)[idx]  # [draws, N]
+    num_draws, n = idx.shape
     num_codes = int(codes.max()) + 1
-    onehot_DNK = codes_DN[..., None] == np.arange(num_codes)
-    counts_DK = onehot_DNK.sum(axis=1)
-    positions = np.arange(idx.shape[1])[None, :, None]
-    first_pos_DK = np.where(onehot_DNK, positions, idx.shape[1]).min(axis=1)
+    codes_DN = codes.reshape(-1)[idx]
+    rows_D = np.arange(num_draws)
+    # [draws, distinct predictions] tables; memory O(draws * n), never draws * n * distinct
+    flat = (rows_D[:, None] * num_codes + codes_DN).ravel()
+    counts_DK = np.bincount(flat, minlength=num_draws * num_codes).reshape(num_draws, num_codes)
+    first_pos_DK = np.full((num_draws, num_codes), n, dtype=np.int64)
+    for pos in range(n - 1, -1, -1):  # backwards, so the earliest position is written last
+        first_pos_DK[rows_D, codes_DN[:, pos]] = pos
     # among the most frequent predictions, the one that appears first in the draw wins (python max() on a dict)
     is_top_DK = counts_DK == counts_DK.max(axis=1, keepdims=True)
-    winner_pos_D = np.where(is_top_DK, first_pos_DK, idx.shape[1]).min(axis=1)
-    return vals[idx[np.arange(idx.shape[0]), winner_pos_D]]
+    winner_pos_D = np.where(is_top_DK, first_pos_DK, n).min(axis=1)
+    return vals[idx[np.arange(num_draws), winner_pos_D]]
 
 
 def _prompt_metrics(vals: np.ndarray, preds: list | None, seed: int) -> dict[str, float]:
