@@ -1,0 +1,448 @@
+"""NativeEngine: polyrl's own rollout backend (`actor_rollout_ref.rollout.name=native`).
+
+    engine = NativeEngine.from_hf(hf_model_or_dir, gpu_memory_utilization=0.5)
+    out = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=1024))
+    engine.release_memory(); ...train...; engine.resume(); engine.update_weights(actor.state_dict().items())
+
+The loop: the scheduler picks a step (prefill chunks or one decode token per running sequence), the engine launches
+it (decode as a CUDA-graph replay), samples on the device into a per-sequence token buffer the next step reads, and
+copies the sampled ids to pinned host memory. The host then processes the *previous* step's ids while the device
+works on this one, so the GPU never waits on Python between decode steps (`scheduler.py` explains the one-step lag).
+
+Memory (GPU): like vLLM, `gpu_memory_utilization` is the fraction of the GPU's total memory this engine may use:
+weights + activation peak (profiled once with a max_num_batched_tokens prefill) + KV cache; the KV cache takes the
+rest, never more than is free. On CPU the cache holds `num_kv_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
+from polyrl.rollout.native.attention import AttnMeta
+from polyrl.rollout.native.block_manager import BlockManager
+from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
+from polyrl.rollout.native.sampler import sample
+from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
+
+
+@dataclass
+class _InFlight:
+    step: Step
+    tokens: torch.Tensor  # host (pinned on CUDA) ids of this step's samples
+    logprobs: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+def _hf_rope(hf_model) -> tuple[torch.Tensor, float]:
+    rot = getattr(getattr(hf_model, "model", hf_model), "rotary_emb", None)
+    if rot is None or not hasattr(rot, "inv_freq"):
+        raise ValueError(f"cannot find rotary_emb.inv_freq on {type(hf_model).__name__}; use rollout.name=hf.")
+    rope_type = getattr(rot, "rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rollout.name=native supports rope types {SUPPORTED_ROPE_TYPES}, got {rope_type!r}; use rollout.name=hf."
+        )
+    return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+
+
+class NativeEngine:
+    """Paged-KV, continuously batched, CUDA-graph decoding for Qwen2/2.5/3 and Llama models."""
+
+    @classmethod
+    def from_hf(
+        cls,
+        model_or_path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        block_size: int = 16,
+        seed: int = 0,
+        num_kv_tokens: int | None = None,
+    ) -> "NativeEngine":
+        """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
+        if isinstance(model_or_path, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype or "auto")
+        else:
+            hf = model_or_path
+        spec = ModelSpec.from_hf_config(hf.config)
+        inv_freq, attn_scaling = _hf_rope(hf)
+        hf_param = next(hf.parameters())
+        dtype = dtype or hf_param.dtype
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        max_model_len = max_model_len or spec.max_position_embeddings
+        with torch.device("meta"):
+            model = CausalLM(spec)
+        model = model.to(dtype).to_empty(device=device)
+        model.set_rope(inv_freq, attn_scaling, max_model_len, device)
+        loaded = load_hf_weights(model, hf.state_dict().items())
+        missing = required_hf_names(model) - loaded
+        if missing:
+            raise ValueError(f"the HF model lacks {len(missing)} parameters the engine needs, e.g. {sorted(missing)[:3]}.")
+        return cls(model, device=device, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                   enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens)
+
+    def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
+                 max_model_len, enforce_eager, block_size, seed, num_kv_tokens):
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1.")
+        self.model, self.spec, self.device = model.eval(), model.spec, torch.device(device)
+        self.dtype = model.embed.weight.dtype
+        self.cuda = self.device.type == "cuda"
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed
+        self.use_graphs = self.cuda and not enforce_eager
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        s = self.spec
+        self.block_bytes = 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        # per-slot state: row max_num_seqs is the dummy that CUDA-graph padding rows point at
+        rows = max_num_seqs + 1
+        self.bt_host = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int64)
+        self.bt_dev = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.tok_buf = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.dec_meta = torch.zeros(4, max_num_seqs, dtype=torch.long, device=self.device)  # slots, pos, slot_map, ctx
+        pin = self.cuda
+        self._meta_host = [torch.zeros(4, max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._tok_host = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._lp_host = [torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._ring = 0
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
+        self.graphs = None
+        self.kv = None
+        self.offloaded = False
+        self.released = False
+        self.num_calls = 0
+        self.last_update_weights_s = 0.0
+        self.stats: dict[str, float] = {}
+        self.num_blocks = self._plan_kv(gpu_memory_utilization, num_kv_tokens)
+        self._alloc_kv()
+
+    # ---- memory ------------------------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _plan_kv(self, util: float, num_kv_tokens: int | None) -> int:
+        if not self.cuda:
+            tokens = num_kv_tokens or 16384
+            return max(2, -(-tokens // self.block_size) + 1)
+        if num_kv_tokens:
+            return -(-num_kv_tokens // self.block_size) + 1
+        act = self._profile_activation_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = min(util * total - self.weight_bytes() - act, free - act - (256 << 20))
+        num_blocks = int(budget // self.block_bytes)
+        if num_blocks < 2:
+            raise ValueError(
+                f"gpu_memory_utilization={util} leaves no room for a KV cache ({budget / 2**30:.2f} GiB after "
+                f"{self.weight_bytes() / 2**30:.2f} GiB of weights and {act / 2**30:.2f} GiB of activations); raise it."
+            )
+        self.stats["activation_reserve_gib"] = act / 2**30
+        return num_blocks
+
+    @torch.no_grad()
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra memory of a max_num_batched_tokens prefill plus sampling max_num_seqs rows."""
+        length = min(self.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-length // self.block_size) + 1
+        self.num_blocks = num_blocks
+        self._alloc_kv()
+        seqs, chunks = [], []
+        remaining = self.max_num_batched_tokens
+        self.bt_host[self.max_num_seqs, : num_blocks - 1] = np.arange(1, num_blocks)
+        while remaining > 0:
+            c = min(length, remaining)
+            seq = Sequence(row=0, prompt_index=0, tokens=[0] * c, num_prompt=c, max_new=1, slot=self.max_num_seqs)
+            seqs.append(seq), chunks.append((0, c))
+            remaining -= c
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids, pos, meta, last = self._prefill_inputs(seqs, chunks)
+        h = self.model(ids, pos, meta)
+        rows = h[last[:1]].expand(self.max_num_seqs, -1)
+        sample(self.model.logits(rows), 1.0, 50, 0.9)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.bt_host[self.max_num_seqs] = 0
+        del h, rows
+        self.kv = None
+        torch.cuda.empty_cache()
+        return int(peak * 1.1) + (64 << 20)
+
+    def _alloc_kv(self) -> None:
+        s = self.spec
+        self.kv = torch.zeros(s.num_layers, 2, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
+                              dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.attn.k_cache, layer.attn.v_cache = self.kv[i, 0], self.kv[i, 1]
+        self.blocks = BlockManager(self.num_blocks, self.block_size)
+
+    def release_memory(self, offload_weights: bool = False) -> None:
+        """Free the KV cache and CUDA graphs (and move weights to host memory if `offload_weights`)."""
+        self.graphs = None
+        self.kv = None
+        for layer in self.model.layers:
+            layer.attn.k_cache = layer.attn.v_cache = None
+        if offload_weights and not self.offloaded:
+            if self.cuda:
+                for p in self.model.parameters():
+                    host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                    host.copy_(p.data)
+                    p.data = host
+            self.offloaded = self.cuda
+        self.released = True
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        """Bring weights back (if offloaded) and re-allocate the KV cache; graphs are recaptured on next generate."""
+        if self.offloaded:
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device, non_blocking=True)
+            self.offloaded = False
+        if self.kv is None:
+            self._alloc_kv()
+        self.released = False
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused layout in place (graphs stay valid); time in `last_update_weights_s`."""
+        t0 = time.perf_counter()
+        load_hf_weights(self.model, named_tensors)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.last_update_weights_s = time.perf_counter() - t0
+
+    # ---- step inputs -------------------------------------------------------------------------------------------
+    def _slots_of(self, slot_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return self.bt_host[slot_rows, positions // bs] * bs + positions % bs
+
+    def _push_table_updates(self, sched: Scheduler) -> None:
+        if not sched.table_updates:
+            return
+        upd = np.asarray(sched.table_updates, dtype=np.int64)
+        sched.table_updates.clear()
+        self.bt_host[upd[:, 0], upd[:, 1]] = upd[:, 2]
+        u = torch.from_numpy(upd).to(self.device, non_blocking=False)
+        self.bt_dev[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+
+    def _prefill_inputs(self, seqs: list[Sequence], chunks: list[tuple[int, int]]):
+        S = len(seqs)
+        Q = max(c for _, c in chunks)
+        K = max(st + c for st, c in chunks)
+        ids, pos, slot_rows = [], [], []
+        for seq, (st, c) in zip(seqs, chunks):
+            ids += seq.tokens[st : st + c]
+            pos.append(np.arange(st, st + c))
+            slot_rows.append(np.full(c, seq.slot))
+        pos_T = np.concatenate(pos)
+        T = len(pos_T)
+        slot_map = self._slots_of(np.concatenate(slot_rows), pos_T)
+        starts = np.array([st for st, _ in chunks])
+        lens = np.array([c for _, c in chunks])
+        offs = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        j = np.arange(Q)[None, :]
+        q_index = np.where(j < lens[:, None], offs[:, None] + j, T)
+        out_index = np.concatenate([i * Q + np.arange(c) for i, c in enumerate(lens)])
+        k = np.arange(K)[None, :]
+        ctx = starts + lens
+        rows = np.array([s.slot for s in seqs])[:, None]
+        gather = self._slots_of(np.broadcast_to(rows, (S, K)), np.minimum(k, ctx[:, None] - 1))
+        dev = self.device
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+        mask = None
+        if starts.any():  # a cached prefix: causal with an offset, so an explicit mask
+            qpos = starts[:, None, None] + np.arange(Q)[None, :, None]
+            m = (k[:, None, :] <= qpos) & (k[:, None, :] < ctx[:, None, None])
+            mask = torch.from_numpy(m[:, None]).to(dev)
+        meta = AttnMeta(slot_mapping=t(slot_map), gather_slots=t(gather), q_index=t(q_index),
+                        out_index=t(out_index), mask=mask)
+        last = t(offs + lens - 1)
+        return t(ids), t(pos_T), meta, last
+
+    def _decode_meta(self, batch: int, use_kernel: bool) -> AttnMeta:
+        m = self.dec_meta
+        if use_kernel:
+            from polyrl.rollout.native.paged_decode import choose_num_splits
+
+            return AttnMeta(slot_mapping=m[2, :batch], decode=True, seq_slots=m[0, :batch],
+                            block_tables=self.bt_dev, context_lens=m[3, :batch], use_kernel=True,
+                            num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms))
+        raise AssertionError("the gather decode path builds its own meta")
+
+    def _decode_forward(self, batch: int) -> torch.Tensor:
+        """Decode forward over static buffers (the function CUDA graphs capture). Returns logits [batch, V]."""
+        m = self.dec_meta
+        ids = self.tok_buf[m[0, :batch]]
+        h = self.model(ids, m[1, :batch], self._decode_meta(batch, use_kernel=True))
+        return self.model.logits(h)
+
+    # ---- launching and processing steps ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _launch(self, step: Step, sched: Scheduler, sp: SamplingParams, gen) -> _InFlight:
+        self._push_table_updates(sched)
+        k = self._ring = 1 - self._ring
+        if step.decode:
+            B = len(step.seqs)
+            slots = np.array([s.slot for s in step.seqs], dtype=np.int64)
+            pos = np.array([c[0] for c in step.chunks], dtype=np.int64)
+            if self.cuda:
+                Bp = self.graphs.padded(B) if self.graphs is not None else B
+                host = self._meta_host[k]
+                h = host.numpy()
+                h[0, :B], h[1, :B], h[2, :B], h[3, :B] = slots, pos, self._slots_of(slots, pos), pos + 1
+                h[0, B:Bp], h[1:, B:Bp] = self.max_num_seqs, 0  # padding rows: dummy slot, scratch block 0
+                self.dec_meta[:, :Bp].copy_(host[:, :Bp], non_blocking=True)
+                logits = self.graphs.run(B)[:B] if self.graphs is not None else self._decode_forward(B)
+            else:
+                ids = self.tok_buf[torch.from_numpy(slots)]
+                seqs = step.seqs
+                meta = self._gather_decode_meta(slots, pos)
+                h = self.model(ids, torch.from_numpy(pos), meta)
+                logits = self.model.logits(h)
+            sample_slots = self.dec_meta[0, :B] if self.cuda else torch.from_numpy(slots)
+        else:
+            ids, pos, meta, last = self._prefill_inputs(step.seqs, step.chunks)
+            h = self.model(ids, pos, meta)
+            logits = self.model.logits(h[last[torch.tensor(step.sample_src, dtype=torch.long, device=self.device)]])
+            sample_slots = torch.tensor([s.slot for s in step.sample_seqs], dtype=torch.long, device=self.device)
+            if step.copies:  # forked samples get their own copy of the partial last prompt block
+                src, dst = (torch.tensor(x, device=self.device) for x in zip(*step.copies))
+                self.kv[:, :, dst] = self.kv[:, :, src]
+        tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, gen)
+        self.tok_buf[sample_slots] = tok
+        R = len(step.sample_seqs)
+        th, lh = self._tok_host[k][:R], self._lp_host[k][:R]
+        th.copy_(tok, non_blocking=True)
+        lh.copy_(lp, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        for seq in step.retired:
+            sched.retire(seq)
+        return _InFlight(step, th, lh, event)
+
+    def _gather_decode_meta(self, slots: np.ndarray, pos: np.ndarray) -> AttnMeta:
+        B, K = len(slots), int(pos.max()) + 1
+        k = np.arange(K)[None, :]
+        gather = self._slots_of(np.broadcast_to(slots[:, None], (B, K)), np.minimum(k, pos[:, None]))
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        return AttnMeta(slot_mapping=t(self._slots_of(slots, pos)), gather_slots=t(gather),
+                        q_index=t(np.arange(B)[:, None]), out_index=t(np.arange(B)),
+                        mask=torch.from_numpy((k <= pos[:, None])[:, None, None, :].copy()))
+
+    def _process(self, inf: _InFlight, sched: Scheduler, stop: set[int]) -> None:
+        if inf.event is not None:
+            inf.event.synchronize()
+        for seq, t, lp in zip(inf.step.sample_seqs, inf.tokens.tolist(), inf.logprobs.tolist()):
+            if seq.finish_reason is not None:
+                continue  # a token sampled after the stop token (the one-step lag); dropped
+            seq.tokens.append(t)
+            seq.logprobs.append(lp)
+            if t in stop:
+                seq.finish_reason = "stop"
+                if not seq.done_scheduling:
+                    sched.retire(seq)
+            elif len(seq.tokens) - seq.num_prompt >= seq.max_new:
+                seq.finish_reason = "length"
+
+    # ---- the public call ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        if self.released:
+            raise RuntimeError("generate() after release_memory(): call resume() first.")
+        n = sampling.n
+        if not 1 <= n <= self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={n} must be between 1 and max_num_seqs={self.max_num_seqs}.")
+        num_rows = len(prompt_ids) * n
+        forced = sampling.forced_lengths
+        if forced is not None and len(forced) != num_rows:
+            raise ValueError(f"forced_lengths has {len(forced)} entries; it needs one per sample ({num_rows}).")
+        max_new = (lambda r: int(forced[r])) if forced is not None else (lambda r: sampling.max_new_tokens)
+        for p, ids in enumerate(prompt_ids):
+            longest = max(max_new(p * n + j) for j in range(n))
+            if not ids:
+                raise ValueError(f"prompt {p} is empty; every prompt needs at least one token.")
+            if min(max_new(p * n + j) for j in range(n)) < 1:
+                raise ValueError(f"prompt {p} asks for fewer than 1 new token; max_new_tokens/forced_lengths must be >= 1.")
+            if len(ids) + longest > self.max_model_len:
+                raise ValueError(
+                    f"prompt {p} has {len(ids)} tokens + {longest} new > max_model_len={self.max_model_len}; "
+                    "raise max_model_len or shorten the prompt."
+                )
+            if self.blocks.blocks_for(len(ids) + longest) + n > self.num_blocks - 1:
+                raise ValueError(f"prompt {p} needs more KV blocks than the cache has ({self.num_blocks - 1}); "
+                                 "raise gpu_memory_utilization (or num_kv_tokens on CPU).")
+        if self.use_graphs and self.graphs is None:
+            from polyrl.rollout.native.cuda_graph import DecodeGraphs, default_batch_sizes
+
+            t0 = time.perf_counter()
+            self.graphs = DecodeGraphs(self._decode_forward, default_batch_sizes(self.max_num_seqs))
+            self.stats["graph_capture_s"] = time.perf_counter() - t0
+
+        seed = sampling.seed if sampling.seed is not None else self.seed + self.num_calls
+        self.num_calls += 1
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        stop = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
+        sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens, self.max_blocks_per_seq, max_new)
+        parents = [Sequence(row=p * n, prompt_index=p, tokens=list(map(int, ids)), num_prompt=len(ids),
+                            max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids)]
+        sched.waiting.extend(parents)
+        all_seqs: dict[int, Sequence] = {}
+        inflight: list[_InFlight] = []
+
+        def drain():
+            while inflight:
+                self._process(inflight.pop(), sched, stop)
+
+        sched.drain = drain
+        num_steps = num_decode = max_batch = 0
+        while sched.has_work() or inflight:
+            step = sched.schedule() if sched.has_work() else None
+            if step is None:
+                assert inflight, "scheduler stalled with work left and nothing in flight"
+                drain()
+                continue
+            for s in step.sample_seqs:
+                all_seqs[s.row] = s
+            num_steps += 1
+            num_decode += step.decode
+            max_batch = max(max_batch, len(step.seqs))
+            launched = self._launch(step, sched, sampling, gen)
+            drain()
+            inflight.append(launched)
+        assert self.blocks.all_free(), "KV blocks leaked"
+        self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
+                          num_preempted=sched.num_preempted)
+        rows = [all_seqs[r] for r in range(num_rows)]
+        return Rollout(
+            prompt_index=[r // n for r in range(num_rows)],
+            token_ids=[s.tokens[s.num_prompt :] for s in rows],
+            logprobs=[s.logprobs for s in rows],
+            finish_reason=[s.finish_reason for s in rows],
+        )
+
+
+register_rollout("native")(NativeEngine.from_hf)

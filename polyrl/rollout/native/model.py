@@ -1,0 +1,253 @@
+"""The native engine's own decoder: Qwen2 / Qwen2.5 / Qwen3 / Llama in one small module.
+
+Same math as the HF modules (RMSNorm in fp32 then cast, RoPE tables cast to the activation dtype, residual adds in the
+activation dtype), so greedy decoding matches HF token for token in fp32 and logprobs stay close in bf16. What differs
+is the layout: q/k/v are one `qkv` matmul and gate/up one `gate_up` matmul (fewer, larger GEMMs per decode step), and
+attention reads a paged KV cache through `attention.py` instead of a per-call dense cache.
+
+The module knows nothing about scheduling: it maps (flat token ids, positions, AttnMeta) to hidden states.
+`load_hf_weights` is the one place that knows HF parameter names; `from_hf` and `update_weights` both use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from polyrl.rollout.native.attention import AttnMeta, paged_attention, write_kv
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelSpec:
+    """The shape facts the engine needs, read from an HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelSpec":
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"rollout.name=native supports model_type in {SUPPORTED_MODEL_TYPES}, got model_type={mt!r}; "
+                "use actor_rollout_ref.rollout.name=hf for this model."
+            )
+        if getattr(cfg, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
+        ):
+            raise ValueError(
+                f"rollout.name=native has no sliding-window attention (model_type={mt!r} with sliding window "
+                "layers); use actor_rollout_ref.rollout.name=hf for this model."
+            )
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError(f"rollout.name=native has no MLP bias (model_type={mt!r}); use rollout.name=hf.")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"rollout.name=native supports hidden_act='silu', got {act!r}; use rollout.name=hf.")
+        heads = cfg.num_attention_heads
+        return cls(
+            model_type=mt,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=True if mt == "qwen2" else bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=mt == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x_THD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+    half = x_THD.shape[-1] // 2
+    rot = torch.cat((-x_THD[..., half:], x_THD[..., :half]), dim=-1)
+    return x_THD * cos_TD[:, None, :] + rot * sin_TD[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        self.o = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim], set by the engine
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x_TD, cos, sin, meta: AttnMeta):
+        T = x_TD.shape[0]
+        q, k, v = self.qkv(x_TD).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        return self.o(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.inter = s.intermediate_size
+        self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
+        self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.ln1 = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.attn = Attention(s)
+        self.ln2 = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.attn(self.ln1(x), cos, sin, meta)
+        return x + self.mlp(self.ln2(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. RoPE cos/sin are full fp32 tables indexed by position (HF's values), set by `set_rope`."""
+
+    def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.spec = s
+        self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(Block(s) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.rope_cos = self.rope_sin = None
+
+    def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int, device) -> None:
+        # inv_freq comes from the HF module, so llama3/linear scaling is already folded in
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq.float().cpu()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = (emb.cos() * attention_scaling).to(device)
+        self.rope_sin = (emb.sin() * attention_scaling).to(device)
+
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        x = self.embed(input_ids_T)
+        cos = self.rope_cos[positions_T].to(x.dtype)
+        sin = self.rope_sin[positions_T].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+    def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden_SD, w)
+
+
+def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """HF parameter name -> (our tensor, row start, row end) so fused layouts take q/k/v and gate/up in place."""
+    s = model.spec
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+    def whole(name, t):
+        out[name] = (t, 0, t.shape[0])
+
+    whole("model.embed_tokens.weight", model.embed.weight)
+    whole("model.norm.weight", model.norm.weight)
+    if model.lm_head is not None:
+        whole("lm_head.weight", model.lm_head.weight)
+    else:  # tied: HF state dicts may still list lm_head.weight; it is the embedding
+        whole("lm_head.weight", model.embed.weight)
+    qs, kvs, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+    for i, blk in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = blk.attn
+        for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+            t = getattr(a.qkv, kind)
+            out[p + f"self_attn.q_proj.{kind}"] = (t, 0, qs)
+            out[p + f"self_attn.k_proj.{kind}"] = (t, qs, qs + kvs)
+            out[p + f"self_attn.v_proj.{kind}"] = (t, qs + kvs, qs + 2 * kvs)
+        whole(p + "self_attn.o_proj.weight", a.o.weight)
+        if a.q_norm is not None:
+            whole(p + "self_attn.q_norm.weight", a.q_norm.weight)
+            whole(p + "self_attn.k_norm.weight", a.k_norm.weight)
+        out[p + "mlp.gate_proj.weight"] = (blk.mlp.gate_up.weight, 0, inter)
+        out[p + "mlp.up_proj.weight"] = (blk.mlp.gate_up.weight, inter, 2 * inter)
+        whole(p + "mlp.down_proj.weight", blk.mlp.down.weight)
+        whole(p + "input_layernorm.weight", blk.ln1.weight)
+        whole(p + "post_attention_layernorm.weight", blk.ln2.weight)
+    return out
+
+
+_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@torch.no_grad()
+def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy HF-named tensors into the fused layout in place (dtype/device converted). Returns the names loaded."""
+    targets = getattr(model, "_targets", None)
+    if targets is None:
+        targets = model._targets = _hf_targets(model)
+    seen = set()
+    for name, t in named_tensors:
+        for pre in _PREFIXES:
+            name = name.replace(pre, "")
+        if "lora_" in name:
+            raise ValueError(
+                f"update_weights got a LoRA tensor {name!r}; merge the adapters first "
+                "(peft's merge_and_unload or the trainer's merged state dict) and send the merged weights."
+            )
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in targets:
+            raise ValueError(f"update_weights got an unknown parameter {name!r} for a {model.spec.model_type} model.")
+        dst, lo, hi = targets[name]
+        view = dst.data[lo:hi]
+        if tuple(t.shape) != tuple(view.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(t.shape)}, the engine expects {tuple(view.shape)}.")
+        view.copy_(t, non_blocking=True)
+        seen.add(name)
+    return seen
+
+
+def required_hf_names(model: CausalLM) -> set[str]:
+    names = set(_hf_targets(model))
+    if model.lm_head is None:
+        names.discard("lm_head.weight")
+    return names

@@ -1,0 +1,101 @@
+"""Triton paged-decode attention (one new query token per sequence), CUDA only.
+
+Decode is bound by reading K/V, so the kernel's job is to read each cached byte once: a program owns one
+(sequence, kv head, split) and loads TILE tokens of K and V at a time through the block table; the GQA group's q heads
+(padded to 16 rows for `tl.dot`) share that read. Split-K (flash-decoding) keeps the GPU busy when few sequences
+remain (the long tail): each split writes a normalised partial output and its log-sum-exp, combined in torch.
+Zero-length rows (CUDA-graph padding) write zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyrl.rollout.native.attention import AttnMeta
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, K, V, SeqSlots, BT, CL, O, LSE, scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(CL + s)
+    row = tl.load(SeqSlots + s).to(tl.int64)
+    per = tl.cdiv(tl.cdiv(ctx, SPLITS), TILE) * TILE
+    lo = sp * per
+    hi = tl.minimum(ctx, lo + per)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = kh * G + g
+    q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for start in range(lo, hi, TILE):
+        t = start + tl.arange(0, TILE)
+        tm = t < hi
+        blk = tl.load(BT + row * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
+        off = blk * stride_kb + (t % BS) * stride_kt + kh * stride_kh
+        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(tm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
+    gm = g < G
+    tl.store(O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=gm[:, None])
+    tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
+
+
+TILE = 64
+
+
+def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+    T, H, D = q_THD.shape
+    kvh = k_cache.shape[2]
+    G = H // kvh
+    splits = meta.num_splits
+    o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
+    lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
+    _paged_decode_kernel[(T, kvh, splits)](
+        q_THD, k_cache, v_cache, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
+        q_THD.stride(0), q_THD.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0),
+        o.stride(0), o.stride(1), o.stride(2),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=k_cache.shape[1], TILE=TILE,
+        SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    if splits == 1:
+        return o[:, :, 0].to(q_THD.dtype)
+    w = torch.softmax(lse, dim=-1)  # exact merge of the splits' normalised outputs
+    return (o * w[..., None]).sum(2).to(q_THD.dtype)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Enough (seq, head, split) programs to cover the SMs about twice; 1 when the batch alone does."""
+    return max(1, min(16, -(-2 * num_sms // max(1, batch * num_kv_heads))))
