@@ -1,0 +1,5 @@
+import sys
+
+from polyrl.report.page import main
+
+sys.exit(main())
