@@ -59,7 +59,16 @@ def test_multiple_files_concatenate_with_global_index(tmp_path, tok):
     assert [s.index for s in samples] == [0, 1, 2]
 
 
-def test_custom_prompt_key_and_template_kwargs(tmp_path, tok):
+def test_apply_chat_template_kwargs_reach_the_template(tmp_path):
+    from polyrl.models.tiny import CHAT_TEMPLATE
+
+    tok = build_char_tokenizer(CHAT_TEMPLATE + "{% if suffix %}{{ suffix }}{% endif %}")
+    path = _write(tmp_path, [_row("q")])
+    (s,) = load_rl_dataset(path, tok, _cfg(apply_chat_template_kwargs={"suffix": "<think>"}))
+    assert tok.decode(s.prompt_ids).endswith("assistant\n<think>")
+
+
+def test_custom_prompt_key_and_optional_columns(tmp_path, tok):
     path = _write(tmp_path, [{"data_source": "x", "question": "q", "reward_model": {"ground_truth": "1"}}])
     (s,) = load_rl_dataset(path, tok, _cfg(prompt_key="question"))
     assert s.raw_prompt[0]["content"] == "q" and s.ability is None and s.extra_info == {}
@@ -241,7 +250,8 @@ def test_synthetic_rows_schema_splits_and_scorer(task):
     r = train[0]
     assert r["data_source"] == TASKS[task].data_source and r["reward_model"]["style"] == "rule"
     assert len(r["prompt"][0]["content"]) <= 16
-    assert make_rows(task, 20, seed=1) == train[:20] or make_rows(task, 20, seed=1)[0] == train[0]
+    assert make_rows(task, 20, seed=1) == train[:20]  # deterministic in the seed
+    assert make_rows(task, 20, seed=3) != train[:20]
     assert TASKS[task].score(" " + r["reward_model"]["ground_truth"] + "\n", r["reward_model"]["ground_truth"]) == 1.0
     assert TASKS[task].score("zz", r["reward_model"]["ground_truth"]) == 0.0
 
@@ -336,3 +346,25 @@ def test_sft_errors(tmp_path, tok):
         load_sft_dataset(path, tok, max_length=20)
     (s,) = load_sft_dataset(path, tok, max_length=20, truncation="right")
     assert len(s.input_ids) == 20
+
+
+def test_sft_mask_with_a_bpe_tokenizer(tmp_path):
+    # BPE merges across text pieces; the mask comes from character offsets, so it must still cover the reply exactly
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from polyrl.models.tiny import CHAT_TEMPLATE
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(["the answer is 42, hello world, user assistant"] * 50, trainer)
+    bpe = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|im_end|>")
+    bpe.chat_template = CHAT_TEMPLATE
+    msgs = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the answer is 42"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": " hello"}]
+    (s,) = load_sft_dataset(_write(tmp_path, [{"messages": msgs}]), bpe, max_length=200)
+    assert any(len(bpe.decode([t])) > 2 for t in s.input_ids)  # really merged tokens
+    assert _masked_text(bpe, s) == "the answer is 42<|im_end|> hello<|im_end|>"
