@@ -9,7 +9,7 @@ from typing import Literal
 @dataclass
 class DataConfig:
     train_files: str | list[str] | None = None
-    """Parquet file(s) with training prompts in verl's schema (data_source, prompt, ability, reward_model, extra_info)."""
+    """Parquet file(s) of training prompts in verl's schema (data_source, prompt, ability, reward_model, extra_info)."""
     val_files: str | list[str] | None = None
     """Parquet file(s) with held-out prompts for validation; null skips validation."""
     train_batch_size: int = 1024
@@ -39,7 +39,7 @@ class DataConfig:
     return_raw_chat: bool = False
     """Keep the raw chat list with each prompt (always kept here; the key is accepted for verl compatibility)."""
     dataloader_num_workers: int = 0
-    """Accepted for verl compatibility; prompts are tokenized once at load time, so there is no loader work to spread."""
+    """Accepted for verl compatibility; prompts are tokenized once at load time, so no loader work is left."""
     tokenizer: str | None = None
     """Tokenizer directory to use instead of the model's (actor_rollout_ref.model.path)."""
     apply_chat_template_kwargs: dict = field(default_factory=dict)

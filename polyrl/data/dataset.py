@@ -57,13 +57,17 @@ def read_parquet_rows(path: str) -> list[dict]:
     if not p.exists():
         raise DataError(f"Data file '{path}' does not exist; check the path in data.train_files / data.val_files.")
     if p.is_dir():
-        raise DataError(f"Data path '{path}' is a directory; pass the parquet file(s) inside it, e.g. '{p / 'train.parquet'}'.")
+        raise DataError(
+            f"Data path '{path}' is a directory; pass the parquet file(s) inside it, e.g. '{p / 'train.parquet'}'."
+        )
     try:
         return pq.read_table(p).to_pylist()
     except (pa.ArrowException, OSError) as e:
-        hint = " (it looks like JSON; convert it, e.g. with `polyrl data gsm8k`)" if p.suffix in (".json", ".jsonl") else ""
+        is_json = p.suffix in (".json", ".jsonl")
+        hint = " (it looks like JSON; convert it, e.g. with `polyrl data gsm8k`)" if is_json else ""
         raise DataError(
-            f"Data file '{path}' is not a readable parquet file{hint} ({type(e).__name__}: {e}); regenerate or replace it."
+            f"Data file '{path}' is not a readable parquet file{hint} ({type(e).__name__}: {e}); "
+            f"regenerate or replace it."
         ) from e
 
 
@@ -155,7 +159,8 @@ def load_rl_dataset(files: str | list[str], tokenizer, cfg: DataConfig) -> list[
         rows.extend(file_rows)
         where.extend(f"Row {i} of '{path}'" for i in range(len(file_rows)))
     if not rows:
-        raise DataError(f"Data file(s) {', '.join(repr(p) for p in paths)} hold no rows; point data files at a non-empty dataset.")
+        names = ", ".join(repr(p) for p in paths)
+        raise DataError(f"Data file(s) {names} hold no rows; point the data files at a non-empty dataset.")
 
     chats = [to_chat(r[pk], w, pk) for r, w in zip(rows, where)]
     for r, w in zip(rows, where):
@@ -187,7 +192,8 @@ def load_rl_dataset(files: str | list[str], tokenizer, cfg: DataConfig) -> list[
         )
     if not samples:
         raise DataError(
-            f"All {len(rows)} prompts in {', '.join(repr(p) for p in paths)} are longer than data.max_prompt_length={limit} "
+            f"All {len(rows)} prompts in {', '.join(repr(p) for p in paths)} are longer than "
+            f"data.max_prompt_length={limit} "
             f"and were filtered out; raise data.max_prompt_length."
         )
     return samples
@@ -199,7 +205,8 @@ def _check_row_types(r: dict, where: str, dk: str) -> None:
     rm = r["reward_model"]
     if not isinstance(rm, dict) or "ground_truth" not in rm:
         raise DataError(
-            f"{where}: column 'reward_model' must be a dict like {{'style': 'rule', 'ground_truth': '72'}}, got {_type(rm)}."
+            f"{where}: column 'reward_model' must be a dict like {{'style': 'rule', 'ground_truth': '72'}}, "
+            f"got {_type(rm)}."
         )
     if r.get("extra_info") is not None and not isinstance(r["extra_info"], dict):
         raise DataError(f"{where}: column 'extra_info' must be a dict or null, got {_type(r['extra_info'])}.")

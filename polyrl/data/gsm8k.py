@@ -26,7 +26,9 @@ def extract_answer(answer: str) -> str | None:
 def to_row(question: str, answer: str, split: str, index: int) -> dict:
     solution = extract_answer(answer)
     if solution is None:
-        raise DataError(f"GSM8K example {index}: its answer has no '#### N' final number ({answer[-60:]!r}); fix or drop it.")
+        raise DataError(
+            f"GSM8K example {index}: its answer has no '#### N' final number ({answer[-60:]!r}); fix or drop it."
+        )
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
@@ -39,7 +41,9 @@ def to_row(question: str, answer: str, split: str, index: int) -> dict:
 def convert_jsonl(path: str | Path, split: str = "train") -> list[dict]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DataError(f"GSM8K file '{path}' does not exist; pass a local jsonl with 'question' and 'answer' per line.")
+        raise DataError(
+            f"GSM8K file '{path}' does not exist; pass a local jsonl with 'question' and 'answer' per line."
+        )
     rows = []
     for lineno, line in enumerate(p.read_text().splitlines(), start=1):
         if not line.strip():
@@ -49,7 +53,9 @@ def convert_jsonl(path: str | Path, split: str = "train") -> list[dict]:
         except json.JSONDecodeError as e:
             raise DataError(f"Line {lineno} of '{path}' is not valid JSON ({e.msg}); fix that line.") from e
         if not isinstance(ex, dict) or not isinstance(ex.get("question"), str) or not isinstance(ex.get("answer"), str):
-            raise DataError(f"Line {lineno} of '{path}' needs string fields 'question' and 'answer'; got {str(ex)[:80]}.")
+            raise DataError(
+                f"Line {lineno} of '{path}' needs string fields 'question' and 'answer'; got {str(ex)[:80]}."
+            )
         try:
             rows.append(to_row(ex["question"], ex["answer"], split, len(rows)))
         except DataError as e:

@@ -28,7 +28,9 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, kw: dict) 
     return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kw)
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str, kw: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], where: str, kw: dict | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans the loss covers."""
     kw = kw or {}
     full = _render(tokenizer, messages, False, kw)
@@ -89,9 +91,10 @@ def load_sft_dataset(
             else:
                 if not isinstance(r[response_key], str):
                     raise DataError(f"{where}: column '{response_key}' must be a string, got {_type(r[response_key])}.")
-                messages = to_chat(r[prompt_key], where, prompt_key) + [{"role": "assistant", "content": r[response_key]}]
+                reply = {"role": "assistant", "content": r[response_key]}
+                messages = to_chat(r[prompt_key], where, prompt_key) + [reply]
             if not any(m["role"] == "assistant" for m in messages):
-                raise DataError(f"{where}: the conversation has no assistant turn to train on; add one or drop the row.")
+                raise DataError(f"{where}: the conversation has no assistant turn to train on; add one or drop it.")
             text, spans = assistant_spans(tokenizer, messages, where, apply_chat_template_kwargs)
             sample = encode_with_mask(tokenizer, text, spans)
             if len(sample.input_ids) > max_length:
@@ -103,6 +106,7 @@ def load_sft_dataset(
                 sample = SFTSample(sample.input_ids[:max_length], sample.loss_mask[:max_length])
             out.append(sample)
     if not out:
-        raise DataError(f"Data file(s) {', '.join(repr(str(p)) for p in as_file_list(files))} hold no rows; point them at a non-empty dataset.")
+        names = ", ".join(repr(p) for p in as_file_list(files))
+        raise DataError(f"Data file(s) {names} hold no rows; point them at a non-empty dataset.")
     return out
 

@@ -92,7 +92,9 @@ def make_rows(task: str, num: int, seed: int = 0, split: str = "train") -> list[
         else:
             misses += 1
     if len(seen) < num:
-        raise DataError(f"Task '{task}' has only about {len(seen)} distinct '{split}' prompts; ask for at most that many.")
+        raise DataError(
+            f"Task '{task}' has only about {len(seen)} distinct '{split}' prompts; ask for at most that many."
+        )
     return [
         {
             "data_source": t.data_source,

@@ -61,7 +61,8 @@ class RewardManager:
             if not 0 < self.overlong.len <= max_response_length:
                 raise RewardError(
                     f"reward_model.overlong_buffer.len={self.overlong.len} must be between 1 and "
-                    f"data.max_response_length={max_response_length}; set it, e.g. to {max(1, max_response_length // 4)}."
+                    f"data.max_response_length={max_response_length}; set it, e.g. to "
+                    f"{max(1, max_response_length // 4)}."
                 )
 
     def _fail(self, i: int, sample: Sample, what: str, fix: str = "fix the function or that sample") -> RewardError:

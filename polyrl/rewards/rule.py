@@ -25,7 +25,9 @@ def register_rule(data_source: str, fn: Scorer) -> None:
     RULE_SCORERS[data_source] = fn
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """Score one response with the built-in scorer for its data source: 1.0 correct, 0.0 not."""
     scorer = RULE_SCORERS.get(data_source)
     if scorer is None:
