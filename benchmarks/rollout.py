@@ -1,0 +1,207 @@
+"""Rollout throughput: polyrl's native engine vs HF `generate` vs the decode roofline (issue 4).
+
+    PYTHONPATH=. python benchmarks/rollout.py --models 0.5b,1.5b,7b --shapes a,b --rows-out BENCHMARKS.md
+
+Shapes (Qwen2.5 configs built in code, random bf16 weights, no download):
+  (a) B=256 prompts x 256 prompt tokens x 1024 new tokens, EOS ignored;
+  (b) 64 prompts x n=8, 256 prompt tokens, forced response lengths from a long-tailed (lognormal) distribution.
+Roofline: each decode step reads the weights once plus every running sequence's KV; bytes over the device-to-device
+copy bandwidth measured in this run (bytes read + written). For (a) it is summed exactly over the 1024 steps; for (b)
+it is a lower bound: max(longest response, total tokens / max_num_seqs) weight reads plus every token's context read
+once. Prefill is not in the roofline, but is in our time (end to end), so the ratio is conservative.
+HF `generate` (sdpa, dynamic cache) is timed on a subset (--hf-new-tokens new tokens at the same batch and prompt
+length); it slows as its cache grows, so the subset flatters HF. For (b) the HF number is an estimate from that
+measured per-step time with static batches of 256 running to their longest member (what `generate` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
+    "0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),
+}
+HEADER = ("| date | device | benchmark | shape / config | polyrl | peer (name: value) | limit | polyrl/peer "
+          "| polyrl/limit | commit |\n|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def build_hf(name: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    h, i, L, nh, kv, V, tied = QWEN25[name]
+    cfg = Qwen2Config(vocab_size=V, hidden_size=h, intermediate_size=i, num_hidden_layers=L, num_attention_heads=nh,
+                      num_key_value_heads=kv, tie_word_embeddings=tied, max_position_embeddings=32768,
+                      rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        m = Qwen2ForCausalLM(cfg)
+    torch.set_default_dtype(old)
+    return m.eval()
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * x.numel() / float(np.median(times))
+
+
+def hf_tokens_per_s(m, B, P, new):
+    from transformers import GenerationConfig
+
+    ids = torch.randint(0, m.config.vocab_size, (B, P), device="cuda")
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                          min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    warm = GenerationConfig(do_sample=True, max_new_tokens=4, min_new_tokens=4, eos_token_id=None, pad_token_id=0)
+    m.generate(ids[:, :16], generation_config=warm)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = m.generate(ids, generation_config=gc)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == P + new
+    return B * new / dt, dt / new
+
+
+def run_native(eng, prompts, sp):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, sp)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return out, dt, torch.cuda.max_memory_allocated() / 2**30
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="0.5b,1.5b,7b")
+    ap.add_argument("--shapes", default="a,b")
+    ap.add_argument("--hf-new-tokens", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--rows-out", default=None, help="append BENCHMARKS.md rows here (header if new)")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    args = ap.parse_args()
+
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    dev_name = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+    commit = os.environ.get("COMMIT", "unknown")
+    date = datetime.date.today().isoformat()
+    results, rows = [], []
+    P = 256
+    for name in args.models.split(","):
+        hf = build_hf(name)
+        t0 = time.perf_counter()
+        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=args.gpu_memory_utilization,
+                                   max_num_seqs=args.max_num_seqs, max_model_len=4096)
+        build_s = time.perf_counter() - t0
+        eng.update_weights(hf.state_dict().items())  # warm
+        eng.update_weights(hf.state_dict().items())
+        upd_s = eng.last_update_weights_s
+        W = eng.weight_bytes()
+        s = eng.spec
+        kvpt = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
+        print(f"[{name}] weights {W / 1e9:.2f} GB, KV {kvpt / 1024:.0f} KiB/token, {eng.num_blocks} blocks "
+              f"({eng.num_blocks * eng.block_size} tokens), build {build_s:.1f}s, update_weights {upd_s * 1e3:.1f} ms")
+        hf_tps = hf_step = None
+        if not args.no_hf:
+            hf_tps, hf_step = hf_tokens_per_s(hf, 256, P, args.hf_new_tokens)
+            print(f"[{name}] HF generate B=256 P={P} new={args.hf_new_tokens}: {hf_tps:,.0f} tok/s")
+        g = torch.Generator().manual_seed(0)
+        for shape in args.shapes.split(","):
+            if shape == "a":
+                B, N = 256, 1024
+                prompts = torch.randint(0, s.vocab_size, (B, P), generator=g).tolist()
+                sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=N, ignore_eos=True, seed=0)
+                ctx_sum = sum(B * (P + i + 1) for i in range(N))
+                t_min = (N * W + ctx_sum * kvpt) / bw
+                peer_tps = hf_tps
+                desc = f"Qwen2.5-{name} (a) B=256 x P256 x 1024 new, bf16"
+            else:
+                nprompt, n = 64, 8
+                lengths = np.clip(np.random.default_rng(0).lognormal(np.log(300), 0.9, nprompt * n), 16, 3072)
+                lengths = lengths.astype(int).tolist()
+                prompts = torch.randint(0, s.vocab_size, (nprompt, P), generator=g).tolist()
+                sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=max(lengths), ignore_eos=True, seed=0,
+                                    forced_lengths=lengths)
+                N = None
+                steps = max(max(lengths), -(-sum(lengths) // args.max_num_seqs))
+                ctx_sum = sum(sum(range(P + 1, P + L + 1)) for L in lengths)
+                t_min = (steps * W + ctx_sum * kvpt) / bw
+                peer_tps = None
+                if hf_step is not None:  # static batches of 256 rows, each runs to its longest member
+                    lens = np.array(lengths)
+                    hf_time = sum(lens[i : i + 256].max() * hf_step for i in range(0, len(lens), 256))
+                    peer_tps = lens.sum() / hf_time
+                desc = f"Qwen2.5-{name} (b) 64 prompts x n=8, P256, lognormal lengths (max {max(lengths)})"
+            eng.generate(prompts[:8], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm: graphs, Triton
+            out, dt, peak = run_native(eng, prompts, sp)
+            new_tokens = sum(out.lengths)
+            if shape == "a":
+                assert all(x == N for x in out.lengths)
+            else:
+                assert out.lengths == lengths
+            tps = new_tokens / dt
+            roof = new_tokens / t_min
+            r = dict(model=name, shape=shape, tokens_per_s=tps, seconds=dt, roofline_tokens_per_s=roof,
+                     frac_roofline=tps / roof, hf_tokens_per_s=peer_tps, speedup_vs_hf=(tps / peer_tps) if peer_tps else None,
+                     update_weights_s=upd_s, peak_mem_gib=peak, weights_gb=W / 1e9, copy_bw_tbs=bw / 1e12,
+                     graph_capture_s=eng.stats.get("graph_capture_s"), num_steps=eng.stats["num_steps"],
+                     num_preempted=eng.stats["num_preempted"], device=dev_name)
+            results.append(r)
+            print(json.dumps(r))
+            peer = f"HF generate: {peer_tps:,.0f} tok/s" + (" (est.)" if shape == "b" else f" ({args.hf_new_tokens}-token subset)") if peer_tps else "-"
+            rows.append(f"| {date} | {dev_name} | rollout.py native ({shape}) | {desc}; update_weights {upd_s * 1e3:.0f} ms; "
+                        f"peak {peak:.1f} GiB | {tps:,.0f} new tok/s | {peer} | roofline {roof:,.0f} tok/s "
+                        f"(copy BW {bw / 1e12:.2f} TB/s) | {(tps / peer_tps) if peer_tps else float('nan'):.1f}x "
+                        f"| {tps / roof:.0%} | {commit} |")
+        del eng, hf
+        torch.cuda.empty_cache()
+
+    print("\n| model | shape | native tok/s | HF tok/s | x HF | roofline tok/s | % roofline | update_weights | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        hf_s = f"{r['hf_tokens_per_s']:,.0f}" if r["hf_tokens_per_s"] else "-"
+        sp_s = f"{r['speedup_vs_hf']:.1f}" if r["speedup_vs_hf"] else "-"
+        print(f"| {r['model']} | {r['shape']} | {r['tokens_per_s']:,.0f} | {hf_s} | {sp_s} | "
+              f"{r['roofline_tokens_per_s']:,.0f} | {r['frac_roofline']:.0%} | {r['update_weights_s'] * 1e3:.0f} ms | "
+              f"{r['peak_mem_gib']:.1f} |")
+    if args.rows_out:
+        new = not os.path.exists(args.rows_out)
+        with open(args.rows_out, "a") as f:
+            if new:
+                f.write("# polyrl benchmarks\n\n" + HEADER)
+            f.write("\n".join(rows) + "\n")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Native rollout engine on CUDA: the Triton paged-decode kernel and CUDA graphs against HF and against eager.
+
+Run on the GPU machine: `PYTHONPATH=. python -m pytest -q tests/test_native_rollout_gpu.py -s` (prints the bf16
+logprob gap). Tolerances: fp32 greedy is exact token for token; bf16 logprobs within 1e-2 mean absolute of HF's
+recomputation (the issue's bar), graphs vs eager bf16 greedy identical.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _tiny(kind: str, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    if kind == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    elif kind == "qwen3":
+        m = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=True, **common))
+    else:
+        m = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    return m.to("cuda", dtype).eval()
+
+
+def _prompts(num, lo, hi, vocab=512, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(num)]
+
+
+def _hf_greedy(m, prompt, n):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return m.generate(torch.tensor([prompt], device="cuda"), generation_config=gc)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_fp32_greedy_matches_hf_with_graphs(kind):
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    m = _tiny(kind)
+    eng = NativeEngine.from_hf(m, max_num_seqs=6, max_num_batched_tokens=64, num_kv_tokens=4096)
+    prompts = _prompts(7, 1, 70)
+    out = eng.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=40))
+    for i, p in enumerate(prompts):
+        ref = _hf_greedy(m, p, 40)
+        assert out.token_ids[2 * i] == ref and out.token_ids[2 * i + 1] == ref, (kind, i)
+    assert eng.graphs is not None and eng.stats["max_batch"] <= 6
+
+
+def test_bf16_graphs_equal_eager_and_logprobs_close_to_hf():
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    m = _tiny("qwen2", torch.bfloat16)
+    prompts = _prompts(16, 5, 200)
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=64, seed=3)
+    a = NativeEngine.from_hf(m, num_kv_tokens=1 << 15).generate(prompts, sp)
+    b = NativeEngine.from_hf(m, num_kv_tokens=1 << 15, enforce_eager=True).generate(prompts, sp)
+    assert a.token_ids == b.token_ids
+    diffs = []
+    with torch.no_grad():
+        for r, toks in enumerate(a.token_ids):
+            p = prompts[a.prompt_index[r]]
+            logits = m(torch.tensor([p + toks], device="cuda")).logits[0, len(p) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1)
+            diffs.append((ref - torch.tensor(a.logprobs[r], device="cuda")).abs())
+    gap = torch.cat(diffs).mean().item()
+    print(f"bf16 rollout-vs-HF logprob mean abs diff: {gap:.2e}")
+    assert gap <= 1e-2
+
+
+def test_release_resume_offload_keeps_outputs():
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    m = _tiny("qwen2")
+    eng = NativeEngine.from_hf(m, num_kv_tokens=4096)
+    prompts = _prompts(4, 3, 30)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=16)
+    before = eng.generate(prompts, sp).token_ids
+    used = torch.cuda.memory_allocated()
+    eng.release_memory(offload_weights=True)
+    assert torch.cuda.memory_allocated() < used - eng.weight_bytes() // 2
+    eng.resume()
+    assert eng.generate(prompts, sp).token_ids == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode_kernel_matches_gather_path(dtype, splits):
+    import numpy as np
+
+    from polyrl.rollout.native.attention import AttnMeta
+    from polyrl.rollout.native.paged_decode import paged_decode
+
+    torch.manual_seed(0)
+    NB, BS, KVH, D, H = 300, 16, 2, 128, 12
+    k = torch.randn(NB, BS, KVH, D, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    ctx = np.array([1, 17, 1000, 64, 0, 300, 129])
+    B, rows = len(ctx), 9
+    slots = np.array([3, 0, 6, 2, 1, 8, 5])
+    bt = np.zeros((rows, 70), dtype=np.int64)
+    perm, c = np.random.default_rng(0).permutation(np.arange(1, NB)), 0
+    for i in range(B):
+        nb = -(-ctx[i] // BS)
+        bt[slots[i], :nb] = perm[c : c + nb]
+        c += nb
+    q = torch.randn(B, H, D, dtype=dtype, device="cuda")
+    meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.tensor(slots, device="cuda"),
+                    block_tables=torch.tensor(bt, dtype=torch.int32, device="cuda"),
+                    context_lens=torch.tensor(ctx, device="cuda"), num_splits=splits, use_kernel=True)
+    out = paged_decode(q, k, v, meta, D**-0.5).double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i in range(B):
+        if ctx[i] == 0:
+            assert out[i].abs().max() == 0
+            continue
+        pos = np.arange(ctx[i])
+        sl = torch.tensor(bt[slots[i], pos // BS] * BS + pos % BS, device="cuda")
+        kk = k.view(-1, KVH, D)[sl].double().repeat_interleave(H // KVH, 1)
+        vv = v.view(-1, KVH, D)[sl].double().repeat_interleave(H // KVH, 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
+        ref = torch.einsum("hk,khd->hd", att, vv)
+        assert ((out[i] - ref).norm() / ref.norm()).item() < tol, (i, dtype, splits)
