@@ -111,12 +111,13 @@ def test_resumed_run_keeps_the_later_row_per_step(tmp_path):
 
 
 def test_step_time_stacks_stages_but_not_the_total(tmp_path):
-    rows = [{"step": s, "timing_s/gen": 2.0, "timing_s/update_actor": 1.0, "timing_s/step": 3.5} for s in (1, 2)]
+    stages = {"timing_s/gen": 2.0, "timing_s/reward": 0.25, "timing_s/update_actor": 0.75}
+    rows = [{"step": s, **stages, "timing_s/step": 3.5} for s in (1, 2)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
     fig, caption = step_time(load_metrics(str(tmp_path / "metrics.jsonl")), {})
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     # legend reads like the stack, top layer first (update_actor above gen); the total is a line, not a layer
-    assert labels == ["step (total)", "update_actor", "gen"]
+    assert labels == ["step (total)", "update_actor", "reward", "gen"]
     assert "gen 67%" in caption and "untimed per step 0.5 s" in caption
 
 

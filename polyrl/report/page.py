@@ -223,7 +223,8 @@ def _config(run_dir: str) -> str:
     try:
         flat = _flatten(yaml.safe_load(text) or {})
     except yaml.YAMLError as e:
-        return f"<h2>Config</h2><p>config.yaml is not valid YAML ({_e(str(e).splitlines()[0])})</p><pre>{_e(text)}</pre>"
+        why = _e(str(e).splitlines()[0])
+        return f"<h2>Config</h2><p>config.yaml is not valid YAML ({why})</p><pre>{_e(text)}</pre>"
     rows = [(k, flat[k]) for k in CONFIG_HIGHLIGHTS if k in flat and flat[k] not in (None, "", [])]
     return (
         "<h2>Config</h2>" + _table(rows or [("keys", len(flat))])

@@ -151,7 +151,10 @@ def step_time(m: Metrics, env: dict) -> "tuple[Figure, str] | str":
         s, total = m.series("timing_s/step")
         ax.plot(s, total, color="#222222", linewidth=1.2, linestyle="--", label="step (total)")
     handles, names = ax.get_legend_handles_labels()
-    order = sorted(range(len(names)), key=lambda i: -1 if names[i] == "step (total)" else -labels.index(names[i]))
+    def legend_rank(i: int) -> tuple[int, int]:
+        return (0, 0) if names[i] == "step (total)" else (1, -labels.index(names[i]))
+
+    order = sorted(range(len(names)), key=legend_rank)
     # legend top-down = stack top-down, so each entry sits beside its layer
     ax.legend([handles[i] for i in order], [names[i] for i in order], fontsize=7.5, frameon=False,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip

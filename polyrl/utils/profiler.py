@@ -332,7 +332,7 @@ class Profiler:
 
 
 def nsys_command(cfg: GlobalProfilerConfig | dict, argv: list[str]) -> list[str]:
-    """The `nsys profile ... <command>` line; options from global_tool_config.nsys.worker_nsight_options override ours."""
+    """The `nsys profile ... <command>` line; global_tool_config.nsys.worker_nsight_options override our options."""
     g = _as_dataclass(GlobalProfilerConfig, cfg)
     nsys_cfg = dict(g.global_tool_config.get("nsys") or {})
     user = {k: v for k, v in nsys_cfg.items() if not isinstance(v, dict)}
