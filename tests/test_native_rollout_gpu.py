@@ -22,7 +22,7 @@ def _tiny(kind: str, dtype=torch.float32):
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     if kind == "qwen2":
-        m = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+        m = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))  # tied random models echo
     elif kind == "qwen3":
         m = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=True, **common))
     else:

@@ -418,7 +418,7 @@ class NativeEngine:
                 self._process(inflight.pop(), sched, stop)
 
         sched.drain = drain
-        num_steps = num_decode = max_batch = 0
+        num_steps = num_decode = max_batch = prefill_tokens = 0
         while sched.has_work() or inflight:
             step = sched.schedule() if sched.has_work() else None
             if step is None:
@@ -429,12 +429,13 @@ class NativeEngine:
                 all_seqs[s.row] = s
             num_steps += 1
             num_decode += step.decode
+            prefill_tokens += 0 if step.decode else sum(c for _, c in step.chunks)
             max_batch = max(max_batch, len(step.seqs))
             launched = self._launch(step, sched, sampling, gen)
             drain()
             inflight.append(launched)
         assert self.blocks.all_free(), "KV blocks leaked"
-        self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
+        self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch, prefill_tokens=prefill_tokens,
                           num_preempted=sched.num_preempted)
         rows = [all_seqs[r] for r in range(num_rows)]
         return Rollout(

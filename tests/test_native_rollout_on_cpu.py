@@ -1,0 +1,212 @@
+"""Native rollout engine on CPU (CI): exactness against HF, scheduling bookkeeping, sampling statistics.
+
+Tolerances: fp32 greedy tokens equal HF `generate` exactly; fp32 logprobs within 1e-4 of HF's log_softmax on the same
+tokens; sampling frequencies within 0.02 of the target probabilities (20k draws, ~5 sigma).
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from polyrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams  # noqa: E402
+from polyrl.rollout.native import NativeEngine  # noqa: E402
+from polyrl.rollout.native.block_manager import BlockManager  # noqa: E402
+from polyrl.rollout.native.sampler import sample  # noqa: E402
+from polyrl.rollout.native.scheduler import Scheduler, Sequence  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny matmuls: OpenMP spin-waiting on a busy 2-core box costs ~10 ms per call, one thread costs microseconds
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(kind="qwen2", seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common)).eval()  # tied random models echo
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=True, **common)).eval()
+    return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common)).eval()
+
+
+def _prompts(lengths, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(m, prompt, n):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        return m.generate(torch.tensor([prompt]), generation_config=gc)[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(m, prompt, toks, temperature=1.0):
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+def test_greedy_equals_hf_with_chunking_sharing_and_continuous_batching(kind):
+    m = _tiny(kind)
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=3, max_num_batched_tokens=16, num_kv_tokens=1024)
+    prompts = _prompts([3, 21, 1, 9, 40])
+    out = eng.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    assert out.prompt_index == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for i, p in enumerate(prompts):
+        ref = _hf_greedy(m, p, 10)
+        assert out.token_ids[2 * i] == ref and out.token_ids[2 * i + 1] == ref, i
+        diff = (_hf_logprobs(m, p, ref) - torch.tensor(out.logprobs[2 * i])).abs().max().item()
+        assert diff < 1e-4, diff
+    assert out.finish_reason == ["length"] * 10
+    assert eng.stats["max_batch"] <= 3
+    assert eng.blocks.all_free()
+    # a prompt is prefilled once for its n samples (chunked prefill over several steps for the 40-token one)
+    assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
+
+
+def test_stop_tokens_and_ignore_eos():
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024)
+    p = _prompts([7])
+    ref = _hf_greedy(m, p[0], 12)
+    stop = ref[4]
+    cut = ref.index(stop) + 1
+    out = eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,)))
+    assert out.token_ids[0] == ref[:cut] and out.finish_reason == ["stop"] and len(out.logprobs[0]) == cut
+    out = eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,), ignore_eos=True))
+    assert out.token_ids[0] == ref and out.finish_reason == ["length"]
+
+
+def test_forced_lengths_continuous_batching_beats_static_batches():
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=2, num_kv_tokens=1024)
+    lengths = [1, 9, 2, 3, 7, 4]
+    out = eng.generate(_prompts([5] * 6), SamplingParams(temperature=1.0, max_new_tokens=9, forced_lengths=lengths))
+    assert out.lengths == lengths and all(len(lp) == n for lp, n in zip(out.logprobs, lengths))
+    static = 9 + 3 + 7  # batches of 2 in order, each decoding until its longest member is done
+    assert eng.stats["max_batch"] <= 2 and eng.stats["num_decode_steps"] < static - 1
+    assert eng.blocks.all_free()
+
+
+def test_preemption_when_blocks_run_out_keeps_outputs_exact():
+    m = _tiny()
+    prompts = _prompts([20, 30, 25, 18])
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=80, block_size=4)
+    out = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
+    assert eng.stats["num_preempted"] > 0
+    for i, p in enumerate(prompts):
+        assert out.token_ids[i] == _hf_greedy(m, p, 24), i
+    assert eng.blocks.all_free()
+
+
+def test_prompt_blocks_are_shared_with_refcount_n():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_blocks_per_seq=16, forced_max_new=lambda r: 5)
+    parent = Sequence(row=0, prompt_index=0, tokens=list(range(10)), num_prompt=10, max_new=5, n=3)
+    sched.waiting.append(parent)
+    step = sched.schedule()
+    assert not step.decode and step.chunks == [(0, 10)]
+    assert len(step.sample_seqs) == 3 and step.sample_src == [0, 0, 0]
+    full = parent.blocks[:2]
+    assert [bm.ref[b] for b in full] == [3, 3]  # 2 full prompt blocks shared by the 3 samples
+    partial = parent.blocks[2]
+    assert sorted(s for s, _ in step.copies) == [partial, partial] and bm.ref[partial] == 1
+    children = step.sample_seqs[1:]
+    assert all(c.blocks[:2] == full and c.blocks[2] != partial for c in children)
+    assert bm.num_free == 31 - 5  # 3 prompt blocks + 2 private copies
+    for s in step.sample_seqs:
+        sched.retire(s)
+    assert bm.all_free()
+
+
+def test_sampler_statistics():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    for T in (0.5, 1.0, 2.0):
+        tok, lp = sample(logits, T, generator=g)
+        freq = torch.bincount(tok, minlength=6).float() / len(tok)
+        assert (freq - torch.softmax(logits[0] / T, -1)).abs().max() < 0.02, T
+        assert torch.allclose(lp, torch.log_softmax(logits / T, -1).gather(1, tok[:, None]).squeeze(1))
+    tok, _ = sample(logits, 1.0, top_k=3, generator=g)
+    assert set(tok.tolist()) == {0, 1, 2}
+    freq = torch.bincount(tok, minlength=6).float() / len(tok)
+    assert (freq[:3] - torch.softmax(logits[0, :3], -1)).abs().max() < 0.02
+    p = torch.softmax(logits[0], -1)  # top-p=0.6: the smallest prefix with mass >= 0.6
+    k = int((torch.cumsum(p, 0) < 0.6).sum()) + 1
+    tok, _ = sample(logits, 1.0, top_p=0.6, generator=g)
+    assert set(tok.tolist()) == set(range(k))
+    tok, lp = sample(logits[:3], 0.0)
+    assert tok.tolist() == [0, 0, 0] and torch.allclose(lp, torch.log_softmax(logits[:3], -1)[:, 0])
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_temperature_scaled():
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024)
+    prompts = _prompts([4, 9])
+    sp = SamplingParams(n=3, temperature=0.7, top_k=50, max_new_tokens=8, seed=7)
+    a, b = eng.generate(prompts, sp), eng.generate(prompts, sp)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    c = eng.generate(prompts, SamplingParams(n=3, temperature=0.7, top_k=50, max_new_tokens=8, seed=8))
+    assert c.token_ids != a.token_ids
+    assert len({tuple(t) for t in a.token_ids[:3]}) > 1  # the n samples of one prompt differ
+    for r, toks in enumerate(a.token_ids):
+        ref = _hf_logprobs(m, prompts[a.prompt_index[r]], toks, temperature=0.7)
+        assert (ref - torch.tensor(a.logprobs[r])).abs().max() < 1e-4
+
+
+def test_release_resume_and_update_weights():
+    m, m2 = _tiny("llama", seed=0), _tiny("llama", seed=1)  # untied: tied random models just echo the prompt
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024)
+    prompts = _prompts([6, 11])
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = eng.generate(prompts, sp).token_ids
+    eng.release_memory(offload_weights=True)
+    assert eng.kv is None
+    with pytest.raises(RuntimeError, match="resume"):
+        eng.generate(prompts, sp)
+    eng.resume()
+    assert eng.generate(prompts, sp).token_ids == before
+    eng.update_weights(m2.state_dict().items())
+    assert eng.last_update_weights_s > 0
+    after = eng.generate(prompts, sp).token_ids
+    assert after == [_hf_greedy(m2, p, 8) for p in prompts] and after != before
+    with pytest.raises(ValueError, match="unknown parameter"):
+        eng.update_weights([("model.layers.0.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="merge"):
+        eng.update_weights([("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        eng.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_unsupported_architecture_names_model_type_and_hf_backend():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match=r"'gpt2'.*rollout.name=hf"):
+        NativeEngine.from_hf(m)
+    assert ROLLOUT_BACKENDS["native"] == NativeEngine.from_hf
+
+
+def test_bad_requests_fail_with_the_value():
+    eng = NativeEngine.from_hf(_tiny(), dtype=torch.float32, num_kv_tokens=256, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        eng.generate(_prompts([60]), SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="forced_lengths"):
+        eng.generate(_prompts([4]), SamplingParams(n=2, forced_lengths=[3]))
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[]], SamplingParams())
