@@ -91,3 +91,15 @@ def test_log_images_saves_a_png_grid(tmp_path):
     assert grid.text["polyrl_tag"] == "samples"
     with pytest.raises(ValueError, match="uint8"):
         image_grid([np.zeros((4, 4, 3), dtype=np.float32)])
+
+
+def test_wandb_backend_runs_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional (pip install wandb)")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tr = _tracker(tmp_path, ["wandb"])
+    tr.log({"critic/score/mean": 0.5}, step=1)
+    tr.log_images("samples", [np.zeros((4, 4, 3), dtype=np.uint8)], step=1)
+    tr.close()
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    assert len(runs) == 1 and glob.glob(os.path.join(runs[0], "*.wandb"))
