@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import time
@@ -83,6 +84,65 @@ def hf_tokens_per_s(m, B, P, new):
     return B * new / dt, dt / new
 
 
+def tune_decode(bw: float) -> None:
+    """Time the paged-decode kernel at the 1.5B (a) mid-run shape over launch configs; keep the fastest in CONFIG."""
+    import triton.testing
+
+    from polyrl.rollout.native import paged_decode as pd
+    from polyrl.rollout.native.attention import AttnMeta
+
+    B, ctx, H, KVH, D, BS = 256, 768, 12, 2, 128, 16
+    nb = B * ctx // BS
+    k = torch.randn(nb + 1, BS, KVH, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    bt = (torch.randperm(nb, device="cuda") + 1).view(B, ctx // BS).to(torch.int32)
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+    nbytes = 2 * k[1:].numel() * 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = None
+    print(f"decode kernel: B={B} ctx={ctx} KV read {nbytes / 1e9:.2f} GB per layer-call; copy-BW floor "
+          f"{nbytes / bw * 1e6:.0f} us")
+    for tile in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                for pps in (2, 4, 8):
+                    pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps)
+                    meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
+                                    block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda"),
+                                    num_splits=pd.choose_num_splits(B, KVH, sms), use_kernel=True)
+                    try:
+                        ms = triton.testing.do_bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5), return_mode="median")
+                    except Exception as e:  # a config that does not fit (shared memory) is skipped
+                        print(f"  tile={tile} warps={warps} stages={stages} pps={pps}: failed {type(e).__name__}")
+                        continue
+                    gbs = nbytes / (ms / 1e3) / 1e9
+                    print(f"  tile={tile} warps={warps} stages={stages} pps={pps} splits={meta.num_splits}: "
+                          f"{ms * 1e3:.0f} us, {gbs:,.0f} GB/s")
+                    if best is None or ms < best[0]:
+                        best = (ms, dict(pd.CONFIG))
+    pd.CONFIG.update(best[1])
+    print(f"decode kernel best: {best[1]} {best[0] * 1e3:.0f} us")
+
+
+def profile_decode(eng, vocab: int) -> None:
+    """Kernel time breakdown of a short (a)-shaped run (B=256, P=256, 64 new tokens)."""
+    from polyrl.rollout.base import SamplingParams
+
+    prompts = torch.randint(0, vocab, (256, 256)).tolist()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
+    eng.generate(prompts, sp)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompts, sp)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in ka) / 1e6
+    print(f"profile: wall {wall:.3f}s, GPU kernel time {gpu:.3f}s over {eng.stats['num_steps']} steps")
+    print(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+
+
 def run_native(eng, prompts, sp):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -103,6 +163,8 @@ def main():
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--tune-decode", action="store_true", help="tune the paged-decode kernel first")
+    ap.add_argument("--profile", action="store_true", help="print a kernel breakdown for each model")
     args = ap.parse_args()
 
     from polyrl.rollout.base import SamplingParams
@@ -113,6 +175,8 @@ def main():
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
     commit = os.environ.get("COMMIT", "unknown")
     date = datetime.date.today().isoformat()
+    if args.tune_decode:
+        tune_decode(bw)
     results, rows = [], []
     P = 256
     for name in args.models.split(","):
@@ -129,6 +193,8 @@ def main():
         kvpt = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
         print(f"[{name}] weights {W / 1e9:.2f} GB, KV {kvpt / 1024:.0f} KiB/token, {eng.num_blocks} blocks "
               f"({eng.num_blocks * eng.block_size} tokens), build {build_s:.1f}s, update_weights {upd_s * 1e3:.1f} ms")
+        if args.profile:
+            profile_decode(eng, s.vocab_size)
         hf_tps = hf_step = None
         if not args.no_hf:
             hf_tps, hf_step = hf_tokens_per_s(hf, 256, P, args.hf_new_tokens)
@@ -182,6 +248,7 @@ def main():
                         f"(copy BW {bw / 1e12:.2f} TB/s) | {(tps / peer_tps) if peer_tps else float('nan'):.1f}x "
                         f"| {tps / roof:.0%} | {commit} |")
         del eng, hf
+        gc.collect()  # the engine's CUDA graphs hold a bound method of it: a cycle
         torch.cuda.empty_cache()
 
     print("\n| model | shape | native tok/s | HF tok/s | x HF | roofline tok/s | % roofline | update_weights | peak GiB |")

@@ -70,7 +70,8 @@ def _paged_decode_kernel(
     tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
 
 
-TILE = 64
+# launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
+CONFIG = dict(tile=64, num_warps=4, num_stages=2, programs_per_sm=2)
 
 
 def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
@@ -86,9 +87,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=k_cache.shape[1], TILE=TILE,
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=k_cache.shape[1], TILE=CONFIG["tile"],
         SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
     if splits == 1:
         return o[:, :, 0].to(q_THD.dtype)
@@ -97,5 +98,6 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Enough (seq, head, split) programs to cover the SMs about twice; 1 when the batch alone does."""
-    return max(1, min(16, -(-2 * num_sms // max(1, batch * num_kv_heads))))
+    """Enough (seq, head, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that."""
+    want = CONFIG["programs_per_sm"] * num_sms
+    return max(1, min(16, -(-want // max(1, batch * num_kv_heads))))
