@@ -103,6 +103,7 @@ class NativeEngine:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1.")
         self.model, self.spec, self.device = model.eval(), model.spec, torch.device(device)
+        model.fused = self.device.type == "cuda"
         self.dtype = model.embed.weight.dtype
         self.cuda = self.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens

@@ -122,6 +122,17 @@ class Attention(nn.Module):
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
         return self.o(o.reshape(T, self.q_size))
 
+    def forward_fused(self, x_TD, positions_T, cos_table, sin_table, meta: AttnMeta):
+        from polyrl.rollout.native.fused import rope_kv
+
+        T = x_TD.shape[0]
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
+                    self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        return self.o(o.reshape(T, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, s: ModelSpec):
@@ -159,6 +170,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rope_cos = self.rope_sin = None
+        self.fused = False  # CUDA: fused Triton elementwise kernels (fused.py); same math, ~4x fewer kernels
 
     def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int, device) -> None:
         # inv_freq comes from the HF module, so llama3/linear scaling is already folded in
@@ -169,11 +181,24 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         x = self.embed(input_ids_T)
+        if self.fused:
+            return self._forward_fused(x, positions_T, meta)
         cos = self.rope_cos[positions_T].to(x.dtype)
         sin = self.rope_sin[positions_T].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x, positions_T, meta):
+        from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
+
+        residual = None
+        for layer in self.layers:
+            h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps)
+            x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
+            h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps)
+            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h)))
+        return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
