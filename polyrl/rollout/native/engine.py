@@ -28,7 +28,7 @@ from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
 from polyrl.rollout.native.attention import AttnMeta
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
-from polyrl.rollout.native.sampler import sample
+from polyrl.rollout.native.sampler import sample, sample_fused
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
 
 
@@ -328,7 +328,10 @@ class NativeEngine:
             if step.copies:  # forked samples get their own copy of the partial last prompt block
                 src, dst = (torch.tensor(x, device=self.device) for x in zip(*step.copies))
                 self.kv[:, :, dst] = self.kv[:, :, src]
-        tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, gen)
+        if self.cuda and not 0 < sp.top_k < logits.shape[-1] and sp.top_p >= 1.0:
+            tok, lp = sample_fused(logits, sp.temperature, int(self._step_seeds.integers(2**31 - 1)))
+        else:
+            tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, gen)
         self.tok_buf[sample_slots] = tok
         R = len(step.sample_seqs)
         th, lh = self._tok_host[k][:R], self._lp_host[k][:R]
@@ -403,6 +406,7 @@ class NativeEngine:
         seed = sampling.seed if sampling.seed is not None else self.seed + self.num_calls
         self.num_calls += 1
         gen = None
+        self._step_seeds = np.random.default_rng(seed)  # per-step seeds of the fused CUDA sampler
         if not sampling.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)

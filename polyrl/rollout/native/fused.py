@@ -136,3 +136,46 @@ def silu_mul(gate_up_TX: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, I=inter, BLOCK=BLOCK, num_warps=4)
     return y
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _sample_kernel(L, TOK, LP, seed, inv_temp, V, stride, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max / sum-exp, reduced at the end
+    s = tl.zeros([BLOCK], tl.float32)
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        msk = c < V
+        x = tl.load(L + row * stride + c, mask=msk, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, x)
+        live = m_new > float("-inf")  # lanes that have seen a real logit (padding lanes stay at 0)
+        s = s * tl.where(live, tl.exp(m - m_new), 1.0) + tl.where(live, tl.exp(x - m_new), 0.0)
+        m = m_new
+        if GREEDY:
+            score = x
+        else:
+            u = tl.rand(seed, (row * V + c).to(tl.int32))
+            score = x - tl.log(-tl.log(u))
+        score = tl.where(msk, score, float("-inf"))
+        better = score > best_v
+        best_v = tl.where(better, score, best_v)
+        best_i = tl.where(better, c, best_i)
+    mx = tl.max(m, 0)
+    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
+    top = tl.max(best_v, 0)
+    idx = tl.min(tl.where(best_v == top, best_i, 2147483647), 0)  # lowest index among ties, like torch.argmax
+    x_tok = tl.load(L + row * stride + idx).to(tl.float32) * inv_temp
+    tl.store(TOK + row, idx.to(tl.int64))
+    tl.store(LP + row, x_tok - lse)
+
+
+def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    R, V = logits_RV.shape
+    tok = torch.empty(R, dtype=torch.long, device=logits_RV.device)
+    lp = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
+    greedy = temperature == 0.0
+    _sample_kernel[(R,)](logits_RV, tok, lp, seed, 1.0 if greedy else 1.0 / temperature, V, logits_RV.stride(0),
+                         BLOCK=2048, GREEDY=greedy, num_warps=8)
+    return tok, lp

@@ -40,3 +40,16 @@ def sample(
     noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(1e-30).log_()
     tok = noise.neg_().add_(filtered).argmax(-1)
     return tok, logits.gather(1, tok[:, None]).squeeze(1) - lse
+
+
+def sample_fused(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA fast path for plain temperature (or greedy) sampling: one Triton pass over the logits.
+
+    The torch path above makes ~10 passes over an fp32 [R, V] copy (0.6 ms per step at R=256, V=152k on an H200,
+    12% of a 1.5B decode step). Here each row is read once: an online log-sum-exp for the logprob and a Gumbel-max
+    draw (argmax of logits/T + Gumbel, the same distribution as the exponential race) with Triton's counter-based RNG
+    keyed by (seed, row, column), so a seed reproduces the draw. Top-k/top-p use the torch path.
+    """
+    from polyrl.rollout.native.fused import sample_rows
+
+    return sample_rows(logits_RV, temperature, seed)
