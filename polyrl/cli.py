@@ -1,0 +1,112 @@
+"""`polyrl` command line: train | sft | quickstart | flow | data | report | keys.
+
+User errors (`polyrl.errors.UserError`) print one sentence as the last line and exit with status 2; set
+POLYRL_DEBUG=1 to get the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: polyrl <command> [args]
+
+commands:
+  quickstart [--fast]         build a tiny model, SFT it, run GRPO on CPU, print accuracy before/after
+  train KEY=VALUE ...         RL training with verl's keys (also: --config file.yaml); e.g. algorithm.adv_estimator=grpo
+  sft KEY=VALUE ...           supervised fine-tuning on parquet prompt/response or messages
+  flow quickstart|train ...   FlowGRPO for flow-matching image models
+  data synth|gsm8k ...        write built-in synthetic tasks, or convert GSM8K jsonl, to verl's parquet schema
+  report RUN_DIR              build the HTML run report from metrics.jsonl
+  keys [train|sft]            print every config key with type, default and help
+"""
+
+
+def _train(argv: list[str]) -> int:
+    from polyrl.config import build_config
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    cfg = build_config(PPOConfig(), argv)
+    from polyrl.utils.profiler import maybe_relaunch_under_nsys
+
+    maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint {getattr(trainer, 'final_checkpoint', '-')}")
+    return 0
+
+
+def _sft(argv: list[str]) -> int:
+    from polyrl.config import build_config
+    from polyrl.trainer.sft import SFTConfig, run_sft
+
+    out = run_sft(build_config(SFTConfig(), argv))
+    print(f"polyrl: SFT model written to {out}")
+    return 0
+
+
+def _keys(argv: list[str]) -> int:
+    from polyrl.config import key_table
+
+    which = argv[0] if argv else "train"
+    if which == "sft":
+        from polyrl.trainer.sft import SFTConfig as C
+    else:
+        from polyrl.trainer.config import PPOConfig as C
+    for key, tp, default, help_ in key_table(C()):
+        print(f"{key}\t{tp}\t{default}\t{help_}")
+    return 0
+
+
+def dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return _train(rest)
+    if cmd == "sft":
+        return _sft(rest)
+    if cmd == "quickstart":
+        from polyrl.trainer.quickstart import main
+
+        return main(rest)
+    if cmd == "flow":
+        from polyrl.flow.cli import main
+
+        return main(rest)
+    if cmd == "data":
+        from polyrl.data.cli import main
+
+        return main(rest)
+    if cmd == "report":
+        from polyrl.report import main
+
+        return main(rest)
+    if cmd == "keys":
+        return _keys(rest)
+    from polyrl.errors import UserError
+
+    raise UserError(f"Unknown command '{cmd}'; run `polyrl --help` for the list.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from polyrl.errors import UserError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return dispatch(argv)
+    except UserError as e:
+        if os.environ.get("POLYRL_DEBUG"):
+            raise
+        sys.stderr.flush()
+        print(f"polyrl: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("polyrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Text-generation backends behind one interface (`polyrl.rollout.base.RolloutEngine`)."""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.rollout.base import ROLLOUT_BACKENDS, Rollout, RolloutEngine, SamplingParams, register_rollout
+
+
+def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> RolloutEngine:
+    """Build the engine named by `actor_rollout_ref.rollout.name` around the actor's (merged) weights."""
+    if cfg.name == "hf":
+        from polyrl.rollout.hf import HFRollout
+
+        return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed)
+    if cfg.name == "native":
+        from polyrl.rollout.native.engine import NativeEngine
+
+        dtype = torch.float32 if device.type == "cpu" else {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                                                             "float32": torch.float32}[cfg.dtype]
+        return NativeEngine.from_hf(
+            model, device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+    raise KeyError(cfg.name)  # checks.check_supported refuses other names with a user-facing message
+
+
+__all__ = ["ROLLOUT_BACKENDS", "Rollout", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout"]

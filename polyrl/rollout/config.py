@@ -1,0 +1,89 @@
+"""`actor_rollout_ref.rollout.*`: the generation engine and its sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ValKwargs:
+    n: int = 1
+    """Samples per validation prompt."""
+    temperature: float = 0.0
+    """Validation temperature; 0 is greedy."""
+    top_k: int = -1
+    """Validation top-k; -1 is off."""
+    top_p: float = 1.0
+    """Validation top-p."""
+    do_sample: bool = False
+    """Sample during validation; False means greedy regardless of temperature."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"
+    """Engine: native (polyrl's own, CPU and GPU) or hf (transformers generate, the reference)."""
+    mode: str = "sync"
+    """verl's rollout mode (sync or async); polyrl's engine runs in-process either way."""
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed at this temperature."""
+    top_k: int = -1
+    """Top-k sampling; -1 or 0 is off."""
+    top_p: float = 1.0
+    """Top-p (nucleus) sampling."""
+    do_sample: bool = True
+    """False makes training rollouts greedy."""
+    response_length: int | None = None
+    """Max new tokens; defaults to data.max_response_length."""
+    prompt_length: int | None = None
+    """Max prompt tokens; defaults to data.max_prompt_length."""
+    dtype: str = "bfloat16"
+    """Engine weight dtype on GPU (CPU always uses float32)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may use for weights + KV cache."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    free_cache_engine: bool = True
+    """Release the KV cache while the trainer trains."""
+    load_format: str = "dummy"
+    """verl's initial weight format; polyrl syncs real weights before the first rollout either way."""
+    tensor_model_parallel_size: int = 1
+    """Rollout tensor parallelism; polyrl's engine is data-parallel only, so this must be 1."""
+    data_parallel_size: int = 1
+    """Rollout data parallel size (derived from the number of processes)."""
+    max_num_batched_tokens: int = 8192
+    """Max tokens per engine step (prefill chunking)."""
+    max_model_len: int | None = None
+    """Max prompt + response length the KV cache is sized for."""
+    max_num_seqs: int = 256
+    """Max sequences decoded at once."""
+    enable_chunked_prefill: bool = True
+    """Split long prefills into chunks of max_num_batched_tokens."""
+    enable_prefix_caching: bool = True
+    """Share prompt KV blocks among the n samples of a prompt."""
+    log_prob_micro_batch_size: int | None = None
+    """Deprecated global form of log_prob_micro_batch_size_per_gpu."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Sequences per micro-batch when recomputing old log-probs."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Cut log-prob micro-batches by token budget."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget per log-prob micro-batch."""
+    calculate_log_probs: bool = True
+    """Return per-token log-probs from the engine (used for training/rollout_probs_diff_mean)."""
+    seed: int = 0
+    """Engine sampling seed."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling during validation."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Extra backend-specific engine arguments."""
+    multi_turn: dict = field(default_factory=dict)
+    """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
+    agent: dict = field(default_factory=dict)
+    """verl agent-loop settings; single-turn is the only loop here."""
+    profiler: dict = field(default_factory=dict)
+    """Per-role profiler settings (see global_profiler)."""

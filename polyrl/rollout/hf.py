@@ -1,0 +1,104 @@
+"""The `hf` rollout backend: any HF causal LM, a plain KV-cached decode loop. Slow but universal.
+
+It is the reference the native engine is checked against and the fallback for architectures the native engine does
+not implement. Prompts are left-padded into one batch (per chunk of `max_batch_size` rows); the `n` samples of a
+prompt are separate rows (no KV sharing here).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
+from polyrl.rollout.sampling import sample_tokens
+
+
+@register_rollout("hf")
+class HFRollout:
+    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 512, seed: int = 0):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
+        out = Rollout(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start:start + self.max_batch_size]
+                forced = sampling.forced_lengths[start:start + len(chunk)] if sampling.forced_lengths else None
+                toks, lps, reasons = self._generate_chunk([prompt_ids[i] for i in chunk], sampling, forced)
+                out.token_ids += toks
+                out.logprobs += lps
+                out.finish_reason += reasons
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, prompts, sampling: SamplingParams, forced):
+        B, P = len(prompts), max(len(p) for p in prompts)
+        dev = self.device
+        input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((B, P), dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            input_ids[b, P - len(p):] = torch.tensor(p, device=dev)
+            mask[b, P - len(p):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(list(sampling.stop_token_ids) or [-1], device=dev)
+        max_new = max(forced) if forced else sampling.max_new_tokens
+        limit_B = torch.tensor(forced, device=dev) if forced else torch.full((B,), max_new, device=dev)
+        tokens_BT = torch.full((B, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        logp_BT = torch.zeros((B, max_new), device=dev)
+        length_B = torch.zeros(B, dtype=torch.long, device=dev)
+        done_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        stopped_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        past = None
+        cur_ids, cur_pos = input_ids, position_ids
+        for t in range(max_new):
+            out = self.model(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
+                             use_cache=True)
+            past = out.past_key_values
+            tok_B, lp_B = sample_tokens(out.logits[:, -1], temperature=sampling.temperature, top_k=sampling.top_k,
+                                        top_p=sampling.top_p, generator=self.generator)
+            live_B = ~done_B
+            tokens_BT[:, t] = torch.where(live_B, tok_B, tokens_BT[:, t])
+            logp_BT[:, t] = torch.where(live_B, lp_B, logp_BT[:, t])
+            length_B += live_B.long()
+            if not sampling.ignore_eos and not forced:
+                hit_B = torch.isin(tok_B, stop) & live_B
+                stopped_B |= hit_B
+                done_B |= hit_B
+            done_B |= length_B >= limit_B
+            if bool(done_B.all()):  # one host sync per step: fine for the reference backend
+                break
+            cur_ids = tok_B[:, None]
+            cur_pos = cur_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+        lengths = length_B.tolist()
+        toks = [tokens_BT[b, :n].tolist() for b, n in enumerate(lengths)]
+        lps = [logp_BT[b, :n].tolist() for b, n in enumerate(lengths)]
+        reasons = ["stop" if s else "length" for s in stopped_B.tolist()]
+        return toks, lps, reasons
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.state_dict())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in params and params[name].data_ptr() != tensor.data_ptr():
+                    params[name].copy_(tensor)
+
+    def release_memory(self) -> None:
+        pass  # the KV cache lives only inside generate()
+
+    def resume(self) -> None:
+        pass

@@ -1,0 +1,144 @@
+"""Up-front checks of a resolved `PPOConfig`: fail before any model is loaded, with the numbers in the message.
+
+Two kinds of checks:
+- batch arithmetic (verl's semantics: train_batch_size and ppo_mini_batch_size count prompts, micro-batch sizes count
+  sequences per GPU);
+- keys whose feature needs hardware or software that is not here. They are refused with one sentence saying why and
+  what to use instead; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from polyrl.errors import ConfigError
+
+
+def _gpus_available() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def world_size(cfg) -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_batch_sizes(cfg) -> None:
+    d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    ws = world_size(cfg)
+    if d.train_batch_size < 1:
+        raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be at least 1.")
+    if r.n < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n={r.n} must be at least 1.")
+    if a.ppo_mini_batch_size < 1 or a.ppo_mini_batch_size > d.train_batch_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must be between 1 and "
+            f"data.train_batch_size={d.train_batch_size} (both count prompts).")
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not divisible by actor_rollout_ref.actor."
+            f"ppo_mini_batch_size={a.ppo_mini_batch_size}; pick a mini-batch size that divides it.")
+    seqs_per_mini = a.ppo_mini_batch_size * r.n
+    if seqs_per_mini % ws:
+        raise ConfigError(
+            f"ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size} * {r.n} = {seqs_per_mini} sequences cannot be "
+            f"split evenly over {ws} processes; make it a multiple of {ws}.")
+    if (d.train_batch_size * r.n) % ws:
+        raise ConfigError(
+            f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} is not divisible by the {ws} processes.")
+    micro = a.ppo_micro_batch_size_per_gpu
+    if a.ppo_micro_batch_size is not None and micro is not None:
+        raise ConfigError("Set only one of actor.ppo_micro_batch_size (deprecated, global) and "
+                          "actor.ppo_micro_batch_size_per_gpu.")
+    if a.ppo_micro_batch_size is not None:
+        micro = a.ppo_micro_batch_size // ws
+    if not a.use_dynamic_bsz:
+        if micro is None:
+            raise ConfigError("Set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (sequences per forward/"
+                              "backward), or use_dynamic_bsz=True with ppo_max_token_len_per_gpu.")
+        per_gpu = seqs_per_mini // ws
+        if micro < 1 or micro > per_gpu:
+            raise ConfigError(
+                f"actor.ppo_micro_batch_size_per_gpu={micro} must be between 1 and the {per_gpu} sequences each GPU "
+                f"gets per mini-batch (ppo_mini_batch_size {a.ppo_mini_batch_size} * n {r.n} / {ws} GPUs).")
+        if per_gpu % micro:
+            raise ConfigError(
+                f"The {per_gpu} sequences per GPU per mini-batch (ppo_mini_batch_size {a.ppo_mini_batch_size} * n "
+                f"{r.n} / {ws} GPUs) are not divisible by actor.ppo_micro_batch_size_per_gpu={micro}.")
+    elif a.ppo_max_token_len_per_gpu < d.max_prompt_length + d.max_response_length:
+        raise ConfigError(
+            f"actor.ppo_max_token_len_per_gpu={a.ppo_max_token_len_per_gpu} is below one full sequence "
+            f"(max_prompt_length {d.max_prompt_length} + max_response_length {d.max_response_length}); raise it.")
+    if d.gen_batch_size is not None and d.gen_batch_size < d.train_batch_size:
+        raise ConfigError(f"data.gen_batch_size={d.gen_batch_size} must be at least data.train_batch_size="
+                          f"{d.train_batch_size}.")
+
+
+def check_supported(cfg) -> None:
+    """Refuse settings polyrl cannot honour here, each with the reason and the alternative."""
+    arr = cfg.actor_rollout_ref
+    r = arr.rollout
+    ngpu = _gpus_available()
+    if r.name in ("vllm", "sglang", "trtllm"):
+        installed = importlib.util.find_spec(r.name) is not None
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.name={r.name} is {'installed but not wired into polyrl' if installed else 'not installed'}; "
+            "use rollout.name=native (polyrl's own engine, no extra dependency) or rollout.name=hf.")
+    if r.name not in ("native", "hf"):
+        raise ConfigError(f"actor_rollout_ref.rollout.name={r.name!r} is unknown; use native or hf.")
+    if r.tensor_model_parallel_size > 1:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: polyrl's engine "
+            "runs one full replica per GPU (data-parallel rollout), which is faster for models that fit one GPU; "
+            "set it to 1.")
+    for role, sp in (("actor", arr.actor.ulysses_sequence_parallel_size),
+                     ("ref", arr.ref.ulysses_sequence_parallel_size),
+                     ("critic", cfg.critic.ulysses_sequence_parallel_size)):
+        if sp > 1:
+            raise ConfigError(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp} is not implemented in polyrl yet; "
+                "set it to 1 and bound memory with use_dynamic_bsz and enable_gradient_checkpointing instead.")
+    for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config)):
+        if (fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy) and ngpu == 0:
+            raise ConfigError(
+                f"actor_rollout_ref.{role}.fsdp_config.param_offload/optimizer_offload offload GPU memory to the CPU, "
+                "and there is no GPU here; set them to False on a CPU machine.")
+    if arr.model.enable_activation_offload and ngpu == 0:
+        raise ConfigError("actor_rollout_ref.model.enable_activation_offload needs a GPU; set it to False on CPU.")
+    if arr.model.use_liger:
+        raise ConfigError("actor_rollout_ref.model.use_liger: Liger kernels are not bundled with polyrl; set it to "
+                          "False (use_fused_kernels gives chunked log-probs without it).")
+    if arr.actor.strategy not in ("fsdp", "fsdp2"):
+        raise ConfigError(f"actor_rollout_ref.actor.strategy={arr.actor.strategy!r} is not available; use fsdp2 "
+                          "(megatron is not bundled).")
+    if cfg.trainer.nnodes > 1 and importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs Ray for multi-node placement; "
+                          "`pip install 'polyrl[ray]'` or run on one node.")
+    want = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if ngpu and want > ngpu and cfg.trainer.nnodes == 1:
+        raise ConfigError(f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} but only {ngpu} GPU(s) are "
+                          f"visible; set it to {ngpu} or fewer.")
+    if cfg.reward_model.enable:
+        raise ConfigError("reward_model.enable=True (a model-based reward) is not implemented yet; use a rule reward "
+                          "or custom_reward_function.path.")
+    if cfg.algorithm.use_pf_ppo:
+        raise ConfigError("algorithm.use_pf_ppo is not implemented; set it to False.")
+    if cfg.algorithm.rollout_correction:
+        raise ConfigError("algorithm.rollout_correction is not implemented; polyrl logs "
+                          "training/rollout_probs_diff_mean instead. Remove the key.")
+    if r.multi_turn.get("enable"):
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True: multi-turn/tool rollouts are not "
+                          "implemented; use single-turn prompts.")
+    if cfg.trainer.default_hdfs_dir:
+        raise ConfigError("trainer.default_hdfs_dir: HDFS upload is not supported; leave it null and copy "
+                          "trainer.default_local_dir yourself.")
+    if arr.actor.checkpoint.async_save:
+        raise ConfigError("actor.checkpoint.async_save is not implemented (saves are synchronous and atomic); "
+                          "set it to False.")
+    if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
+        raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}; use auto, disable or resume_path.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder).")

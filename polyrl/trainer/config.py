@@ -1,0 +1,186 @@
+"""The verl-shaped config tree of `polyrl train`, composed from each component's own dataclasses.
+
+Every key a verl user passes to `main_ppo` has the same name here. Keys whose feature needs hardware or software that
+is not available are refused by `polyrl.trainer.checks`, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from polyrl.data.config import DataConfig
+from polyrl.models.config import ModelConfig
+from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
+from polyrl.rollout.config import RolloutConfig
+from polyrl.training.config import ActorConfig, CriticConfig, RefConfig
+from polyrl.utils.profiler import GlobalProfilerConfig
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    """Actor, reference and rollout share the devices (the only mode here)."""
+    nccl_timeout: int = 600
+    """Collective timeout in seconds."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy (built only when a KL term needs it)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """fixed or adaptive."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL-in-reward coefficient."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose metric has zero variance."""
+    metric: str | None = None
+    """Metric to filter on: acc, score or seq_reward."""
+    max_num_gen_batches: int = 0
+    """Max generation batches per step while filling the batch; 0 is unlimited."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std (False = Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the token rewards."""
+    kl_penalty: str = "kl"
+    """Estimator of the in-reward KL."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL-in-reward controller."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
+    use_pf_ppo: bool = False
+    """PF-PPO reweighting (not implemented: refused)."""
+    pf_ppo: dict = field(default_factory=dict)
+    """PF-PPO settings."""
+    rollout_correction: dict = field(default_factory=dict)
+    """Off-policy rollout correction (TIS/MIS); not implemented, must stay empty."""
+
+
+@dataclass
+class CheckpointConfigT:
+    async_save: bool = False
+    """Save in the background (not implemented)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 30
+    """Passes over the training data."""
+    total_training_steps: int | None = None
+    """Stop after this many steps (overrides total_epochs when smaller)."""
+    project_name: str = "polyrl"
+    """Project name (logger and checkpoint folder)."""
+    experiment_name: str = "run"
+    """Experiment name (logger and checkpoint folder)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """Metric backends: console, file (jsonl), tensorboard, wandb (offline)."""
+    log_val_generations: int = 0
+    """Validation generations to print."""
+    rollout_data_dir: str | None = None
+    """Write each step's generations as jsonl here."""
+    validation_data_dir: str | None = None
+    """Write validation generations as jsonl here."""
+    nnodes: int = 1
+    """Nodes (>1 uses Ray placement)."""
+    n_gpus_per_node: int = 1
+    """GPUs per node (processes on CPU)."""
+    save_freq: int = -1
+    """Checkpoint every N steps; -1 only at the end (the HF export is always written)."""
+    esi_redundant_time: float = 0
+    """verl elastic-instance setting (no effect here)."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint if any), disable, or resume_path."""
+    resume_from_path: str | None = None
+    """Checkpoint folder for resume_mode=resume_path."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Validate and exit."""
+    test_freq: int = -1
+    """Validate every N steps; -1 only at the end."""
+    critic_warmup: int = 0
+    """Steps that train only the critic."""
+    default_hdfs_dir: str | None = None
+    """Remote copy of checkpoints (not supported: must stay null)."""
+    del_local_ckpt_after_load: bool = False
+    """Delete local checkpoints after loading."""
+    default_local_dir: str | None = None
+    """Checkpoint root; default checkpoints/{project_name}/{experiment_name}."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Keep at most this many actor checkpoints."""
+    max_critic_ckpt_to_keep: int | None = None
+    """Keep at most this many critic checkpoints."""
+    ray_wait_register_center_timeout: int = 300
+    """Ray registration timeout."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    balance_batch: bool = True
+    """Balance sequence lengths across data-parallel ranks."""
+    seed: int = 1
+    """Global seed (model init, sampling, shuffling)."""
+    run_dir: str | None = None
+    """Where metrics.jsonl, config.yaml and the report go; default runs/{project_name}/{experiment_name}."""
+    progress_bar: bool = True
+    """Show a progress bar."""
+    use_legacy_worker_impl: str = "auto"
+    """verl worker implementation switch (no effect here)."""
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    """Model-based reward (not implemented: use a rule or custom reward function)."""
+    reward_manager: str = "naive"
+    """naive, or dapo (which applies the overlong buffer)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong penalty."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """Extra reward-manager arguments (overlong_buffer_cfg is verl's older name)."""
+    model: dict = field(default_factory=dict)
+    """Reward-model settings."""
+    launch_reward_fn_async: bool = False
+    """Score in a background worker while the next stage runs."""
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and lengths."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Policy, reference and rollout."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (gae)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward settings."""
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    """A user reward function from a file."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL-in-reward."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, logging and checkpoints."""
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    """Profiler (torch, torch_memory, nsys)."""

@@ -1,0 +1,533 @@
+"""The RL trainer for LLMs (GRPO, PPO and relatives): one `step()` is DESIGN.md's dataflow, top to bottom.
+
+    prompts -> gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> update_weights
+
+Each stage is one call, timed as `timing_s/<stage>`. Where we deviate from verl / the papers:
+- Old log-probs are not recomputed when provably identical: with ppo_epochs=1 and a single mini-batch the policy has
+  not changed since the rollout, so the update's own forward pass supplies them (`old_log_prob_source=current` in the
+  metrics). The ratio is then exactly 1 by construction.
+- Rollout and trainer log-probs are both `log_softmax(logits / temperature)`; their gap is logged every step as
+  `training/rollout_probs_diff_mean` (the number verl's rollout-correction work is about).
+- A non-finite gradient norm skips that optimizer step instead of corrupting the weights (`actor/nonfinite_skipped`).
+- A checkpoint is always written at the end, with an HF-format export beside it (no merge step).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller, select_groups
+from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
+from polyrl.algorithms.validation import process_validation_metrics
+from polyrl.config import save_config, to_dict
+from polyrl.data.dataset import PromptSampler, load_rl_dataset
+from polyrl.errors import ConfigError
+from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
+from polyrl.rewards import RewardManager, build_reward_fn
+from polyrl.rollout import SamplingParams, make_rollout
+from polyrl.trainer.checks import check_batch_sizes, check_supported
+from polyrl.trainer.config import PPOConfig
+from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
+from polyrl.training.actor import Actor, UpdateSettings, compute_logprobs, make_scheduler
+from polyrl.training.batch import build_batch, select
+from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
+from polyrl.utils.profiler import Profiler
+from polyrl.utils.timing import StepTimer
+from polyrl.utils.tracking import Tracker
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name} but no CUDA GPU is visible; use trainer.device=cpu or auto.")
+    return torch.device(name)
+
+
+def resolve_defaults(cfg: PPOConfig) -> None:
+    """Fill verl's derived defaults (rollout lengths, KL-loss implies a reference, ...) in place."""
+    arr = cfg.actor_rollout_ref
+    arr.rollout.response_length = arr.rollout.response_length or cfg.data.max_response_length
+    arr.rollout.prompt_length = arr.rollout.prompt_length or cfg.data.max_prompt_length
+    if arr.actor.optim.warmup_style and arr.actor.optim.lr_scheduler_type == "constant":
+        arr.actor.optim.lr_scheduler_type = arr.actor.optim.warmup_style
+    if arr.actor.optim.clip_grad is not None:
+        arr.actor.grad_clip = arr.actor.optim.clip_grad
+    if cfg.critic.enable is None:
+        cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if cfg.trainer.default_local_dir is None:
+        cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    if cfg.trainer.run_dir is None:
+        cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig):
+        resolve_defaults(cfg)
+        check_supported(cfg)
+        check_batch_sizes(cfg)
+        if cfg.critic.enable:
+            raise ConfigError("algorithm.adv_estimator=gae needs a critic, which is not implemented yet; use "
+                              "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo or gpg.")
+        self.cfg = cfg
+        arr, t = cfg.actor_rollout_ref, cfg.trainer
+        self.device = pick_device(t.device)
+        torch.manual_seed(t.seed)
+        np.random.seed(t.seed)
+        self.run_dir = Path(t.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
+                                        custom_chat_template=arr.model.custom_chat_template,
+                                        trust_remote_code=arr.model.trust_remote_code)
+        self.train_data = load_rl_dataset(cfg.data.train_files, self.tokenizer, cfg.data)
+        self.val_data = load_rl_dataset(cfg.data.val_files, self.tokenizer, cfg.data) if cfg.data.val_files else []
+        seed = cfg.data.seed if cfg.data.seed is not None else t.seed
+        batch = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        self.sampler = PromptSampler(self.train_data, batch, shuffle=cfg.data.shuffle, seed=seed)
+        self.total_steps = len(self.sampler) * t.total_epochs
+        if t.total_training_steps is not None:
+            self.total_steps = min(self.total_steps, t.total_training_steps) if t.total_epochs else \
+                t.total_training_steps
+            self.total_steps = t.total_training_steps
+        arr.actor.optim.total_training_steps = self.total_steps
+
+        model = load_policy(arr.model, device=self.device)
+        self.model = model
+        optim = arr.actor.optim
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                      weight_decay=optim.weight_decay)
+        warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else \
+            int(optim.lr_warmup_steps_ratio * self.total_steps)
+        scheduler = make_scheduler(optimizer, total_steps=self.total_steps, warmup_steps=warmup,
+                                   kind=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio,
+                                   num_cycles=optim.num_cycles)
+        self.actor = Actor(model, optimizer, scheduler)
+        self.ref_model = self._make_reference(model)
+        self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
+
+        self.engine = make_rollout(arr.rollout, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id,
+                                   device=self.device,
+                                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        self.stop_ids = self._stop_token_ids()
+        rm = cfg.reward_model
+        overlong = rm.overlong_buffer
+        if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
+            for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
+                setattr(overlong, k, v)
+        self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
+                                    max_response_length=cfg.data.max_response_length)
+        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+        self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
+                                                        "rollout": arr.rollout.profiler})
+        self.timer = StepTimer(hooks=[self.profiler])
+        self.generator = torch.Generator().manual_seed(t.seed)  # mini-batch shuffles
+        self.global_step = 0
+        save_config(cfg, self.run_dir / "config.yaml")
+        self._write_env()
+        self.tracker = Tracker(t.logger, str(self.run_dir), project_name=t.project_name,
+                               experiment_name=t.experiment_name, config=to_dict(cfg))
+        self._maybe_resume()
+
+    # ------------------------------------------------------------------------------------------------ setup helpers
+    def _make_reference(self, model):
+        cfg = self.cfg
+        if not (cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+            return None
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return "disable_adapter"  # the reference is the base model: adapters switched off
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _rollout_model(self):
+        """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy)."""
+        return self.model
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(gen_eos)
+        ids.discard(None)
+        return tuple(sorted(ids))
+
+    def _write_env(self) -> None:
+        try:
+            from polyrl.report.env import collect_env
+
+            env = collect_env()
+        except Exception as e:  # the run must not die for a missing version string
+            env = {"error": repr(e)}
+        (self.run_dir / "env.json").write_text(json.dumps(env, indent=1, default=str))
+
+    # ------------------------------------------------------------------------------------------------ the RL step
+    def step(self) -> dict[str, float]:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        timer = self.timer
+        metrics: dict[str, float] = {}
+        self.profiler.step_start(self.global_step + 1)
+        t_step = time.perf_counter()
+        with timer.stage("step"):
+            samples, batch, index, gen_metrics = self._collect_batch(timer)
+            metrics.update(gen_metrics)
+            s = self._update_settings(batch)
+            if not s.old_from_current:
+                with timer.stage("old_log_prob"):
+                    batch["old_log_probs"] = compute_logprobs(self.model, batch, temperature=s.temperature,
+                                                              micro_batch_size=s.micro_batch_size)
+                metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
+                                                   batch["response_mask"]))
+            if self.ref_model is not None:
+                with timer.stage("ref"):
+                    batch["ref_log_probs"] = self._ref_logprobs(batch, s)
+            with timer.stage("adv"):
+                metrics.update(self._advantages(batch, index))
+            with timer.stage("update_actor"):
+                if self.global_step >= cfg.trainer.critic_warmup:
+                    metrics.update(self.actor.update(batch, s, generator=self.generator))
+            if s.old_from_current:
+                metrics["training/old_log_prob_source_current"] = 1.0
+            with timer.stage("update_weights"):
+                self.engine.update_weights(self._weights_for_rollout())
+        self.global_step += 1
+        self.profiler.step_end(self.global_step)
+        timings = timer.pop()
+        metrics.update(timings)
+        metrics.update(data_metrics(batch, max_response_length=cfg.data.max_response_length, index=index))
+        step_time = time.perf_counter() - t_step
+        num_tokens = int(batch["attention_mask"].sum())
+        n_gpus = max(1, torch.cuda.device_count()) if self.device.type == "cuda" else 1
+        metrics["perf/total_num_tokens"] = num_tokens
+        metrics["perf/time_per_step"] = step_time
+        metrics["perf/throughput"] = num_tokens / (step_time * n_gpus)
+        if self.device.type == "cuda":
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        metrics["training/global_step"] = self.global_step
+        metrics["training/epoch"] = self.sampler.epoch
+        return metrics
+
+    def _collect_batch(self, timer):
+        """gen + reward (+ DAPO dynamic sampling): the batch of sequences this step trains on."""
+        cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
+        fg = cfg.algorithm.filter_groups
+        want = cfg.data.train_batch_size
+        kept_samples, kept_rows, parts, metrics = [], [], [], {}
+        num_gen = 0
+        while True:
+            prompts = self.sampler.next_batch()
+            num_gen += 1
+            with timer.stage("gen"):
+                self.engine.resume()
+                sampling = SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k,
+                                          top_p=r.top_p, max_new_tokens=r.response_length,
+                                          stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
+                out = self.engine.generate([p.prompt_ids for p in prompts], sampling)
+                if r.free_cache_engine:
+                    self.engine.release_memory()
+            with timer.stage("reward"):
+                scores, extras = self._score(prompts, out)
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer.stage("gen_max"):
+                    greedy = self.engine.generate([p.prompt_ids for p in prompts],
+                                                  SamplingParams(n=1, temperature=0.0, max_new_tokens=r.response_length,
+                                                                 stop_token_ids=self.stop_ids))
+                    base, _ = self._score(prompts, greedy)
+                baselines = [base[i] for i in out.prompt_index]
+            else:
+                baselines = None
+            part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=baselines)
+            if not fg.enable:
+                parts = [part]
+                break
+            # DAPO dynamic sampling: keep only groups whose metric varies, until train_batch_size prompts are kept
+            metric = extras.get(fg.metric, scores) if fg.metric not in (None, "score", "seq_reward") else scores
+            kept, _ = select_groups(metric, out.prompt_index)
+            metrics["train/num_gen_batches"] = num_gen
+            part["keep"] = set(kept)
+            parts.append(part)
+            num_kept = sum(len(p["keep"]) for p in parts)
+            if num_kept >= want:
+                break
+            if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
+                raise ConfigError(
+                    f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
+                    "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
+                    "too many groups get identical rewards.")
+        prompts_all, resp, logps, scores, index, baselines, extras_all, samples = [], [], [], [], [], [], {}, []
+        used = 0
+        for part_no, p in enumerate(parts):
+            out = p["out"]
+            for row, pi in enumerate(out.prompt_index):
+                if "keep" in p and (pi not in p["keep"] or used >= want * r.n):
+                    continue
+                used += 1
+                prompt = p["prompts"][pi]
+                prompts_all.append(prompt.prompt_ids)
+                resp.append(out.token_ids[row])
+                logps.append(out.logprobs[row])
+                scores.append(p["scores"][row])
+                index.append(part_no * 1_000_000 + pi)
+                samples.append(prompt)
+                if p["baselines"] is not None:
+                    baselines.append(p["baselines"][row])
+                for k, v in p["extras"].items():
+                    extras_all.setdefault(k, []).append(v[row])
+        if "keep" in parts[0]:
+            # whole groups only, and exactly train_batch_size of them
+            groups = list(dict.fromkeys(index))[:want]
+            keep_rows = [i for i, g in enumerate(index) if g in set(groups)]
+            pick = lambda xs: [xs[i] for i in keep_rows]  # noqa: E731
+            prompts_all, resp, logps, scores, index, samples = map(pick, (prompts_all, resp, logps, scores, index,
+                                                                          samples))
+            extras_all = {k: pick(v) for k, v in extras_all.items()}
+        batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        T = batch["responses"].shape[1]
+        rl = torch.zeros_like(batch["response_mask"])
+        for i, lp in enumerate(logps):
+            rl[i, : len(lp)] = torch.tensor(lp, device=self.device)
+        batch["rollout_log_probs"] = rl
+        tls = torch.zeros_like(batch["response_mask"])
+        last = (batch["response_lengths"] - 1).clamp(min=0)
+        tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
+        batch["token_level_scores"] = tls
+        if baselines:
+            batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
+        for k, v in extras_all.items():
+            metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
+        del T
+        return samples, batch, index, metrics
+
+    def _score(self, prompts, out):
+        texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
+                   for pi, text in zip(out.prompt_index, texts)]
+        return self.reward.score(samples, response_lengths=out.lengths)
+
+    def _update_settings(self, batch) -> UpdateSettings:
+        a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
+        B = batch["responses"].shape[0]
+        mini = min(B, a.ppo_mini_batch_size * r.n)
+        micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or mini
+        if a.use_dynamic_bsz:  # token budget -> rows, using the padded row length of this batch
+            micro = max(1, a.ppo_max_token_len_per_gpu // batch["input_ids"].shape[1])
+        knobs = LossKnobs(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                          clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
+                          clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
+                          kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
+                          loss_scale_factor=a.loss_scale_factor)
+        temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
+        return UpdateSettings(
+            mini_batch_size=mini, micro_batch_size=min(micro, mini), ppo_epochs=a.ppo_epochs, temperature=temperature,
+            loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode, knobs=knobs, grad_clip=a.grad_clip,
+            entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
+            old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward))
+
+    def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
+        ref = self.cfg.actor_rollout_ref.ref
+        micro = ref.log_prob_micro_batch_size_per_gpu or s.micro_batch_size
+        if self.ref_model == "disable_adapter":
+            with self.model.disable_adapter():
+                return compute_logprobs(self.model, batch, temperature=s.temperature, micro_batch_size=micro)
+        return compute_logprobs(self.ref_model, batch, temperature=s.temperature, micro_batch_size=micro)
+
+    def _advantages(self, batch, index) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_in_reward(batch["token_level_scores"], batch["old_log_probs"],
+                                                     batch["ref_log_probs"], batch["response_mask"], self.kl_ctrl,
+                                                     alg.kl_penalty)
+            metrics.update({k: float(v) for k, v in kl_metrics.items()})
+        else:
+            rewards = batch["token_level_scores"]
+        batch["token_level_rewards"] = rewards
+        adv, ret = compute_advantage(alg.adv_estimator, token_level_rewards_BT=rewards,
+                                     response_mask_BT=batch["response_mask"], index=index, gamma=alg.gamma,
+                                     lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+                                     reward_baselines_B=batch.get("reward_baselines"))
+        batch["advantages"], batch["returns"] = adv, ret
+        return metrics
+
+    def _weights_for_rollout(self):
+        if getattr(self.engine, "model", None) is self.model:
+            return []  # the engine generates with the actor module itself: already up to date
+        return merged_state_dict(self.model).items()
+
+    # ------------------------------------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        if not self.val_data:
+            return {}
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        temperature = vk.temperature if vk.do_sample else 0.0
+        sampling = SamplingParams(n=vk.n, temperature=temperature, top_k=vk.top_k, top_p=vk.top_p,
+                                  max_new_tokens=self.cfg.actor_rollout_ref.rollout.response_length,
+                                  stop_token_ids=self.stop_ids)
+        with self.timer.stage("testing"):
+            self.engine.resume()
+            out = self.engine.generate([s.prompt_ids for s in self.val_data], sampling)
+            scores, extras = self._score(self.val_data, out)
+        texts = [self.val_data[pi] for pi in out.prompt_index]
+        infos = {"reward": scores, **extras}
+        if "acc" not in infos:
+            infos["acc"] = [float(s >= 1.0) for s in scores] if self._binary_rewards(scores) else scores
+        metrics = process_validation_metrics([s.data_source for s in texts],
+                                             [str(s.index) for s in texts], infos)
+        metrics.update(self.timer.pop())
+        return metrics
+
+    @staticmethod
+    def _binary_rewards(scores) -> bool:
+        return all(s in (0.0, 1.0) for s in scores)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        model_sd = {k: v for k, v in self.model.state_dict().items()}
+        return {
+            "model": model_sd,
+            "optimizer": self.actor.optimizer.state_dict(),
+            "extra": {
+                "global_step": self.global_step,
+                "scheduler": self.actor.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "rng": rng_state(),
+                "generator": self.generator.get_state(),
+                "engine_generator": self._engine_generator_state(),
+                "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
+            },
+        }
+
+    def _engine_generator_state(self):
+        gen = getattr(self.engine, "generator", None)
+        return gen.get_state() if gen is not None else None
+
+    def save_checkpoint(self, export_hf: bool = False) -> Path:
+        with self.timer.stage("save_checkpoint"):
+            writers = {"huggingface": self._export_hf} if export_hf else None
+            return self.ckpt.save(self.global_step, self._state(), writers=writers)
+
+    def _export_hf(self, out_dir: Path) -> None:
+        from peft import PeftModel
+
+        model = self.model
+        if isinstance(model, PeftModel):  # export merged weights so no separate merge step is ever needed
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        if t.resume_mode == "resume_path":
+            state = self.ckpt.load(t.resume_from_path)
+        else:
+            step = self.ckpt.latest_step()
+            if step is None:
+                return
+            state = self.ckpt.load(step)
+        missing = self.model.load_state_dict(state["model"], strict=False)
+        if missing.missing_keys and any("lora" not in k for k in missing.missing_keys):
+            raise ConfigError(f"Checkpoint '{state['_path']}' does not match this model (missing "
+                              f"{missing.missing_keys[:3]}); resume with the same model or set "
+                              "trainer.resume_mode=disable.")
+        if "optimizer" in state:
+            self.actor.optimizer.load_state_dict(state["optimizer"])
+        extra = state["extra"]
+        self.global_step = int(extra["global_step"])
+        self.actor.scheduler.load_state_dict(extra["scheduler"])
+        self.sampler.load_state_dict(extra["sampler"])
+        set_rng_state(extra["rng"])
+        self.generator.set_state(extra["generator"])
+        if extra.get("engine_generator") is not None and getattr(self.engine, "generator", None) is not None:
+            self.engine.generator.set_state(extra["engine_generator"])
+        if self.kl_ctrl is not None and extra.get("kl_coef") is not None:
+            self.kl_ctrl.value = extra["kl_coef"]
+        self.engine.update_weights(self._weights_for_rollout())
+        print(f"polyrl: resumed from {state['_path']} at step {self.global_step}", flush=True)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def fit(self, progress=None) -> dict[str, float]:
+        t = self.cfg.trainer
+        last_val: dict[str, float] = {}
+        if t.val_before_train and self.global_step == 0 and self.val_data:
+            last_val = self.validate()
+            self.tracker.log(last_val, step=0)
+            if t.val_only:
+                return last_val
+        elif t.val_only:
+            last_val = self.validate()
+            self.tracker.log(last_val, step=self.global_step)
+            return last_val
+        bar = progress if progress is not None else _progress(t.progress_bar, self.total_steps, self.global_step)
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.step()
+                is_last = self.global_step >= self.total_steps
+                if self.val_data and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                elif self.val_data and is_last and t.test_freq <= 0:
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
+                    self.save_checkpoint()
+                    metrics.update(self.timer.pop())
+                self.tracker.log(metrics, step=self.global_step)
+                if bar is not None:
+                    bar.update(1)
+                    score = metrics.get("critic/score/mean")
+                    if score is not None:
+                        bar.set_postfix(score=f"{score:.3f}")
+            path = self.save_checkpoint(export_hf=True)
+            self.final_checkpoint = path
+        finally:
+            if bar is not None and progress is None:
+                bar.close()
+            self.tracker.close()
+            self.profiler.close()
+        self._write_report()
+        return last_val
+
+    def _write_report(self) -> None:
+        try:
+            from polyrl.report import build_report
+
+            build_report(str(self.run_dir))
+        except ImportError:
+            pass
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
+
+
+def nullctx():
+    return nullcontext()
+
+
+def main_env_threads() -> None:
+    """Use all cores for intra-op work on CPU unless the user pinned it."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))

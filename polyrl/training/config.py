@@ -1,0 +1,253 @@
+"""`actor_rollout_ref.{actor,ref}.*` and `critic.*`: how the trained models are optimised and batched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    lr_warmup_steps: int = -1
+    """Warmup steps; -1 derives them from lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a fraction of the total training steps."""
+    total_training_steps: int = -1
+    """Set by the trainer from the data and trainer.total_training_steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    lr_scheduler_type: str = "constant"
+    """constant or cosine (both with linear warmup)."""
+    warmup_style: str | None = None
+    """Deprecated alias of lr_scheduler_type."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    num_cycles: float = 0.5
+    """Cosine cycles (0.5 = half a cosine down to min_lr)."""
+    clip_grad: float | None = None
+    """Alias of actor.grad_clip (verl's newer name)."""
+    optimizer: str = "AdamW"
+    """Optimizer class; AdamW is the one implemented."""
+
+
+@dataclass
+class FSDPConfig:
+    wrap_policy: dict = field(default_factory=dict)
+    """verl's FSDP wrap policy; polyrl shards per transformer block."""
+    param_offload: bool = False
+    """Keep parameters in CPU memory between uses (FSDP2 CPU offload; multi-GPU path)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state in CPU memory (FSDP2 CPU offload; multi-GPU path)."""
+    offload_policy: bool = False
+    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward."""
+    fsdp_size: int = -1
+    """Shard group size; -1 shards over all ranks."""
+    forward_prefetch: bool = False
+    """FSDP forward prefetch."""
+    model_dtype: str = "fp32"
+    """Master weight dtype (fp32 or bf16)."""
+    dtype: str = "bfloat16"
+    """Compute dtype for forward/backward on GPU (autocast); CPU computes in float32."""
+    use_torch_compile: bool = False
+    """torch.compile the model's blocks."""
+    use_orig_params: bool = False
+    """FSDP1 flag, accepted for compatibility."""
+    mixed_precision: dict = field(default_factory=dict)
+    """verl's FSDP mixed-precision block (param_dtype/reduce_dtype/buffer_dtype)."""
+    strategy: str | None = None
+    """Alias of the role's strategy."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla, gspo, gpg, clip_cov, kl_cov."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens clipped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance window."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance window."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens with a KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: KL coefficient."""
+
+
+@dataclass
+class CheckpointContents:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What a checkpoint holds: model, optimizer, extra (scheduler, RNG, data position), hf_model."""
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What a resume loads."""
+    async_save: bool = False
+    """Save in a background thread (not implemented: saves are synchronous and atomic)."""
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """Training backend: fsdp or fsdp2 (both map to polyrl's FSDP2 engine; one process = plain data-parallel-free)."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (multiplied by rollout.n)."""
+    ppo_micro_batch_size: int | None = None
+    """Deprecated global micro batch; use ppo_micro_batch_size_per_gpu."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Sequences per forward/backward on each GPU."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by token budget instead of sequence count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget per micro-batch with use_dynamic_bsz."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon (both sides unless low/high are set)."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon; defaults to clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (DAPO clip-higher: 0.28); defaults to clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """Divisor for seq-mean-token-sum-norm (defaults to the max response length)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    calculate_entropy: bool = True
+    """Log actor/entropy (costs one extra reduction per token)."""
+    use_kl_loss: bool = False
+    """Add KL(actor || ref) to the loss (needs the reference model)."""
+    kl_loss_coef: float = 0.001
+    """KL loss coefficient."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl/k1, abs, mse/k2, low_var_kl/k3 (append + for a k2 straight-through gradient)."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    shuffle: bool = False
+    """Shuffle sequences between PPO epochs."""
+    data_loader_seed: int | None = None
+    """Seed for the epoch shuffle."""
+    use_torch_compile: bool = False
+    """torch.compile the log-prob computation."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallel degree (needs as many GPUs)."""
+    entropy_from_logits_with_chunking: bool = False
+    """Compute entropy in chunks to save memory."""
+    entropy_checkpointing: bool = False
+    """Recompute entropy in backward to save memory."""
+    use_fused_kernels: bool = False
+    """Fused log-prob kernels."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy-loss variant and its parameters."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, offload and precision."""
+    checkpoint: CheckpointContents = field(default_factory=CheckpointContents)
+    """What checkpoints hold."""
+    profiler: dict = field(default_factory=dict)
+    """Per-role profiler settings (see global_profiler)."""
+
+
+@dataclass
+class RefConfig:
+    strategy: str = "fsdp2"
+    """Backend of the reference model."""
+    log_prob_micro_batch_size: int | None = None
+    """Deprecated global form of log_prob_micro_batch_size_per_gpu."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Sequences per reference forward."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Cut reference micro-batches by token budget."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget per reference micro-batch."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses degree for the reference."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding and offload of the reference."""
+    use_torch_compile: bool = False
+    """torch.compile the reference."""
+    entropy_from_logits_with_chunking: bool = False
+    """Chunked log-softmax for the reference."""
+    entropy_checkpointing: bool = False
+    """Accepted for symmetry with the actor."""
+    profiler: dict = field(default_factory=dict)
+    """Per-role profiler settings."""
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = None
+    """Critic initial weights (defaults to the actor's model path)."""
+    tokenizer_path: str | None = None
+    """Tokenizer of the critic."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute critic activations in backward."""
+    use_remove_padding: bool = True
+    """Packed critic passes."""
+    lora_rank: int = 0
+    """Critic LoRA rank."""
+    lora_alpha: int = 16
+    """Critic LoRA alpha."""
+    target_modules: str | list[str] = "all-linear"
+    """Critic LoRA targets."""
+    trust_remote_code: bool = False
+    """Allow model code from the directory."""
+    override_config: dict = field(default_factory=dict)
+    """HF config overrides."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the critic."""
+    external_lib: str | None = None
+    """Module imported before loading."""
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None
+    """Use a value model; None turns it on exactly for adv_estimator=gae."""
+    strategy: str = "fsdp2"
+    """Backend of the critic."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """Critic model."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic step (defaults to the actor's)."""
+    ppo_micro_batch_size: int | None = None
+    """Deprecated global micro batch."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Sequences per critic forward/backward."""
+    forward_micro_batch_size: int | None = None
+    """Deprecated."""
+    forward_micro_batch_size_per_gpu: int | None = None
+    """Sequences per critic value forward."""
+    use_dynamic_bsz: bool = False
+    """Cut critic micro-batches by token budget."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Critic token budget per micro-batch."""
+    forward_max_token_len_per_gpu: int = 32768
+    """Critic token budget per value forward."""
+    ppo_epochs: int = 1
+    """Critic passes per batch."""
+    shuffle: bool = False
+    """Shuffle between critic epochs."""
+    grad_clip: float = 1.0
+    """Critic gradient clip."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses degree for the critic."""
+    checkpoint: CheckpointContents = field(default_factory=CheckpointContents)
+    """What critic checkpoints hold."""
+    profiler: dict = field(default_factory=dict)
+    """Per-role profiler settings."""
