@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.utils.profiler import RoleProfilerConfig
+
 
 @dataclass
 class ValKwargs:
@@ -85,5 +87,5 @@ class RolloutConfig:
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)
     """verl agent-loop settings; single-turn is the only loop here."""
-    profiler: dict = field(default_factory=dict)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings (see global_profiler)."""

@@ -1,8 +1,11 @@
 """`polyrl quickstart`: the embedded default that shows a model learning, on a laptop CPU, with no downloads.
 
 1. Build (and cache) a tiny Llama-style model with a character tokenizer.
-2. Warm it up with polyrl's SFT trainer on the synthetic addition task, deliberately stopped early: the model then
-   knows the format and is often right, but far from always (room for RL to show).
+2. Warm it up with polyrl's SFT trainer on the synthetic `reverse` task ("rev abc=" -> "cba") from *noisy*
+   demonstrations: 40% are correct, 60% show a plausible wrong behaviour (copying the letters). The SFT model knows
+   both behaviours; greedy decoding mostly picks the wrong one. This is the situation RL with a verifiable reward is
+   for: the reward, not the demonstrations, says which behaviour is right. (Stopping a clean SFT run early does not
+   work as a demo on this task: accuracy jumps from ~0% to ~80% within a few dozen SFT steps.)
 3. Run GRPO through the same `PPOTrainer` that `polyrl train` uses, on the same config keys, and print greedy held-out
    accuracy before and after.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,9 @@ from polyrl.data.synthetic import make_rows
 
 @dataclass
 class QuickstartSettings:
-    task: str = "addition"
+    task: str = "reverse"
+    # fraction of SFT demonstrations that are correct; the rest show a plausible wrong behaviour (see DISTRACTORS)
+    sft_correct_fraction: float = 0.4
     num_train: int = 2000
     num_val: int = 200
     # model
@@ -41,15 +47,23 @@ class QuickstartSettings:
     sft_batch: int = 64
     sft_lr: float = 3e-3
     # GRPO
-    grpo_steps: int = 60
+    grpo_steps: int = 40
     prompts_per_step: int = 32
     n: int = 8
-    lr: float = 1e-4
+    lr: float = 1e-3
     temperature: float = 1.0
     seed: int = 1
 
 
-FAST = dict(grpo_steps=25)  # the test's shorter version of the same path
+FAST = dict(grpo_steps=20)
+
+# A plausible wrong answer per task, for the SFT demonstrations that are deliberately wrong.
+DISTRACTORS = {
+    "reverse": lambda prompt, answer: answer[::-1],  # copy the letters instead of reversing them
+    "addition": lambda prompt, answer: str(sum(int(x) % 10 for x in prompt.rstrip("=").split("+"))
+                                           % 10 + 10 * sum(int(x) // 10 for x in prompt.rstrip("=").split("+"))),
+    "count": lambda prompt, answer: str(int(answer) + 1),
+}  # the test's shorter version of the same path
 
 
 def cache_root() -> Path:
@@ -80,7 +94,7 @@ def warm_up_with_sft(base: Path, train_rows: list[dict], s: QuickstartSettings, 
     from polyrl.trainer.sft import save_hf_atomic, train_sft
 
     spec = dict(base=base.name, task=s.task, n=len(train_rows), steps=s.sft_steps, batch=s.sft_batch, lr=s.sft_lr,
-                seed=s.seed)
+                seed=s.seed, correct=s.sft_correct_fraction)
     out = cache_root() / "models" / f"sft-{_key(spec)}"
     if (out / "config.json").is_file():
         if progress is not None:
@@ -88,8 +102,12 @@ def warm_up_with_sft(base: Path, train_rows: list[dict], s: QuickstartSettings, 
         return out
     tok = load_tokenizer(str(base))
     samples: list[SFTSample] = []
+    rng = random.Random(s.seed)
     for r in train_rows:
-        messages = r["prompt"] + [{"role": "assistant", "content": r["reward_model"]["ground_truth"]}]
+        answer = r["reward_model"]["ground_truth"]
+        if rng.random() >= s.sft_correct_fraction:
+            answer = DISTRACTORS[s.task](r["prompt"][0]["content"], answer)
+        messages = r["prompt"] + [{"role": "assistant", "content": answer}]
         text, spans = assistant_spans(tok, messages, "quickstart")
         samples.append(encode_with_mask(tok, text, spans))
     model = load_causal_lm(str(base))

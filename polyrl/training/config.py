@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.utils.profiler import RoleProfilerConfig
+
 
 @dataclass
 class OptimConfig:
@@ -153,7 +155,7 @@ class ActorConfig:
     """Sharding, offload and precision."""
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)
     """What checkpoints hold."""
-    profiler: dict = field(default_factory=dict)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings (see global_profiler)."""
 
 
@@ -179,7 +181,7 @@ class RefConfig:
     """Chunked log-softmax for the reference."""
     entropy_checkpointing: bool = False
     """Accepted for symmetry with the actor."""
-    profiler: dict = field(default_factory=dict)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings."""
 
 
@@ -249,5 +251,5 @@ class CriticConfig:
     """Ulysses degree for the critic."""
     checkpoint: CheckpointContents = field(default_factory=CheckpointContents)
     """What critic checkpoints hold."""
-    profiler: dict = field(default_factory=dict)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings."""
