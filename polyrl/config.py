@@ -165,9 +165,15 @@ def _get(cfg: Any, key: str) -> Any:
 
 def parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string; verl users write it that way
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:

@@ -330,7 +330,7 @@ class PPOTrainer:
                           clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                           clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                           kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                          loss_scale_factor=a.loss_scale_factor)
+                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
         temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
         return UpdateSettings(
             mini_batch_size=mini, micro_batch_size=min(micro, mini), ppo_epochs=a.ppo_epochs, temperature=temperature,

@@ -7,6 +7,7 @@ same update whatever the micro-batch size (tested: 1x8 == 8x1).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -92,7 +93,9 @@ class Actor:
 
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
         self.model.train()
-        B = batch["responses"].shape[0]
+        B, T = batch["responses"].shape
+        if s.knobs.loss_scale_factor is None:  # fix the seq-mean-token-sum-norm divisor before columns get trimmed
+            s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         skipped = 0

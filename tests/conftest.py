@@ -1,0 +1,37 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama + char tokenizer saved in HF format (the real from_pretrained path loads it)."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, layers=1, heads=2,
+                            kv_heads=1, intermediate=64, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="session")
+def synth_data_dir(tmp_path_factory):
+    from polyrl.data.dataset import write_parquet
+    from polyrl.data.synthetic import make_rows
+
+    d = tmp_path_factory.mktemp("data")
+    write_parquet(make_rows("reverse", 64, seed=1, split="train"), d / "train.parquet")
+    write_parquet(make_rows("reverse", 16, seed=1, split="val"), d / "val.parquet")
+    return d
