@@ -139,15 +139,20 @@ def silu_mul(gate_up_TX: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _sample_kernel(L, TOK, LP, seed, inv_temp, V, stride, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+def _sample_partial_kernel(L, PM, PS, PV, PI, seed, inv_temp, V, stride, per_chunk,
+                           NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+    # one program per (row, chunk of the vocabulary): partial log-sum-exp and the chunk's best Gumbel score
     row = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    lo = ch * per_chunk
+    hi = tl.minimum(V, lo + per_chunk)
     m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max / sum-exp, reduced at the end
     s = tl.zeros([BLOCK], tl.float32)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         c = start + tl.arange(0, BLOCK)
-        msk = c < V
+        msk = c < hi
         x = tl.load(L + row * stride + c, mask=msk, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, x)
         live = m_new > float("-inf")  # lanes that have seen a real logit (padding lanes stay at 0)
@@ -156,6 +161,7 @@ def _sample_kernel(L, TOK, LP, seed, inv_temp, V, stride, BLOCK: tl.constexpr, G
         if GREEDY:
             score = x
         else:
+            # RNG counter = (row, column): the draw does not depend on how the vocabulary is chunked
             u = tl.rand(seed, (row * V + c).to(tl.int32))
             score = x - tl.log(-tl.log(u))
         score = tl.where(msk, score, float("-inf"))
@@ -163,19 +169,50 @@ def _sample_kernel(L, TOK, LP, seed, inv_temp, V, stride, BLOCK: tl.constexpr, G
         best_v = tl.where(better, score, best_v)
         best_i = tl.where(better, c, best_i)
     mx = tl.max(m, 0)
-    lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), 0))
+    sm = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0)
     top = tl.max(best_v, 0)
     idx = tl.min(tl.where(best_v == top, best_i, 2147483647), 0)  # lowest index among ties, like torch.argmax
+    o = row * NCHUNK + ch
+    tl.store(PM + o, mx)
+    tl.store(PS + o, sm)
+    tl.store(PV + o, top)
+    tl.store(PI + o, idx)
+
+
+@triton.jit
+def _sample_combine_kernel(L, PM, PS, PV, PI, TOK, LP, inv_temp, stride, NCHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, NCHUNK)
+    m = tl.load(PM + row * NCHUNK + k)
+    s = tl.load(PS + row * NCHUNK + k)
+    v = tl.load(PV + row * NCHUNK + k)
+    i = tl.load(PI + row * NCHUNK + k)
+    mx = tl.max(m, 0)
+    lse = mx + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
+    top = tl.max(v, 0)
+    idx = tl.min(tl.where(v == top, i, 2147483647), 0)
     x_tok = tl.load(L + row * stride + idx).to(tl.float32) * inv_temp
     tl.store(TOK + row, idx.to(tl.int64))
     tl.store(LP + row, x_tok - lse)
 
 
+SAMPLE_CHUNKS = 16  # programs per row: 256 rows alone leave the GPU half idle (measured 233 us vs ~30 us)
+
+
 def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     R, V = logits_RV.shape
-    tok = torch.empty(R, dtype=torch.long, device=logits_RV.device)
-    lp = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
+    dev = logits_RV.device
+    tok = torch.empty(R, dtype=torch.long, device=dev)
+    lp = torch.empty(R, dtype=torch.float32, device=dev)
+    part = torch.empty(3, R, SAMPLE_CHUNKS, dtype=torch.float32, device=dev)
+    part_i = torch.empty(R, SAMPLE_CHUNKS, dtype=torch.int32, device=dev)
     greedy = temperature == 0.0
-    _sample_kernel[(R,)](logits_RV, tok, lp, seed, 1.0 if greedy else 1.0 / temperature, V, logits_RV.stride(0),
-                         BLOCK=2048, GREEDY=greedy, num_warps=8)
+    inv_temp = 1.0 if greedy else 1.0 / temperature
+    BLOCK = 1024
+    per_chunk = triton.cdiv(triton.cdiv(V, SAMPLE_CHUNKS), BLOCK) * BLOCK
+    _sample_partial_kernel[(R, SAMPLE_CHUNKS)](logits_RV, part[0], part[1], part[2], part_i, seed, inv_temp, V,
+                                               logits_RV.stride(0), per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK,
+                                               GREEDY=greedy, num_warps=4)
+    _sample_combine_kernel[(R,)](logits_RV, part[0], part[1], part[2], part_i, tok, lp, inv_temp,
+                                 logits_RV.stride(0), NCHUNK=SAMPLE_CHUNKS, num_warps=1)
     return tok, lp
