@@ -9,41 +9,123 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from polyrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss
+from polyrl.algorithms import agg_loss, kl_penalty, policy_loss
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
+from polyrl.training.dynamic_batch import balanced_micro_batches
+from polyrl.training.flops import peak_flops, training_flops
+from polyrl.training.logprobs import chunked_logprobs
+from polyrl.training.packing import attention_kwargs, pack, packed_attention, unpack
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
 
 
-def response_logits(model, mb: Batch, temperature: float) -> torch.Tensor:
-    T = mb["responses"].shape[1]
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
-                use_cache=False)
-    logits = out.logits[:, -T - 1:-1].float()
-    return logits / temperature if temperature not in (0.0, 1.0) else logits
+@dataclass
+class ForwardSettings:
+    """How the policy forward runs (verl: model.use_remove_padding, actor.fsdp_config.dtype, ...)."""
+
+    use_remove_padding: bool = True  # pack rows into one padding-free row with varlen attention (packing.py)
+    compute_dtype: str = "bfloat16"  # autocast dtype on CUDA over fp32 master weights; CPU computes in fp32
+    logprob_chunk_size: int = 2048  # LM-head rows per chunk (logprobs.py); never materialises [tokens, vocab] fp32
+    chunk_checkpointing: bool = True  # recompute each chunk's logits in backward instead of saving them
+    activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
+
+    def __post_init__(self):
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(f"compute dtype {self.compute_dtype!r} is unknown; set actor.fsdp_config.dtype to "
+                             "bfloat16, float16 or float32.")
+
+    @classmethod
+    def from_config(cls, model_cfg, actor_cfg) -> "ForwardSettings":
+        """From `actor_rollout_ref.model` and `.actor`; chunked, checkpointed log-probs are always on (exact)."""
+        return cls(use_remove_padding=model_cfg.use_remove_padding, compute_dtype=actor_cfg.fsdp_config.dtype,
+                   activation_offload=model_cfg.enable_activation_offload)
 
 
-def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: bool):
-    logits_BTV = response_logits(model, mb, temperature)
-    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
-    logp_BT = logp_BTV.gather(-1, mb["responses"].unsqueeze(-1)).squeeze(-1)
-    ent_BT = entropy_from_logits(logits_BTV) if with_entropy else None
-    return logp_BT, ent_BT
+def _autocast(fwd: ForwardSettings, device: torch.device):
+    dtype = _DTYPES[fwd.compute_dtype]
+    if device.type != "cuda" or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast("cuda", dtype=dtype)
+
+
+def _trunk_and_head(model):
+    """The decoder stack and LM head of an HF causal LM (through a peft wrapper if any)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def _head_logprobs(head, hidden_MD, targets_M, temperature, with_entropy, fwd):
+    return chunked_logprobs(hidden_MD, head.weight, targets_M, bias_V=head.bias, temperature=temperature,
+                            with_entropy=with_entropy, chunk_size=fwd.logprob_chunk_size,
+                            checkpoint=fwd.chunk_checkpointing)
+
+
+def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: bool,
+                         fwd: ForwardSettings | None = None):
+    """Response log-probs (and entropy) [B, T] of one micro-batch; zeros at padding. fp32 results.
+
+    Packed (default): one padding-free row through varlen attention. Padded: the `[B, P+T]` rows with their mask.
+    Either way logits exist only at response positions, one chunk at a time.
+    """
+    fwd = fwd or ForwardSettings()
+    temperature = 1.0 if temperature in (0.0, 1.0) else temperature
+    trunk, head = _trunk_and_head(model)
+    shape = tuple(mb["responses"].shape)
+    with _autocast(fwd, mb["input_ids"].device):
+        if fwd.use_remove_padding:
+            packed = pack(mb)
+            with packed_attention(model):
+                out = trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                            **attention_kwargs(packed))
+            hidden = out.last_hidden_state[0, packed.pred_index]
+            logp, ent = _head_logprobs(head, hidden, packed.targets, temperature, with_entropy, fwd)
+            return unpack(logp, packed, shape), (unpack(ent, packed, shape) if with_entropy else None)
+        T = shape[1]
+        out = trunk(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                    position_ids=mb["position_ids"], use_cache=False)
+        rows, cols = mb["attention_mask"][:, -T:].bool().nonzero(as_tuple=True)
+        hidden = out.last_hidden_state[:, -T - 1:-1][rows, cols]
+        logp, ent = _head_logprobs(head, hidden, mb["responses"][rows, cols], temperature, with_entropy, fwd)
+        zeros = logp.new_zeros(shape)
+        return zeros.index_put((rows, cols), logp), (zeros.index_put((rows, cols), ent) if with_entropy else None)
+
+
+def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None) -> list:
+    """Row groups of a (mini-)batch: fixed `micro_batch_size` rows, or balanced under a token budget."""
+    num_rows = batch["responses"].shape[0]
+    if not max_token_len:
+        return list(split_rows(num_rows, micro_batch_size))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    device = batch["responses"].device
+    return [torch.tensor(g, device=device) for g in balanced_micro_batches(lengths, max_token_len)]
+
+
+def _flops(model, mb: Batch) -> float:
+    lengths = mb["attention_mask"].sum(1).tolist()
+    return training_flops(model.config, lengths, lm_head_tokens=int(mb["attention_mask"][:, -mb["responses"].shape[1]:]
+                                                                    .sum()))
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """Per-token log-probs of the responses, [B, T], in micro-batches of `micro_batch_size` rows."""
+def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_size: int,
+                     max_token_len: int | None = None, fwd: ForwardSettings | None = None) -> torch.Tensor:
+    """Per-token log-probs of the responses, [B, T], in micro-batches of `micro_batch_size` rows (or by token
+    budget `max_token_len`: verl's log_prob_use_dynamic_bsz)."""
     was_training = model.training
     model.eval()
     B, T = batch["responses"].shape
     out = torch.zeros((B, T), device=batch["responses"].device)
-    for rows in split_rows(B, micro_batch_size):
+    for rows in micro_batches(batch, micro_batch_size, max_token_len):
         mb = trim_columns(select(batch, rows))
-        logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False)
+        logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False, fwd=fwd)
         out[rows, : logp.shape[1]] = logp
     model.train(was_training)
     return out
@@ -82,17 +164,27 @@ class UpdateSettings:
     shuffle: bool = False
     calculate_entropy: bool = True
     old_from_current: bool = False  # on-policy single pass: old log-probs are the current ones (no extra pass)
+    max_token_len: int | None = None  # use_dynamic_bsz: micro-batches cut by this token budget instead of rows
 
 
 class Actor:
-    def __init__(self, model, optimizer, scheduler):
+    def __init__(self, model, optimizer, scheduler, dp=None, fwd: ForwardSettings | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.dp = dp  # polyrl.distributed.DistEnv when data-parallel (see _global_counts); None in one process
+        self.fwd = fwd or ForwardSettings()
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
+        # packed attention stays on through backward: checkpointed layers re-run their forward there
+        with packed_attention(self.model) if self.fwd.use_remove_padding else nullcontext():
+            return self._update(batch, s, generator)
+
+    def _update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None) -> dict[str, float]:
         self.model.train()
+        t_start, flops = time.perf_counter(), 0.0
+        offload = self.fwd.activation_offload and batch["responses"].device.type == "cuda"
         B, T = batch["responses"].shape
         if s.knobs.loss_scale_factor is None:  # fix the seq-mean-token-sum-norm divisor before columns get trimmed
             s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
@@ -110,13 +202,22 @@ class Actor:
                 mini = select(batch, order[mini_rows].to(batch["responses"].device))
                 num_tokens = mini["response_mask"].sum()
                 num_seqs = mini["responses"].shape[0]
+                num_tokens, num_seqs = self._global_counts(num_tokens, num_seqs)
                 self.optimizer.zero_grad(set_to_none=True)
-                for rows in split_rows(num_seqs, s.micro_batch_size):
+                first_pass = not counts.get("_mini")
+                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len):
                     mb = trim_columns(select(mini, rows))
                     frac = mb["response_mask"].sum() / num_tokens.clamp_min(1)
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
-                    logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy)
+                    with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
+                        logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy, self.fwd)
+                    flops += _flops(self.model, mb)
                     mask = mb["response_mask"]
+                    if first_pass and s.old_from_current and "rollout_log_probs" in mb:
+                        # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
+                        gap = (logp.detach().exp() - mb["rollout_log_probs"].exp()).abs() * mask
+                        add("training/rollout_probs_diff_mean", gap.sum() / num_tokens.clamp_min(1), 0.0)
+                        sums["_gap_max"] = torch.maximum(sums.get("_gap_max", gap.new_zeros(())), gap.max())
                     old = logp.detach() if s.old_from_current else mb["old_log_probs"]
                     pg_loss, pg_metrics = policy_loss(
                         s.loss_mode, old_log_prob_BT=old, log_prob_BT=logp, advantages_BT=mb["advantages"],
@@ -135,11 +236,12 @@ class Actor:
                         loss = loss + s.kl_loss_coef * kl_loss
                         add("actor/kl_loss", kl_loss)
                         add("actor/kl_coef", torch.tensor(s.kl_loss_coef), 0.0)
-                    loss.backward()
+                    (loss * self._dp_size).backward()
                     add("actor/pg_loss", pg_loss)
                     for k, v in pg_metrics.items():
                         add(k, v, frac)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 else:  # a NaN/Inf update would poison the weights: skip it, keep the weights, count it
@@ -149,9 +251,15 @@ class Actor:
                 counts["_mini"] = counts.get("_mini", 0) + 1
         self.scheduler.step()
         num_mini = counts.pop("_mini")
+        gap_max = sums.pop("_gap_max", None)
+        self._reduce_metric_sums(sums, counts)
         metrics = {}
+        if gap_max is not None:
+            metrics["training/rollout_probs_diff_max"] = float(gap_max)
         for k, v in sums.items():
-            if k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+            if k == "training/rollout_probs_diff_mean":
+                metrics[k] = float(v)  # summed over the micro-batches of the first mini-batch, each over its tokens
+            elif k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                 metrics[k] = float(v) / num_mini  # these were summed over micro-batches of a mini-batch
             elif k == "actor/grad_norm":
                 metrics[k] = float(v) / num_mini
@@ -159,4 +267,34 @@ class Actor:
                 metrics[k] = float(v) / counts[k]
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/nonfinite_skipped"] = skipped
+        peak = peak_flops(batch["responses"].device)
+        if peak > 0:  # the float() calls above have synchronised the device, so the wall time is the update's
+            metrics["perf/mfu/actor"] = flops / (time.perf_counter() - t_start) / peak
         return metrics
+
+    # ---- data parallel (polyrl.distributed) --------------------------------------------------------------------
+    # Each rank holds a slice of every mini-batch. Loss normalisers count the *whole* mini-batch over all ranks, and
+    # FSDP averages gradients over ranks, so each rank's loss is multiplied by the DP size: the average of the scaled
+    # per-rank sums is the single-process mini-batch loss, whatever the number of processes.
+    @property
+    def _dp_size(self) -> int:
+        return self.dp.world_size if self.dp is not None else 1
+
+    def _global_counts(self, num_tokens: torch.Tensor, num_seqs: int):
+        if self._dp_size == 1:
+            return num_tokens, num_seqs
+        both = self.dp.all_reduce(torch.stack([num_tokens.float(), torch.tensor(float(num_seqs),
+                                                                                device=num_tokens.device)]))
+        return both[0], int(both[1])
+
+    def _reduce_metric_sums(self, sums: dict, counts: dict) -> None:
+        """Per-rank partial sums -> sums over the job (grad_norm is already global; kl_coef is a constant)."""
+        if self._dp_size == 1:
+            return
+        keys = sorted(k for k in sums if k not in ("actor/grad_norm", "actor/kl_coef"))
+        dev = next(iter(sums.values())).device if sums else torch.device("cpu")
+        packed = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(())
+                              for k in keys for x in (sums[k], counts[k])])
+        packed = self.dp.all_reduce(packed)
+        for i, k in enumerate(keys):
+            sums[k], counts[k] = packed[2 * i], float(packed[2 * i + 1])
