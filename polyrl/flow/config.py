@@ -1,0 +1,256 @@
+"""FlowGRPO config tree with VeRL-Omni's key names (research/flowgrpo.md §3).
+
+`polyrl flow train KEY=VALUE ...` fills `FlowConfig` through `polyrl.config.build_config`. Batch semantics are
+verl's: `data.train_batch_size` and `actor.ppo_mini_batch_size` count prompts, each prompt yields `rollout.n`
+images, `ppo_micro_batch_size_per_gpu` counts images (and also sets the rollout's chunk size, because sampling and
+training must see the same batch shapes for the ratio to start at exactly 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    train_files: str | None = None
+    """Text file (one prompt per line) or parquet with a `prompt` column; null: the quickstart's digit prompts."""
+    val_files: str | None = None
+    """Held-out prompts, same formats; null: the quickstart's held-out set."""
+    train_batch_size: int = 10
+    """Prompts per RL step (each yields rollout.n images)."""
+    val_batch_size: int = 20
+    """Images per validation forward chunk."""
+    data_source: str = "digits"
+    """Name used in validation metric keys val-core/<data_source>/reward/mean@1."""
+    seed: int = 0
+    """Prompt-order seed."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model, and LoRA or full fine-tuning."""
+
+    path: str | None = None
+    """Local diffusers pipeline directory (QwenImagePipeline); null: the quickstart's tiny model."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every transformer weight (full fine-tuning, fp32 optimizer state)."""
+    lora_alpha: int = 128
+    """LoRA alpha (scale alpha / rank)."""
+    target_modules: list[str] = field(default_factory=lambda: [
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    ])  # fmt: skip
+    """Module names LoRA adapts (verl-omni's Qwen-Image list)."""
+    lora_init: str = "gaussian"
+    """peft init_lora_weights ("gaussian" as verl-omni, or true for Kaiming)."""
+    dtype: str = "float32"
+    """Transformer weight dtype: float32, bfloat16 or float16."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward (diffusers gradient checkpointing)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW."""
+
+    lr: float = 3e-4
+    """Learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+
+
+@dataclass
+class DiffusionLossConfig:
+    """The clipped FlowGRPO objective."""
+
+    loss_mode: str = "flow_grpo"
+    """Only flow_grpo (PPO-clip on mean per-step log-probs) is implemented."""
+    clip_ratio: float = 1e-4
+    """Clip epsilon on exp(logp - old_logp); tiny because log-probs are element means."""
+    adv_clip_max: float = 5.0
+    """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
+
+
+@dataclass
+class ActorConfig:
+    """The trained policy."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    ppo_mini_batch_size: int = 5
+    """Prompts per optimizer step (train_batch_size / this = optimizer steps per RL step)."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Images per forward/backward (also the rollout chunk size)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    diffusion_loss: DiffusionLossConfig = field(default_factory=DiffusionLossConfig)
+    """Loss knobs."""
+    use_kl_loss: bool = False
+    """Add beta * KL(policy || reference) per trained step."""
+    kl_loss_coef: float = 0.0
+    """beta."""
+    kl_loss_type: str = "mean"
+    """mean: exact Gaussian KL on the step means; velocity: squared velocity difference (flow_grpo#198)."""
+    skip_zero_adv: bool = True
+    """Skip samples whose advantage is exactly 0 (zero-std groups): same loss gradient, less compute."""
+
+
+@dataclass
+class PipelineConfig:
+    """Sampling shape (VeRL-Omni's rollout.pipeline.*)."""
+
+    height: int = 16
+    """Image height in pixels."""
+    width: int = 16
+    """Image width in pixels."""
+    num_inference_steps: int = 10
+    """Denoising steps during RL rollouts (denoising reduction: fewer than validation's)."""
+    true_cfg_scale: float = 1.0
+    """Classifier-free guidance scale; > 1 runs [negative; positive] branches, both trained, Qwen norm rescale."""
+    negative_prompt: str = " "
+    """Negative prompt for CFG."""
+    max_sequence_length: int = 256
+    """Prompt token limit for the text encoder."""
+    shift: float = 3.0
+    """Time shift of the sigma grid when the model has no scheduler (the quickstart); pipelines use their own."""
+
+
+@dataclass
+class AlgoConfig:
+    """Stochastic sampling (VeRL-Omni's rollout.algo.*)."""
+
+    noise_level: float = 0.7
+    """a in the SDE std (0.7 SD3, 0.9 FLUX, 1.2 Qwen-Image, 0.8 CPS)."""
+    sde_type: str = "sde"
+    """sde (Flow-GRPO), cps or dance_sde."""
+    sde_window_size: int | None = 3
+    """SDE window width (ODE outside it); null/0: use timestep_fraction."""
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 5])
+    """The window [s, s+w) is drawn uniformly inside [lo, hi)."""
+    timestep_fraction: float = 0.99
+    """Without a window: train the first floor(steps * fraction) steps."""
+
+
+@dataclass
+class ValKwargs:
+    """Validation sampling: ODE with the evaluation step count."""
+
+    num_inference_steps: int = 20
+    """Validation denoising steps."""
+    noise_level: float = 0.0
+    """0: deterministic ODE sampling."""
+    seed: int = 1234
+    """Noise seed, fixed so validations are comparable."""
+
+
+@dataclass
+class RolloutConfig:
+    """How images are sampled."""
+
+    n: int = 8
+    """Images per prompt (the GRPO group)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Shape, steps and CFG."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """SDE settings."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Validation sampling."""
+    seed: int = 42
+    """Rollout noise seed."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """Model, actor and rollout (the reference is the adapter-disabled or frozen model)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage."""
+
+    adv_estimator: str = "flow_grpo"
+    """Only flow_grpo (outcome GRPO broadcast to every trained step)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """false: Dr.GRPO (no division by the std)."""
+    global_std: bool = True
+    """Divide by the whole batch's reward std instead of each group's."""
+
+
+@dataclass
+class CustomRewardConfig:
+    """A user reward `fn(images, prompts, metadata) -> scores` loaded from a file."""
+
+    path: str | None = None
+    """Python file defining the function."""
+    name: str = "compute_score"
+    """Function name in that file."""
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions and where they run."""
+
+    reward_fns: dict = field(default_factory=dict)
+    """Weighted multi-reward, {name: weight} over the built-ins (ocr, digit_classifier); empty: the task default."""
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    """Custom reward by path (joins reward_fns with weight 1 when set)."""
+    async_reward: bool = False
+    """Score each rollout chunk in a separate process while the next chunk is generated."""
+    num_workers: int = 1
+    """Reward worker processes when async_reward is on."""
+
+
+@dataclass
+class TrainerConfig:
+    """Loop, logging and checkpoints."""
+
+    total_training_steps: int = 60
+    """RL steps."""
+    test_freq: int = 20
+    """Validate every this many steps (and at the end); <= 0: never."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    save_freq: int = -1
+    """Checkpoint every this many steps; <= 0: never."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """Tracking backends (console, file, tensorboard, wandb)."""
+    project_name: str = "polyrl_flow"
+    """Project name for the trackers."""
+    experiment_name: str = "flow_grpo"
+    """Run name."""
+    default_local_dir: str = "runs/flow_grpo"
+    """Run directory (metrics.jsonl, config.yaml, checkpoints)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda."""
+    progress_bar: bool = True
+    """Show a tqdm bar over the steps."""
+
+
+@dataclass
+class FlowConfig:
+    """The whole FlowGRPO config tree."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Model, actor, rollout."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop."""
