@@ -17,6 +17,7 @@ import torch
 
 from polyrl.algorithms import agg_loss, kl_penalty, policy_loss
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
+from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
 from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import peak_flops, training_flops
@@ -240,8 +241,7 @@ class Actor:
                     add("actor/pg_loss", pg_loss)
                     for k, v in pg_metrics.items():
                         add(k, v, frac)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP
+                grad_norm = clip_grad_norm_(self.params, s.grad_clip)  # plain, FSDP-sharded or mixed parameters
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 else:  # a NaN/Inf update would poison the weights: skip it, keep the weights, count it

@@ -1,0 +1,97 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), in the same atomic layout as `utils/checkpoint.py`.
+
+    <root>/global_step_N/dcp/          model + optimizer, one file per rank plus `.metadata` (DCP's format)
+    <root>/global_step_N/extra.pt      step, scheduler, sampler, RNG (plain objects, loaded with weights_only=True)
+    <root>/global_step_N/huggingface/  optional full-weight HF export, written by rank 0
+    <root>/latest_checkpointed_iteration.txt
+
+Every rank writes its own shards (no rank ever holds the whole optimizer state), into one tmp folder whose name
+rank 0 chooses and broadcasts; after a barrier rank 0 fsyncs, renames it to `global_step_N` and only then replaces
+the "latest" file, exactly as the single-process `CheckpointManager` does. DCP stores tensors by fully-qualified
+name with their global shapes, so a checkpoint written by N processes loads at any other count, including a plain
+single process with no process group (resharding happens at load time).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from polyrl.distributed.env import DistEnv
+from polyrl.utils.checkpoint import LATEST, CheckpointManager, _fsync_dir, _fsync_tree, _write_atomic_text
+
+DCP_DIR = "dcp"
+
+
+def is_sharded(path: str | Path) -> bool:
+    return (Path(path) / DCP_DIR / ".metadata").is_file()
+
+
+def _model_optim_state(model, optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra: dict, env: DistEnv,
+                 writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
+    """Collective: every rank calls it. `writers` (name -> fn(dir)) are called on every rank with the folder they
+    may write into (rank 0's is the real one), so they can run collectives such as gathering full weights."""
+    import torch.distributed.checkpoint as dcp
+
+    root = manager.root
+    final = root / f"global_step_{step}"
+    tmp = None
+    if env.is_rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"global_step_{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    tmp = Path(env.broadcast_object(str(tmp)))
+    dcp.save(_model_optim_state(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
+    for name, write in (writers or {}).items():
+        write(tmp / name)
+    if env.is_rank0:
+        torch.save(extra, tmp / "extra.pt")
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step after a resume: replace it whole
+            old = root / f"global_step_{step}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic_text(root / LATEST, str(step))
+        manager._prune()
+    env.barrier()  # nobody reads "latest" or moves on before the rename is visible
+    return final
+
+
+def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
+    """Load model + optimizer shards into this process's (sharded or plain) model; returns the `extra` dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    state = _model_optim_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
+    return extra
+
+
+def gather_full_state_dict(named, env: DistEnv) -> dict[str, torch.Tensor]:
+    """Full CPU tensors on rank 0 (empty dict elsewhere), gathered one tensor at a time (collective)."""
+    from polyrl.distributed.weights import full_tensors
+
+    out = {}
+    for name, t in full_tensors(named):
+        if env.is_rank0:
+            out[name] = t.to("cpu", copy=True)
+    return out

@@ -1,0 +1,68 @@
+"""Data parallelism over whole GRPO groups: which prompts a rank generates for, and how step metrics are merged.
+
+Every rank builds the same `PromptSampler` (same seed), draws the same global batch of prompts and keeps its share,
+so no data moves between ranks. A prompt's `n` samples stay on one rank, hence group-relative advantages (GRPO,
+RLOO, ...) need no communication.
+
+The share is chosen so that *mini-batches* match the single-process run: global mini-batch `k` holds prompts
+`[k*M, (k+1)*M)`; rank `r` takes the `r`-th slice of each of them. With `shuffle=False` the union over ranks of
+rank-local mini-batch `k` is then exactly the single-process mini-batch `k`, and since loss normalisers are
+all-reduced (see `Actor.update`), the update is the same up to float summation order.
+"""
+
+from __future__ import annotations
+
+from polyrl.errors import ConfigError
+
+
+def check_data_parallel(cfg, world_size: int) -> None:
+    """Batch arithmetic that sharding by prompt groups needs, beyond `trainer.checks.check_batch_sizes`."""
+    if world_size == 1:
+        return
+    d, a = cfg.data, cfg.actor_rollout_ref.actor
+    if a.ppo_mini_batch_size % world_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts cannot be split over "
+            f"{world_size} processes by whole prompt groups; make it a multiple of {world_size}.")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(
+            "algorithm.filter_groups.enable=True (DAPO dynamic sampling) is single-process only in polyrl: ranks "
+            "would keep different numbers of groups; run with one process or disable filter_groups.")
+    if d.gen_batch_size not in (None, d.train_batch_size):
+        raise ConfigError(f"data.gen_batch_size={d.gen_batch_size} differs from train_batch_size with several "
+                          "processes; leave it unset.")
+
+
+def shard_prompts(num_prompts: int, prompts_per_mini: int, rank: int, world_size: int) -> list[int]:
+    """Indices of the prompts rank `rank` owns: its slice of every mini-batch (see module docstring)."""
+    assert num_prompts % prompts_per_mini == 0 and prompts_per_mini % world_size == 0, \
+        (num_prompts, prompts_per_mini, world_size)
+    per_rank = prompts_per_mini // world_size
+    return [start + rank * per_rank + i for start in range(0, num_prompts, prompts_per_mini) for i in range(per_rank)]
+
+
+def shard_evenly(num_items: int, rank: int, world_size: int) -> range:
+    """A contiguous slice for work with no mini-batch structure (validation prompts); sizes differ by at most one."""
+    base, extra = divmod(num_items, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def merge_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from every rank -> the job's: extremes of `/max` and `/min`, the slowest rank's timings,
+    summed token counts, and the mean of everything else (ranks hold equal numbers of sequences, so the mean of
+    per-rank sequence means is the global mean; token-weighted means are averaged with equal rank weights)."""
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        vals = [m[key] for m in per_rank if key in m]
+        if key.endswith("/max") or key.startswith(("timing_s/", "perf/max_memory")) or key == "perf/time_per_step":
+            out[key] = max(vals)
+        elif key.endswith("/min"):
+            out[key] = min(vals)
+        elif key.startswith("perf/total_num_tokens"):
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out

@@ -1,0 +1,96 @@
+"""`parallelize(model, mesh, cfg)`: FSDP2 applied from outside the model code (torchtitan's shape).
+
+Each transformer block is its own `fully_shard` unit (its parameters are all-gathered just before the block runs and
+freed after, so peak memory holds one block's full weights, not the model's); the root call then shards what is
+left (embeddings, final norm, lm_head). Parameter names are unchanged, so HF names still address every weight.
+
+Knobs (verl's `fsdp_config` keys): `reshard_after_forward`, mixed precision (`mixed_precision.param_dtype` /
+`reduce_dtype`, default bf16 compute with fp32 gradient reduction on GPU; CPU stays fp32 because gloo and CPU
+matmuls gain nothing from bf16), CPU offload (`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps
+parameters, gradients and hence optimizer state on the CPU, all three together) and `fsdp_size` (the mesh, built by
+`DistEnv`).
+
+Which module is the FSDP root: the *decoder* (`model.get_decoder()`), not the whole causal LM, because the actor's
+forward path runs the decoder and then reads `lm_head.weight` directly for chunked log-probs (no `[tokens, vocab]`
+logits tensor). A parameter read outside its FSDP unit's forward would still be a shard, so the parameters outside
+the blocks (embeddings, final norm, LM head; tied or not) stay plain replicated tensors, and a gradient hook
+all-reduces their gradient contribution on every backward, averaging like FSDP does. Cost: those weights and their
+Adam state are replicated on every rank (~2.8 GB fp32 with Adam for Qwen2.5-1.5B's tied 151936x1536 embedding); the
+blocks, which hold the rest, are sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polyrl.models.loader import to_dtype
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers of an HF causal LM (also under a peft wrapper): the `ModuleList` with most params."""
+    best, best_size = None, -1
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            size = sum(p.numel() for p in mod.parameters())
+            if size > best_size:
+                best, best_size = mod, size
+    assert best is not None, "model has no ModuleList of blocks to shard"
+    return list(best)
+
+
+def mixed_precision_policy(cfg, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type != "cuda":
+        return MixedPrecisionPolicy()
+    mp = cfg.mixed_precision or {}
+    param = to_dtype(mp.get("param_dtype", cfg.dtype), "fsdp_config.mixed_precision.param_dtype")
+    reduce = to_dtype(mp.get("reduce_dtype", "float32"), "fsdp_config.mixed_precision.reduce_dtype")
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
+    """Shard `model` in place with FSDP2 per block and at the root; returns it (same object, same names)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    offload = CPUOffloadPolicy() if (cfg.param_offload or cfg.optimizer_offload or cfg.offload_policy) \
+        else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(cfg, device), offload_policy=offload)
+    blocks = transformer_blocks(model)
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    replicated = [p for p in model.parameters() if id(p) not in block_params]
+    for i, block in enumerate(blocks):
+        # the last block's weights are needed again first in backward: keeping them saves one all-gather
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    decoder = _base(model).get_decoder()
+    fully_shard(decoder, reshard_after_forward=cfg.reshard_after_forward,
+                ignored_params={p for p in decoder.parameters() if id(p) not in block_params}, **kw)
+    _all_reduce_grads_of(replicated)
+    return model
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _all_reduce_grads_of(params: list[nn.Parameter]) -> None:
+    """Average each backward's gradient contribution over all ranks before it is accumulated (DDP-style)."""
+    import torch.distributed as dist
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)  # over the whole job: replicated on every rank, HSDP or not
+        return grad / dist.get_world_size()
+
+    for p in params:
+        if p.requires_grad:
+            p.register_hook(hook)
+
+
+def parallelize_frozen(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
+    """The reference policy: same sharding, no gradients, always resharded (it only runs forward)."""
+    from dataclasses import replace
+
+    return parallelize(model, mesh, replace(cfg, reshard_after_forward=True), device)
