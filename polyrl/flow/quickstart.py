@@ -113,6 +113,13 @@ def digit_prompts(num_per_digit: int) -> list[tuple[str, dict]]:
     return [(tiny.prompt_for(d), {"digit": d}) for d in range(10) for _ in range(num_per_digit)]
 
 
+def classifier_reward_from_state(state_dict):
+    """Picklable factory for the async reward worker: rebuilds the classifier reward in that process."""
+    clf = tiny.DigitClassifier()
+    clf.load_state_dict(state_dict)
+    return classifier_reward(clf.eval())
+
+
 def classifier_reward(clf):
     """Reward fn: the classifier's probability that the image shows metadata['digit'] (in [0, 1])."""
 
@@ -142,10 +149,20 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     from polyrl.flow.trainer import FlowGRPOTrainer
 
-    trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(5), tracker=tracker)
+    scorer = None
+    if cfg.reward.async_reward:
+        from polyrl.flow.async_reward import AsyncRewardScorer
+
+        scorer = AsyncRewardScorer(classifier_reward_from_state, (clf.state_dict(),), cfg.reward.num_workers)
+    trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(5), tracker=tracker,
+                              async_scorer=scorer)  # fmt: skip
     cfg.trainer.val_before_train = True
-    history = trainer.fit()
-    tracker.close()
+    try:
+        history = trainer.fit()
+    finally:
+        tracker.close()
+        if scorer is not None:
+            scorer.close()
     before, after = 100 * history["val"][0], 100 * history["val"][-1]
     seconds = time.perf_counter() - t0
     log(f"held-out reward (P[asked digit], 0-100): before {before:.1f} -> after {after:.1f} "
