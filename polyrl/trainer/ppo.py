@@ -29,6 +29,8 @@ from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.config import save_config, to_dict
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
+from polyrl.distributed import DistEnv
+from polyrl.distributed import data as dp_data
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
@@ -38,6 +40,7 @@ from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch, select
+from polyrl.training.critic import explained_variance
 from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
@@ -74,12 +77,13 @@ class PPOTrainer:
         resolve_defaults(cfg)
         check_supported(cfg)
         check_batch_sizes(cfg)
-        if cfg.critic.enable:
-            raise ConfigError("algorithm.adv_estimator=gae needs a critic, which is not implemented yet; use "
-                              "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo or gpg.")
         self.cfg = cfg
         arr, t = cfg.actor_rollout_ref, cfg.trainer
-        self.device = pick_device(t.device)
+        # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
+        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, timeout_s=arr.nccl_timeout)
+        dp_data.check_data_parallel(cfg, self.dist.world_size)
+        arr.rollout.seed += self.dist.rank  # each rank samples its own stream
+        self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         self.run_dir = Path(t.run_dir)
@@ -101,6 +105,11 @@ class PPOTrainer:
         arr.actor.optim.total_training_steps = self.total_steps
 
         model = load_policy(arr.model, device=self.device)
+        if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
+            from polyrl.distributed.parallelize import parallelize
+
+            self.rollout_replica = copy.deepcopy(model)
+            parallelize(model, self.dist.mesh, arr.actor.fsdp_config, self.device)
         self.model = model
         optim = arr.actor.optim
         params = [p for p in model.parameters() if p.requires_grad]
@@ -111,8 +120,9 @@ class PPOTrainer:
         scheduler = make_scheduler(optimizer, total_steps=self.total_steps, warmup_steps=warmup,
                                    kind=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio,
                                    num_cycles=optim.num_cycles)
-        self.actor = Actor(model, optimizer, scheduler)
+        self.actor = Actor(model, optimizer, scheduler, dp=self.dist)
         self.ref_model = self._make_reference(model)
+        self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
         self.engine = make_rollout(arr.rollout, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id,
@@ -132,9 +142,10 @@ class PPOTrainer:
         self.timer = StepTimer(hooks=[self.profiler])
         self.generator = torch.Generator().manual_seed(t.seed)  # mini-batch shuffles
         self.global_step = 0
-        save_config(cfg, self.run_dir / "config.yaml")
-        self._write_env()
-        self.tracker = Tracker(t.logger, str(self.run_dir), project_name=t.project_name,
+        if self.dist.is_rank0:
+            save_config(cfg, self.run_dir / "config.yaml")
+            self._write_env()
+        self.tracker = Tracker(t.logger if self.dist.is_rank0 else [], str(self.run_dir), project_name=t.project_name,
                                experiment_name=t.experiment_name, config=to_dict(cfg))
         self._maybe_resume()
 
@@ -147,14 +158,39 @@ class PPOTrainer:
 
         if isinstance(model, PeftModel):
             return "disable_adapter"  # the reference is the base model: adapters switched off
-        ref = copy.deepcopy(model).eval()
+        ref = copy.deepcopy(self.rollout_replica if self.dist.is_distributed else model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
+        if self.dist.is_distributed:
+            from polyrl.distributed.parallelize import parallelize_frozen
+
+            parallelize_frozen(ref, self.dist.mesh, self.cfg.actor_rollout_ref.ref.fsdp_config, self.device)
         return ref
 
+    def _make_critic(self):
+        from polyrl.models.loader import load_causal_lm
+        from polyrl.training.critic import Critic, ValueModel
+
+        c, arr = self.cfg.critic, self.cfg.actor_rollout_ref
+        lm = load_causal_lm(c.model.path or arr.model.path, key="critic.model.path",
+                            trust_remote_code=c.model.trust_remote_code, override_config=c.model.override_config)
+        model = ValueModel(lm).to(self.device)
+        if c.model.enable_gradient_checkpointing:
+            model.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
+                                weight_decay=c.optim.weight_decay)
+        n = arr.rollout.n
+        mini = (c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size) * n
+        micro = c.ppo_micro_batch_size_per_gpu or c.forward_micro_batch_size_per_gpu or \
+            arr.actor.ppo_micro_batch_size_per_gpu or mini
+        return Critic(model, opt, cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+                      grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
+                      micro_batch_size=min(micro, mini))
+
     def _rollout_model(self):
-        """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy)."""
-        return self.model
+        """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy); with several
+        processes this rank's full replica, refilled tensor by tensor after each update."""
+        return self.rollout_replica if self.dist.is_distributed else self.model
 
     def _stop_token_ids(self) -> tuple[int, ...]:
         ids = {self.tokenizer.eos_token_id}
@@ -195,8 +231,16 @@ class PPOTrainer:
             if self.ref_model is not None:
                 with timer.stage("ref"):
                     batch["ref_log_probs"] = self._ref_logprobs(batch, s)
+            if self.critic is not None:
+                with timer.stage("values"):
+                    batch["values"] = self.critic.compute_values(batch)
             with timer.stage("adv"):
                 metrics.update(self._advantages(batch, index))
+            if self.critic is not None:
+                with timer.stage("update_critic"):
+                    metrics.update(self.critic.update(batch))
+                    metrics["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"],
+                                                                            batch["response_mask"])
             with timer.stage("update_actor"):
                 if self.global_step >= cfg.trainer.critic_warmup:
                     metrics.update(self.actor.update(batch, s, generator=self.generator))
@@ -212,6 +256,10 @@ class PPOTrainer:
         step_time = time.perf_counter() - t_step
         num_tokens = int(batch["attention_mask"].sum())
         n_gpus = max(1, torch.cuda.device_count()) if self.device.type == "cuda" else 1
+        if self.dist.is_distributed:  # per-rank numbers -> the job's (counts summed, extremes kept, rest averaged)
+            n_gpus = self.dist.world_size
+            num_tokens = int(self.dist.all_reduce(torch.tensor(num_tokens, device=self.device)))
+            step_time = float(self.dist.all_reduce(torch.tensor(step_time, device=self.device), op="max"))
         metrics["perf/total_num_tokens"] = num_tokens
         metrics["perf/time_per_step"] = step_time
         metrics["perf/throughput"] = num_tokens / (step_time * n_gpus)
@@ -220,7 +268,8 @@ class PPOTrainer:
             metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.sampler.epoch
-        return metrics
+        return dp_data.merge_step_metrics(self.dist.all_gather_object(metrics)) if self.dist.is_distributed \
+            else metrics
 
     def _collect_batch(self, timer):
         """gen + reward (+ DAPO dynamic sampling): the batch of sequences this step trains on."""
@@ -231,6 +280,10 @@ class PPOTrainer:
         num_gen = 0
         while True:
             prompts = self.sampler.next_batch()
+            if self.dist.is_distributed:  # this rank's whole prompt groups (see polyrl.distributed.data)
+                keep = dp_data.shard_prompts(len(prompts), cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                                             self.dist.rank, self.dist.world_size)
+                prompts = [prompts[i] for i in keep]
             num_gen += 1
             with timer.stage("gen"):
                 self.engine.resume()
@@ -322,7 +375,7 @@ class PPOTrainer:
     def _update_settings(self, batch) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
-        mini = min(B, a.ppo_mini_batch_size * r.n)
+        mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.world_size)  # this rank's share of a mini-batch
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or mini
         if a.use_dynamic_bsz:  # token budget -> rows, using the padded row length of this batch
             micro = max(1, a.ppo_max_token_len_per_gpu // batch["input_ids"].shape[1])
@@ -361,13 +414,18 @@ class PPOTrainer:
         adv, ret = compute_advantage(alg.adv_estimator, token_level_rewards_BT=rewards,
                                      response_mask_BT=batch["response_mask"], index=index, gamma=alg.gamma,
                                      lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-                                     reward_baselines_B=batch.get("reward_baselines"))
+                                     reward_baselines_B=batch.get("reward_baselines"),
+                                     values_BT=batch.get("values"))
         batch["advantages"], batch["returns"] = adv, ret
         return metrics
 
     def _weights_for_rollout(self):
         if getattr(self.engine, "model", None) is self.model:
             return []  # the engine generates with the actor module itself: already up to date
+        if self.dist.is_distributed:  # all-gather one tensor at a time into this rank's replica
+            from polyrl.distributed.weights import full_tensors
+
+            return full_tensors(merged_state_dict(self.model).items())
         return merged_state_dict(self.model).items()
 
     # ------------------------------------------------------------------------------------------------ validation
@@ -382,14 +440,21 @@ class PPOTrainer:
                                   stop_token_ids=self.stop_ids)
         with self.timer.stage("testing"):
             self.engine.resume()
-            out = self.engine.generate([s.prompt_ids for s in self.val_data], sampling)
-            scores, extras = self._score(self.val_data, out)
-        texts = [self.val_data[pi] for pi in out.prompt_index]
+            val = self.val_data
+            if self.dist.is_distributed:  # each rank validates a slice; gathered below
+                val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
+            out = self.engine.generate([s.prompt_ids for s in val], sampling)
+            scores, extras = self._score(val, out)
+        texts = [val[pi] for pi in out.prompt_index]
+        preds = [t.strip() for t in self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)]
         infos = {"reward": scores, **extras}
         if "acc" not in infos:
             infos["acc"] = [float(s >= 1.0) for s in scores] if self._binary_rewards(scores) else scores
-        metrics = process_validation_metrics([s.data_source for s in texts],
-                                             [str(s.index) for s in texts], infos)
+        infos.setdefault("pred", preds)  # majority vote (maj@N) over the decoded answers
+        sources, uids = [s.data_source for s in texts], [str(s.index) for s in texts]
+        if self.dist.is_distributed:
+            sources, uids, infos = dp_data.gather_validation(self.dist, sources, uids, infos)
+        metrics = process_validation_metrics(sources, uids, infos)
         metrics.update(self.timer.pop())
         return metrics
 
@@ -403,6 +468,8 @@ class PPOTrainer:
         return {
             "model": model_sd,
             "optimizer": self.actor.optimizer.state_dict(),
+            **({"critic": self.critic.model.state_dict(), "critic_optimizer": self.critic.optimizer.state_dict()}
+               if self.critic is not None else {}),
             "extra": {
                 "global_step": self.global_step,
                 "scheduler": self.actor.scheduler.state_dict(),
@@ -419,9 +486,42 @@ class PPOTrainer:
         return gen.get_state() if gen is not None else None
 
     def save_checkpoint(self, export_hf: bool = False) -> Path:
+        if self.dist.is_distributed:
+            return self._save_sharded(export_hf)
         with self.timer.stage("save_checkpoint"):
             writers = {"huggingface": self._export_hf} if export_hf else None
             return self.ckpt.save(self.global_step, self._state(), writers=writers)
+
+    # sharded checkpoints (polyrl.distributed.checkpoint): every rank writes its own shards, rank 0 the rest
+    def _save_sharded(self, export_hf: bool) -> Path:
+        from polyrl.distributed.checkpoint import save_sharded
+
+        with self.timer.stage("save_checkpoint"):
+            extra = self._state()["extra"]
+            extra["engine_generator"] = self.dist.all_gather_object(extra["engine_generator"])  # one per rank
+            writers = {"huggingface": self._export_hf_sharded} if export_hf else None
+            return save_sharded(self.ckpt, self.global_step, self.model, self.actor.optimizer, extra, self.dist,
+                                writers=writers)
+
+    def _export_hf_sharded(self, out_dir: Path) -> None:
+        from polyrl.distributed.checkpoint import gather_full_state_dict, without_aliases
+
+        full = gather_full_state_dict(merged_state_dict(self.model).items(), self.dist)  # collective
+        if self.dist.is_rank0:  # the unsharded replica is the plain HF class: its config names the real architecture
+            full = without_aliases(full, self.rollout_replica)
+            self.rollout_replica.save_pretrained(out_dir, state_dict=full)
+            self.tokenizer.save_pretrained(out_dir)
+
+    def _load_sharded(self, state: dict) -> bool:
+        from polyrl.distributed.checkpoint import is_sharded, load_sharded
+
+        if not is_sharded(state["_path"]):
+            return False
+        load_sharded(state["_path"], self.model, self.actor.optimizer)
+        gens = state["extra"].get("engine_generator")
+        if isinstance(gens, list):  # per-rank sampling streams; a different process count starts fresh ones
+            state["extra"]["engine_generator"] = gens[self.dist.rank] if len(gens) == self.dist.world_size else None
+        return True
 
     def _export_hf(self, out_dir: Path) -> None:
         from peft import PeftModel
@@ -443,13 +543,17 @@ class PPOTrainer:
             if step is None:
                 return
             state = self.ckpt.load(step)
-        missing = self.model.load_state_dict(state["model"], strict=False)
-        if missing.missing_keys and any("lora" not in k for k in missing.missing_keys):
+        sharded = self._load_sharded(state)  # DCP: model + optimizer, written at any process count
+        missing = None if sharded else self.model.load_state_dict(state["model"], strict=False)
+        if missing and missing.missing_keys and any("lora" not in k for k in missing.missing_keys):
             raise ConfigError(f"Checkpoint '{state['_path']}' does not match this model (missing "
                               f"{missing.missing_keys[:3]}); resume with the same model or set "
                               "trainer.resume_mode=disable.")
         if "optimizer" in state:
             self.actor.optimizer.load_state_dict(state["optimizer"])
+        if self.critic is not None and "critic" in state:
+            self.critic.model.load_state_dict(state["critic"])
+            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
         extra = state["extra"]
         self.global_step = int(extra["global_step"])
         self.actor.scheduler.load_state_dict(extra["scheduler"])
@@ -476,7 +580,8 @@ class PPOTrainer:
             last_val = self.validate()
             self.tracker.log(last_val, step=self.global_step)
             return last_val
-        bar = progress if progress is not None else _progress(t.progress_bar, self.total_steps, self.global_step)
+        bar = progress if progress is not None else _progress(t.progress_bar and self.dist.is_rank0, self.total_steps,
+                                                              self.global_step)
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
@@ -503,7 +608,8 @@ class PPOTrainer:
                 bar.close()
             self.tracker.close()
             self.profiler.close()
-        self._write_report()
+        if self.dist.is_rank0:
+            self._write_report()
         return last_val
 
     def _write_report(self) -> None:
