@@ -95,3 +95,15 @@ def gather_full_state_dict(named, env: DistEnv) -> dict[str, torch.Tensor]:
         if env.is_rank0:
             out[name] = t.to("cpu", copy=True)
     return out
+
+
+def without_aliases(full: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
+    """Drop names that `like` (a plain HF model) stores as aliases of an earlier weight (tied embeddings), as
+    `save_pretrained` would on its own state dict."""
+    seen, keep = set(), {}
+    for name, t in like.state_dict().items():
+        key = (t.data_ptr(), t.shape)
+        if key not in seen and name in full:
+            keep[name] = full[name]
+        seen.add(key)
+    return keep

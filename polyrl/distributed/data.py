@@ -66,3 +66,12 @@ def merge_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(vals) / len(vals)
     return out
+
+
+def gather_validation(env, sources: list, uids: list, infos: dict[str, list]):
+    """Concatenate every rank's validation rows (rank order) so each rank computes the same @N statistics."""
+    parts = env.all_gather_object((sources, uids, infos))
+    all_sources = [x for p in parts for x in p[0]]
+    all_uids = [x for p in parts for x in p[1]]
+    all_infos = {k: [x for p in parts for x in p[2][k]] for k in parts[0][2]}
+    return all_sources, all_uids, all_infos

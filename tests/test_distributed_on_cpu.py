@@ -1,0 +1,169 @@
+"""Data-parallel training on CPU (gloo): 2 processes give the 1-process run, and checkpoints cross process counts.
+
+The 2-process job is this file run under torchrun (see `__main__` at the bottom). Rollouts are made independent of
+how prompts are split by sampling each prompt with a seed derived from (step, prompt): then any difference between
+1 and 2 processes comes from the distributed code (sharding, FSDP2, normalisers, weight sync), not from sampling.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.distributed.data import merge_step_metrics, shard_evenly, shard_prompts
+from polyrl.distributed.launch import maybe_launch, torchrun_command
+from polyrl.rollout.base import Rollout
+
+# ------------------------------------------------------------------------------------------------ pure functions
+
+
+def test_prompt_shards_rebuild_every_single_process_mini_batch():
+    num_prompts, per_mini, world = 12, 4, 2
+    shards = [shard_prompts(num_prompts, per_mini, r, world) for r in range(world)]
+    assert sorted(shards[0] + shards[1]) == list(range(num_prompts))
+    per_rank_mini = per_mini // world
+    for k in range(num_prompts // per_mini):  # rank-local mini-batch k, over all ranks == global mini-batch k
+        union = sorted(i for s in shards for i in s[k * per_rank_mini:(k + 1) * per_rank_mini])
+        assert union == list(range(k * per_mini, (k + 1) * per_mini))
+
+
+def test_even_shards_and_metric_merge():
+    assert [list(shard_evenly(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    merged = merge_step_metrics([{"a/max": 1.0, "a/min": 1.0, "a/mean": 1.0, "timing_s/gen": 2.0},
+                                 {"a/max": 3.0, "a/min": 0.5, "a/mean": 2.0, "timing_s/gen": 5.0}])
+    assert merged == {"a/max": 3.0, "a/min": 0.5, "a/mean": 1.5, "timing_s/gen": 5.0}
+
+
+def test_launch_relaunches_only_when_more_processes_are_wanted(monkeypatch):
+    from polyrl.trainer.config import PPOConfig
+
+    cfg = PPOConfig()
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert maybe_launch(cfg, ["a=1"]) is None and not calls  # one process: train right here
+    cfg.trainer.n_gpus_per_node = 2
+    assert maybe_launch(cfg, ["a=1"]) == 0
+    assert calls[0][1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+                            "polyrl.train", "a=1"]
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a torchrun child never relaunches
+    assert maybe_launch(cfg, ["a=1"]) is None and len(calls) == 1
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+class PerPromptSeeded:
+    """Wraps an engine: each prompt sampled alone with seed f(step, prompt ids), so the split does not matter."""
+
+    def __init__(self, engine, trainer):
+        self.inner, self.trainer = engine, trainer
+        self.model = engine.model
+
+    def generate(self, prompt_ids, sampling):
+        out = Rollout(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        for i, p in enumerate(prompt_ids):
+            seed = (self.trainer.global_step * 1_000_003 + sum((j + 1) * t for j, t in enumerate(p))) % 2**31
+            r = self.inner.generate([p], dataclasses.replace(sampling, seed=seed))
+            out.prompt_index += [i] * len(r.token_ids)
+            out.token_ids += r.token_ids
+            out.logprobs += r.logprobs
+            out.finish_reason += r.finish_reason
+        return out
+
+    def update_weights(self, named):
+        self.inner.update_weights(named)
+
+    def release_memory(self):
+        self.inner.release_memory()
+
+    def resume(self):
+        self.inner.resume()
+
+
+def _args(model_dir, data_dir, out_dir, steps, *extra):
+    return [
+        f"data.train_files={data_dir / 'train.parquet'}",
+        "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4", "trainer.device=cpu",
+        f"trainer.run_dir={out_dir / 'run'}", f"trainer.default_local_dir={out_dir / 'ckpt'}",
+        f"trainer.total_training_steps={steps}", "trainer.progress_bar=False", "trainer.logger=[file]", *extra,
+    ]
+
+
+def _train(argv) -> "PPOTrainer":  # noqa: F821
+    from polyrl.config import build_config
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(build_config(PPOConfig(), argv))
+    trainer.engine = PerPromptSeeded(trainer.engine, trainer)
+    trainer.fit()
+    return trainer
+
+
+def _steps(out_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "huggingface" / "model.safetensors"))
+
+
+def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, synth_data_dir, tmp_path):
+    # the 2-process job: 2 GRPO steps, validation, a DCP checkpoint with HF export (this file under torchrun)
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    val = f"data.val_files={synth_data_dir / 'val.parquet'}"
+    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 2, val)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    # meanwhile, the same 3 steps in one process
+    one = tmp_path / "one"
+    _train(_args(tiny_model_dir, synth_data_dir, one, 3))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    ckpt2 = two / "ckpt" / "global_step_2"
+    assert (ckpt2 / "dcp" / ".metadata").is_file() and len(list((ckpt2 / "dcp").glob("*.distcp"))) == 2
+    assert (two / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    ref, got = _steps(one), _steps(two)
+    assert [r["step"] for r in got] == [1, 2]  # rank 0 alone logs, once per step
+    for a, b in zip(ref[:2], got):
+        assert a["critic/score/mean"] == b["critic/score/mean"]  # same rollouts, same rewards
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+    assert any(k.startswith("val-core/") for k in got[-1])  # validation gathered over both ranks
+    w1 = _weights(one / "ckpt" / "global_step_3")
+    w2 = _weights(ckpt2)
+    assert set(w1) == set(w2)
+
+    # resume the 2-process checkpoint in ONE process and train step 3: it must land on the 1-process run's weights
+    resumed = tmp_path / "resumed"
+    _train(_args(tiny_model_dir, synth_data_dir, resumed, 3, "trainer.resume_mode=resume_path",
+                 f"trainer.resume_from_path={ckpt2}"))
+    r3, ref3 = _steps(resumed)[-1], ref[2]
+    assert r3["step"] == 3 and r3["critic/score/mean"] == ref3["critic/score/mean"]
+    assert abs(r3["actor/pg_loss"] - ref3["actor/pg_loss"]) <= 1e-5 + 1e-4 * abs(ref3["actor/pg_loss"])
+    w3 = _weights(resumed / "ckpt" / "global_step_3")
+    moved = max((w1[k] - _weights(ckpt2)[k]).abs().max() for k in w1)
+    assert moved > 1e-4  # step 3 changed the weights, so matching them below means something
+    for k in w1:  # Adam state came back from the shards too, or step 3 would differ
+        torch.testing.assert_close(w3[k], w1[k], rtol=0, atol=5e-6)
+
+
+if __name__ == "__main__":  # one rank of the 2-process job
+    _train(sys.argv[1:])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
