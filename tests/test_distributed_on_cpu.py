@@ -163,6 +163,63 @@ def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, syn
         torch.testing.assert_close(w3[k], w1[k], rtol=0, atol=5e-6)
 
 
+# ------------------------------------------------------------------------------------------------ Ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    from polyrl.distributed.ray_cluster import init_ray
+
+    init_ray(num_cpus=4)  # logical CPUs: the reward actor and trainer-side tasks fit on a 2-core machine
+    yield ray
+    ray.shutdown()
+
+
+def test_reward_worker_scores_apart_from_the_trainer(ray_local):
+    from polyrl.rewards import RewardManager, build_reward_fn
+    from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
+    from polyrl.distributed.ray_cluster import RemoteReward
+
+    overlong = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, log=True)
+    samples = [("polyrl/reverse", "cba", "cba", {}), ("polyrl/reverse", "abc", "cba", {}),
+               ("polyrl/reverse", "cb", "cba", {})]
+    lengths = [3, 8, 7]
+    local = RewardManager(build_reward_fn(CustomRewardConfig()), overlong_buffer=overlong, max_response_length=8)
+    remote = RemoteReward(CustomRewardConfig(), overlong, 8)
+    assert ray_local.get(remote.actor.pid.remote()) != os.getpid()  # a separate process
+    assert remote.score(samples, response_lengths=lengths) == local.score(samples, response_lengths=lengths)
+    assert remote.score(samples, response_lengths=lengths)[0][1] < 0  # the overlong penalty was applied there
+
+
+def test_trainer_uses_the_ray_reward_worker(ray_local, tiny_model_dir, synth_data_dir, tmp_path):
+    from polyrl.config import build_config
+    from polyrl.distributed.ray_cluster import RemoteReward
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1,
+                                                         "reward_model.launch_reward_fn_async=True")))
+    assert isinstance(trainer.reward, RemoteReward)
+    metrics = trainer.step()
+    assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and metrics["timing_s/reward"] > 0
+
+
+@pytest.mark.skipif(not os.environ.get("POLYRL_SLOW_TESTS"), reason="~40 s; set POLYRL_SLOW_TESTS=1")
+def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_dir, tmp_path):
+    """trainer.nnodes=2 through Ray: two torchrun agents (SPREAD lets both bundles sit on this one machine)."""
+    from polyrl.config import build_config
+    from polyrl.distributed.ray_cluster import launch_on_ray
+    from polyrl.trainer.config import PPOConfig
+
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 1, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")
+    os.environ["PYTHONPATH"] = str(Path.cwd())
+    assert launch_on_ray(build_config(PPOConfig(), argv), argv, strategy="SPREAD") == 0
+    assert (tmp_path / "ckpt" / "global_step_1" / "dcp" / ".metadata").is_file()
+    assert len(list((tmp_path / "ckpt" / "global_step_1" / "dcp").glob("*.distcp"))) == 2  # 2 ranks wrote shards
+    assert [r["step"] for r in _steps(tmp_path)] == [1]
+
+
 if __name__ == "__main__":  # one rank of the 2-process job
     _train(sys.argv[1:])
     if torch.distributed.is_initialized():

@@ -134,8 +134,13 @@ class PPOTrainer:
         if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
             for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
                 setattr(overlong, k, v)
-        self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
-                                    max_response_length=cfg.data.max_response_length)
+        if rm.launch_reward_fn_async:  # scored by a Ray actor apart from the trainer (polyrl.distributed.ray_cluster)
+            from polyrl.distributed.ray_cluster import RemoteReward
+
+            self.reward = RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length)
+        else:
+            self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
+                                        max_response_length=cfg.data.max_response_length)
         self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
         self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
                                                         "rollout": arr.rollout.profiler})
