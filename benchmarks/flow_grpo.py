@@ -1,0 +1,137 @@
+"""FlowGRPO step throughput on the Qwen-Image transformer at its real size (issue 6's headline number).
+
+Setup: diffusers' default `QwenImageTransformer2DModel()` (60 blocks, 20.4B params) with random bf16 weights, 512^2
+(1,024 image tokens of 64 channels), 10 sampling steps, SDE window 2 in [0, 5), true CFG 4.0 (both branches
+trained), LoRA r64 alpha 128 on verl-omni's target modules, group 16, gradient checkpointing. The text encoder is
+replaced by cached random prompt embeddings (T=128, dim 3584: what the cache holds after the first step anyway) and
+the VAE by a latent-space reward, both reported in the output row; the trainer code is the real one.
+
+Prints images/GPU/s and the timing_s/* breakdown next to VeRL-Omni's 0.305 img/GPU/s (4xH800, LoRA, CFG 4) and the
+compute limit: per image 10x2 rollout forwards + 2x2 trained steps x (fwd + recompute + 2x bwd) = 36 forward
+equivalents x ~16 TFLOP = ~580 TFLOP, i.e. ~1.36 img/s at 790 TFLOP/s dense bf16.
+
+    python benchmarks/flow_grpo.py                  # GPU, real size
+    python benchmarks/flow_grpo.py --tiny --steps 2 # CPU smoke test of the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from polyrl.flow.config import FlowConfig
+from polyrl.flow.pipeline import FlowPolicy, LatentShape
+from polyrl.flow.trainer import FlowGRPOTrainer
+
+PEER_IMG_PER_GPU_S = 0.305  # VeRL-Omni run_qwen_image_ocr_lora.sh, 4xH800
+PEAK_TFLOPS = 790.0
+
+
+def forward_tflop(num_params: float, tokens: int, layers: int, hidden: int) -> float:
+    """Dense matmul FLOPs (2 N tokens) + joint attention (4 L T^2 D) of one forward, in TFLOP."""
+    return (2 * num_params * tokens + 4 * layers * tokens**2 * hidden) / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
+    ap.add_argument("--steps", type=int, default=3, help="timed RL steps (after one warm-up step)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step (x group 16 images)")
+    ap.add_argument("--micro", type=int, default=8, help="images per forward/backward")
+    ap.add_argument("--no-cfg", action="store_true", help="true_cfg_scale 1 (the non-CFG variant)")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
+    args = ap.parse_args()
+
+    from diffusers import QwenImageTransformer2DModel
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    size, text_dim, text_len = (512, 3584, 128) if not args.tiny else (64, 32, 16)
+    kw = {} if not args.tiny else dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                       axes_dims_rope=(8, 4, 4))  # fmt: skip
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build directly in bf16 on the GPU: fp32 would need 82 GB
+    with torch.device(device):
+        transformer = QwenImageTransformer2DModel(**kw)
+    torch.set_default_dtype(prev)
+    num_params = sum(p.numel() for p in transformer.parameters())
+    build_s = time.perf_counter() - t0
+    grid = size // 16  # VAE /8, packing /2
+
+    g = torch.Generator().manual_seed(0)
+    table = {}
+
+    def encode(prompts):  # stands in for the Qwen2.5-VL encoder; the trainer caches it per prompt anyway
+        for p in prompts:
+            table.setdefault(p, torch.randn(text_len, text_dim, generator=g) * 0.02)
+        return [(table[p], torch.ones(text_len, dtype=torch.long)) for p in prompts]
+
+    def sigmas(n):
+        t = torch.linspace(1, 0, n + 1)
+        return 3 * t / (1 + 2 * t)
+
+    cfg = FlowConfig()
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    ro.n, ro.pipeline.num_inference_steps = 16, 10
+    ro.pipeline.true_cfg_scale = 1.0 if args.no_cfg else 4.0
+    ro.algo.noise_level, ro.algo.sde_window_size, ro.algo.sde_window_range = 1.2, 2, [0, 5]
+    cfg.data.train_batch_size = args.prompts
+    actor.ppo_mini_batch_size = max(1, args.prompts // 2)  # two optimizer steps per batch, as the recipe
+    actor.ppo_micro_batch_size_per_gpu = args.micro
+    actor.optim.lr = 3e-4 if not args.full else 3e-5
+    actor.diffusion_loss.clip_ratio = 1e-5
+    cfg.trainer.progress_bar = False
+    policy = FlowPolicy(transformer, encode_fn=encode, decode_fn=lambda z: z.float(), sigmas_fn=sigmas,
+                        latent=LatentShape(grid, grid, transformer.config.in_channels),
+                        true_cfg_scale=ro.pipeline.true_cfg_scale, device=device)  # fmt: skip
+    if not args.full:
+        policy.add_lora(64, 128, cfg.actor_rollout_ref.model.target_modules)
+        for p in policy.trainable_parameters():  # LoRA weights in fp32 (the base stays bf16)
+            p.data = p.data.float()
+    transformer.enable_gradient_checkpointing()
+
+    def latent_reward(latents, prompts, metadata):  # stands in for VAE + OCR; depends on the sample, so groups vary
+        return -latents.float().flatten(1).abs().mean(1).cpu()
+
+    prompts = [(f"prompt {i}", {}) for i in range(64)]
+    trainer = FlowGRPOTrainer(cfg, policy, latent_reward, prompts, prompts[:2])
+    trainer.step()  # warm-up (allocator, kernels)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rows = [trainer.step() for _ in range(args.steps)]
+    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
+    timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    images = args.prompts * ro.n
+    img_s = images / timing["timing_s/step"]
+    cfg_mult = 1 if args.no_cfg else 2
+    fwd = forward_tflop(num_params, grid * grid + text_len, transformer.config.num_layers, transformer.inner_dim)
+    tflop_per_image = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * 4)
+    limit = PEAK_TFLOPS / tflop_per_image
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "params_B": num_params / 1e9, "build_s": build_s, "images_per_step": images,
+        "img_per_gpu_s": img_s, "peer_img_per_gpu_s": PEER_IMG_PER_GPU_S, "limit_img_per_gpu_s": limit,
+        "tflop_per_image": tflop_per_image, "achieved_tflops": img_s * tflop_per_image, **timing,
+        "max_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+        "ratio_mean": rows[-1].get("actor/ratio_mean"), "grad_norm": rows[-1].get("actor/grad_norm"),
+    }  # fmt: skip
+    print(json.dumps(result, indent=1))
+    if args.record and not args.tiny:
+        from benchmarks._record import append_row
+
+        shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
+                 f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, "
+                 f"{images} img/step, micro {args.micro}, grad ckpt; random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
+        append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
+                   f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
+                   f"{img_s / limit:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
