@@ -217,7 +217,9 @@ class Actor:
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
                         gap = (logp.detach().exp() - mb["rollout_log_probs"].exp()).abs() * mask
-                        add("training/rollout_probs_diff_mean", gap.sum() / num_tokens.clamp_min(1), 0.0)
+                        key = "training/rollout_probs_diff_mean"
+                        sums[key] = sums.get(key, 0.0) + gap.sum() / num_tokens.clamp_min(1)
+                        counts[key] = counts.get(key, 0) + 1
                         sums["_gap_max"] = torch.maximum(sums.get("_gap_max", gap.new_zeros(())), gap.max())
                     old = logp.detach() if s.old_from_current else mb["old_log_probs"]
                     pg_loss, pg_metrics = policy_loss(

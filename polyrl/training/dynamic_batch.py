@@ -1,0 +1,42 @@
+"""Dynamic batch size: micro-batches cut by a token budget and balanced, instead of a fixed number of rows.
+
+With packing, a micro-batch costs its real token count, so `ppo_max_token_len_per_gpu` bounds memory directly and the
+row count varies. We use the fewest micro-batches that fit the budget and balance their token sums with the LPT
+greedy rule (longest sequence first, into the lightest micro-batch), like verl's `seqlen_balancing` (which uses
+Karmarkar-Karp; LPT is within 4/3 of optimal and far simpler). If the greedy split overflows the budget we add one
+micro-batch and retry. Which rows share a micro-batch does not change the loss: normalisers are fixed per
+mini-batch (see actor.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+
+def balanced_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Partition row indices into the fewest balanced groups whose token sums are each <= `max_tokens`."""
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(f"A sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens}; raise "
+                         "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu to at least the longest "
+                         "prompt+response (verl's rule of thumb: 2x (max_prompt_length + max_response_length)).")
+    k = max(1, math.ceil(sum(lengths) / max_tokens))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    while True:
+        heap = [(0, j) for j in range(k)]
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            load, j = heapq.heappop(heap)
+            groups[j].append(i)
+            heapq.heappush(heap, (load + lengths[i], j))
+        if max(load for load, _ in heap) <= max_tokens:
+            return [sorted(g) for g in groups if g]
+        k += 1
+
+
+def fixed_micro_batches(num_rows: int, size: int) -> list[list[int]]:
+    """Consecutive groups of `size` rows (the `*_micro_batch_size_per_gpu` path)."""
+    return [list(range(s, min(s + size, num_rows))) for s in range(0, num_rows, size)]

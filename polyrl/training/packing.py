@@ -1,0 +1,190 @@
+"""Sequence packing: a micro-batch of padded rows becomes one padding-free row of `sum(lengths)` tokens.
+
+Why: a padded `[B, P+T]` micro-batch spends attention and MLP FLOPs on pad tokens; GRPO response lengths vary a lot,
+so padding is often half the tensor. Packing removes it (verl's `use_remove_padding`).
+
+How, with unmodified HF models: the packed row is `input_ids [1, N]` with `position_ids` restarting at 0 for every
+sequence (RoPE sees the same positions as in the padded row), and attention is isolated per sequence by a varlen
+kernel that receives `cu_seq_lens` through the model's `**kwargs` (HF forwards them to the attention function, as for
+flash-attention-2). We register that kernel as the attention implementation `polyrl_varlen`; it is switched on only
+inside `packed_attention(model)`, so `generate` on the same module keeps its own implementation. The name is not
+registered as a mask function, so HF builds no `[N, N]` mask at all.
+
+Kernels: CUDA uses `torch.nn.attention.varlen.varlen_attn` (flash-attention varlen, in torch >= 2.9; no flash-attn
+package needed). Elsewhere (CPU) each sequence is a block of a block-diagonal causal mask fed to SDPA, which is
+exact but O(N^2) memory: fine for tests, not for long packs. Note that plain `sdpa` with restarting position ids is
+*not* something to rely on: whether HF turns position ids into a packed mask depends on the version and on whether an
+attention mask is passed; the explicit `cu_seq_lens` path does not depend on either.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from polyrl.training.batch import Batch
+
+ATTN_NAME = "polyrl_varlen"
+
+
+@dataclass
+class Packed:
+    """One micro-batch packed into a single row, plus where its response log-probs go in the padded layout."""
+
+    input_ids: torch.Tensor  # [1, N]
+    position_ids: torch.Tensor  # [1, N], restarting at 0 per sequence
+    cu_seqlens: torch.Tensor  # [B+1] int32, sequence starts in the packed row
+    max_seqlen: int
+    pred_index: torch.Tensor  # [M] packed positions whose output predicts a response token
+    targets: torch.Tensor  # [M] the response tokens they predict
+    rows: torch.Tensor  # [M] row of each target in the padded [B, T] response layout
+    cols: torch.Tensor  # [M] column of each target
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pack(mb: Batch) -> Packed:
+    """Pack `[left-padded prompt | right-padded response]` rows (see batch.py) into one row without padding."""
+    am = mb["attention_mask"].bool()
+    B, L = am.shape
+    T = mb["responses"].shape[1]
+    P = L - T
+    flat = am.flatten().nonzero().squeeze(-1)
+    lengths = am.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=am.device)
+    cu[1:] = lengths.cumsum(0)
+    prompt_len = am[:, :P].sum(1)
+    resp_used = am[:, P:]  # which response columns hold real tokens
+    rows, cols = resp_used.nonzero(as_tuple=True)
+    # response token (b, t) sits at packed position cu[b] + prompt_len[b] + t; the output one position earlier predicts it
+    pred_index = cu[:-1].long()[rows] + prompt_len[rows] + cols - 1
+    return Packed(
+        input_ids=mb["input_ids"].flatten()[flat].unsqueeze(0),
+        position_ids=mb["position_ids"].flatten()[flat].unsqueeze(0),
+        cu_seqlens=cu,
+        max_seqlen=int(lengths.max()) if B else 0,
+        pred_index=pred_index,
+        targets=mb["responses"][rows, cols],
+        rows=rows,
+        cols=cols,
+    )
+
+
+def unpack(values_M: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> torch.Tensor:
+    """Scatter per-response-token values back into the padded `[B, T]` layout (zeros elsewhere; differentiable)."""
+    out = values_M.new_zeros(shape)
+    return out.index_put((packed.rows, packed.cols), values_M)
+
+
+def attention_kwargs(packed: Packed) -> dict:
+    """What the model's forward passes down to `varlen_attention_forward` (flash-attention-2's kwarg names)."""
+    return dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
+                max_length_k=packed.max_seqlen)
+
+
+# ------------------------------------------------------------------------------------------------ attention kernels
+def _varlen_cuda():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, params
+
+
+def _cuda_varlen(q, k, v, cu, max_len, scale):
+    """q [N, Hq, D], k/v [N, Hkv, D] in bf16/fp16 -> [N, Hq, D], causal within each sequence."""
+    varlen_attn, params = _VARLEN
+    kw = {"scale": scale}
+    if "is_causal" in params:  # torch 2.9-2.11 spelling
+        kw["is_causal"] = True
+    else:
+        kw["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def _block_causal_sdpa(q, k, v, cu, scale):
+    """Reference path: SDPA with a block-diagonal causal mask (exact, O(N^2) memory)."""
+    N = q.shape[0]
+    seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), (cu[1:] - cu[:-1]).long(),
+                                  output_size=N)
+    idx = torch.arange(N, device=q.device)
+    mask = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                         enable_gqa=qh.shape[1] != kh.shape[1])
+    return out[0].transpose(0, 1)
+
+
+_VARLEN = _varlen_cuda()
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-interface function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise RuntimeError("polyrl_varlen attention was called without cu_seq_lens_q; it is only valid inside "
+                           "polyrl.training.packing.packed_attention() with a packed batch.")
+    assert query.shape[0] == 1, "packed attention expects one packed row"
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    if q.is_cuda and _VARLEN is not None:
+        # RoPE against fp32 cos/sin (fp32 residual stream under autocast) promotes q/k to fp32: cast to the kernel's
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        out = _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32),
+                           int(kwargs["max_length_q"]), scaling)
+    else:
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        out = _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling)
+    return out.unsqueeze(0), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention_forward)
+
+
+_register()
+
+
+def _configs(model):
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+@contextmanager
+def packed_attention(model):
+    """Switch `model`'s attention to the varlen kernel for the duration of a packed forward/backward.
+
+    The backward of non-reentrant checkpointing re-runs the forward after this context has exited, but the attention
+    function is looked up at call time from the config, so the recomputation must also see `polyrl_varlen`: callers
+    run forward *and* backward inside this context.
+    """
+    configs = _configs(model)
+    before = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = ATTN_NAME
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c._attn_implementation = b

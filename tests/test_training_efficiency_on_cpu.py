@@ -1,0 +1,185 @@
+"""Training-efficiency pieces on CPU: packing == padding, token-budget micro-batches don't change the update,
+chunked log-probs == naive, the FLOPs formula against a hand count, and the rollout gap metric."""
+
+import copy
+
+import pytest
+import torch
+
+from polyrl.algorithms import entropy_from_logits
+from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.models.loader import load_causal_lm
+from polyrl.trainer.metrics import rollout_logprob_gap
+from polyrl.training.actor import (Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy,
+                                   make_scheduler)
+from polyrl.training.batch import build_batch
+from polyrl.training.dynamic_batch import balanced_micro_batches
+from polyrl.training.flops import matmul_params, mfu, training_flops
+from polyrl.training.logprobs import chunked_logprobs, naive_logprobs
+from polyrl.training.packing import pack
+
+TOL = dict(rtol=0, atol=2e-5)  # fp32: packed vs padded differ only in summation order
+
+
+def _rows(num_rows, seed=0, max_prompt=12, max_resp=9):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 90, (int(torch.randint(2, max_prompt, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(num_rows)]
+    responses = [torch.randint(4, 90, (int(torch.randint(1, max_resp, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(num_rows)]
+    return prompts, responses
+
+
+def _batch(num_rows=8, seed=0):
+    prompts, responses = _rows(num_rows, seed)
+    batch = build_batch(prompts, responses, pad_token_id=0, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
+    return batch, prompts, responses
+
+
+def _qwen2(tiny_model_dir):
+    """A tiny Qwen2 (q/k/v biases, GQA 4:2) built in memory: the architecture of the GPU benchmarks."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_equals_padded_equals_one_sequence_at_a_time(tiny_model_dir, arch):
+    model = load_causal_lm(str(tiny_model_dir)).eval() if arch == "llama" else _qwen2(tiny_model_dir)
+    batch, prompts, responses = _batch(6)
+    with torch.no_grad():
+        packed, ent_p = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=True))
+        padded, ent_d = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=False))
+        for i, (p, r) in enumerate(zip(prompts, responses)):  # the ground truth: each sequence alone, no padding
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1].float() / 0.7
+            alone = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+            torch.testing.assert_close(packed[i, :len(r)], alone, **TOL)
+            torch.testing.assert_close(ent_p[i, :len(r)], entropy_from_logits(logits), **TOL)
+            assert (packed[i, len(r):] == 0).all()
+    torch.testing.assert_close(packed, padded, **TOL)
+    torch.testing.assert_close(ent_p, ent_d, **TOL)
+    assert model.config._attn_implementation == "sdpa"  # switched back after the packed pass (generate needs it)
+
+
+def test_pack_layout_has_no_padding_and_restarting_positions():
+    batch, prompts, responses = _batch(4)
+    packed = pack(batch)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    assert packed.num_tokens == sum(lengths)
+    assert packed.cu_seqlens.tolist() == [0] + torch.tensor(lengths).cumsum(0).tolist()
+    assert packed.input_ids[0].tolist() == [t for p, r in zip(prompts, responses) for t in p + r]
+    assert packed.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
+    assert packed.targets.tolist() == [t for r in responses for t in r]
+
+
+def test_packed_gradients_equal_padded_gradients(tiny_model_dir):
+    base = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _batch(5)
+    grads = []
+    for use_remove_padding in (True, False):
+        model = copy.deepcopy(base)
+        logp, ent = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(use_remove_padding=use_remove_padding,
+                                                                                 logprob_chunk_size=7))
+        ((logp * batch["advantages"]).sum() + 0.1 * ent.sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().max() > 1e-3
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5)
+
+
+def _settings(**kw):
+    base = dict(mini_batch_size=12, micro_batch_size=12, ppo_epochs=1, temperature=1.0, loss_mode="vanilla",
+                loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.01,
+                use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+    base.update(kw)
+    return UpdateSettings(**base)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, mode):
+    base = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _batch(12, seed=3)
+    batch["old_log_probs"] = compute_logprobs(base, batch, temperature=1.0, micro_batch_size=12) + 0.05
+    batch["ref_log_probs"] = batch["old_log_probs"] - 0.1
+    longest = int(batch["attention_mask"].sum(1).max())
+    results, metrics = [], []
+    for max_token_len in (None, longest, 2 * longest):  # one micro-batch vs several balanced token-cut ones
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        actor = Actor(model, opt, make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant",
+                                                 min_lr_ratio=0.0, num_cycles=0.5))
+        metrics.append(actor.update(batch, _settings(loss_agg_mode=mode, max_token_len=max_token_len)))
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert (results[0] - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4
+    for r in results[1:]:
+        torch.testing.assert_close(r, results[0], rtol=0, atol=1e-6)
+    for m in metrics[1:]:
+        for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac"):
+            assert m[k] == pytest.approx(metrics[0][k], abs=1e-5), k
+
+
+def test_balanced_micro_batches_respect_budget_and_balance():
+    lengths = [900, 100, 500, 500, 300, 700, 200, 800]  # 4000 tokens
+    groups = balanced_micro_batches(lengths, 1000)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    sums = [sum(lengths[i] for i in g) for g in groups]
+    assert len(groups) == 4 and max(sums) <= 1000  # the fewest that can hold 4000 tokens
+    assert max(sums) - min(sums) <= 200
+    assert balanced_micro_batches([600, 600, 600], 1000) == [[0], [1], [2]]  # greedy overflows at k=2: adds one
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
+        balanced_micro_batches([1200, 10], 1000)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_chunked_logprobs_equal_naive_values_and_gradients(chunk_size):
+    g = torch.Generator().manual_seed(0)
+    h0, w0, b0 = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g), torch.randn(50, generator=g)
+    y = torch.randint(0, 50, (10,), generator=g)
+    outs = []
+    for fn in (naive_logprobs, lambda *a, **k: chunked_logprobs(*a, chunk_size=chunk_size, **k)):
+        h, w, b = (t.clone().requires_grad_() for t in (h0, w0, b0))
+        logp, ent = fn(h, w, y, bias_V=b, temperature=0.8, with_entropy=True)
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        outs.append((logp.detach(), ent.detach(), h.grad, w.grad, b.grad))
+    for naive, chunked in zip(*outs):
+        torch.testing.assert_close(chunked, naive, rtol=1e-5, atol=1e-5)
+    assert chunked_logprobs(h0, w0, y, with_entropy=False)[1] is None
+
+
+def test_flops_match_a_hand_count_for_qwen2_5_1_5b():
+    cfg = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+               intermediate_size=8960, vocab_size=151936)
+    # per layer: q 1536*1536 + k,v 2*1536*256 + o 1536*1536 = 5,505,024; MLP 3*1536*8960 = 41,287,680
+    trunk, head = matmul_params(cfg)
+    assert trunk == 28 * (5_505_024 + 41_287_680) == 1_310_195_712
+    assert head == 151936 * 1536 == 233_373_696
+    # two sequences of 1000 and 3000 tokens, LM head on 2500 of them
+    attn = 12 * 28 * 12 * 128 * (1000 ** 2 + 3000 ** 2)
+    expected = 6 * (1_310_195_712 * 4000 + 233_373_696 * 2500) + attn
+    assert training_flops(cfg, [1000, 3000], lm_head_tokens=2500) == expected
+    assert mfu(expected, 1.0, peak=989e12) == pytest.approx(expected / 989e12)
+    assert mfu(expected, 1.0, peak=0.0) == 0.0
+
+
+def test_update_logs_rollout_gap_from_its_own_first_forward(tiny_model_dir):
+    model = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _batch(8, seed=5)
+    current = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=4)
+    g = torch.Generator().manual_seed(9)
+    batch["rollout_log_probs"] = (current + 0.05 * torch.randn(current.shape, generator=g)) * batch["response_mask"]
+    expected = rollout_logprob_gap(batch["rollout_log_probs"], current, batch["response_mask"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    actor = Actor(model, opt, make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant", min_lr_ratio=0.0,
+                                             num_cycles=0.5))
+    m = actor.update(batch, _settings(mini_batch_size=8, micro_batch_size=4, use_kl_loss=False,
+                                      old_from_current=True))
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(expected["training/rollout_probs_diff_mean"],
+                                                                  rel=1e-5)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(expected["training/rollout_probs_diff_max"],
+                                                                 rel=1e-5)
