@@ -1,8 +1,8 @@
 """Starting the processes: `torchrun` when the user ran it, polyrl relaunching itself when the config asks for more.
 
-`torchrun --nproc_per_node=N -m polyrl.train KEY=VALUE ...` is the plain way. `polyrl train ...
-trainer.n_gpus_per_node=N` does the same by re-executing itself under `torch.distributed.run` (standalone rendezvous
-on one node); `trainer.nnodes > 1` goes through Ray (`ray_cluster.launch_on_ray`), which starts one torchrun agent
+`torchrun --nproc_per_node=N -m polyrl.train KEY=VALUE ...` is the plain way. `python -m polyrl.distributed.launch
+... trainer.n_gpus_per_node=N` (and `polyrl train`, once the CLI calls `maybe_launch`) does the same by re-executing
+itself under `torch.distributed.run` (standalone rendezvous on one node); `trainer.nnodes > 1` goes through Ray (`ray_cluster.launch_on_ray`), which starts one torchrun agent
 per node. Inside a torchrun child nothing is relaunched: `WORLD_SIZE`/`RANK` are already set.
 """
 
@@ -51,3 +51,21 @@ def maybe_launch(cfg, argv: list[str], *, module: str = "polyrl.train") -> int |
 
         return launch_on_ray(cfg, argv, module=module)
     return subprocess.call(torchrun_command(cfg.trainer.n_gpus_per_node, ["-m", module, *argv]))
+
+
+def main(argv: list[str]) -> int:
+    """`python -m polyrl.distributed.launch KEY=VALUE ...`: `polyrl train`, as many processes as the config asks."""
+    from polyrl.cli import main as cli_main
+    from polyrl.config import build_config
+    from polyrl.errors import UserError
+    from polyrl.trainer.config import PPOConfig
+
+    try:
+        code = maybe_launch(build_config(PPOConfig(), argv), argv)
+    except UserError:
+        code = None  # let `polyrl train` print the one-sentence error
+    return cli_main(["train", *argv]) if code is None else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
