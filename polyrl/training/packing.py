@@ -20,6 +20,7 @@ attention mask is passed; the explicit `cu_seq_lens` path does not depend on eit
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -129,6 +130,7 @@ def _block_causal_sdpa(q, k, v, cu, scale):
 
 
 _VARLEN = _varlen_cuda()
+_VARLEN_BROKEN: list[str] = []
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -139,17 +141,20 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                            "polyrl.training.packing.packed_attention() with a packed batch.")
     assert query.shape[0] == 1, "packed attention expects one packed row"
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
-    if q.is_cuda and _VARLEN is not None:
+    if q.is_cuda and _VARLEN is not None and not _VARLEN_BROKEN:
         # RoPE against fp32 cos/sin (fp32 residual stream under autocast) promotes q/k to fp32: cast to the kernel's
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
         if q.dtype not in (torch.float16, torch.bfloat16):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        out = _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32),
-                           int(kwargs["max_length_q"]), scaling)
-    else:
-        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        out = _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling)
-    return out.unsqueeze(0), None
+        try:
+            return _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32),
+                                int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
+        except (TypeError, RuntimeError) as e:  # an older torch spelling or an unsupported GPU: say so, stay correct
+            _VARLEN_BROKEN.append(repr(e))
+            warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to block-causal SDPA "
+                          "(exact, O(N^2) memory).", stacklevel=2)
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling).unsqueeze(0), None
 
 
 def _register() -> None:
