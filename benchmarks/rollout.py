@@ -102,24 +102,22 @@ def tune_decode(bw: float) -> None:
     best = None
     print(f"decode kernel: B={B} ctx={ctx} KV read {nbytes / 1e9:.2f} GB per layer-call; copy-BW floor "
           f"{nbytes / bw * 1e6:.0f} us")
-    for tile in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                for pps in (2, 4, 8):
-                    pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps)
-                    meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
-                                    block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda"),
-                                    num_splits=pd.choose_num_splits(B, KVH, sms), use_kernel=True)
-                    try:
-                        ms = triton.testing.do_bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5), return_mode="median")
-                    except Exception as e:  # a config that does not fit (shared memory) is skipped
-                        print(f"  tile={tile} warps={warps} stages={stages} pps={pps}: failed {type(e).__name__}")
-                        continue
-                    gbs = nbytes / (ms / 1e3) / 1e9
-                    print(f"  tile={tile} warps={warps} stages={stages} pps={pps} splits={meta.num_splits}: "
-                          f"{ms * 1e3:.0f} us, {gbs:,.0f} GB/s")
-                    if best is None or ms < best[0]:
-                        best = (ms, dict(pd.CONFIG))
+    grid = [(ah, tile, warps, stages, pps) for ah in (False, True) for tile in ((16, 32, 64) if ah else (32, 64))
+            for warps in (4, 8) for stages in (2, 3) for pps in (1, 2, 4)]
+    for ah, tile, warps, stages, pps in grid:
+        pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps, all_heads=ah)
+        meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
+                        block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda"),
+                        num_splits=pd.choose_num_splits(B, KVH, sms), use_kernel=True)
+        try:
+            ms = triton.testing.do_bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5), return_mode="median")
+        except Exception as e:  # a config that does not fit (shared memory) is skipped
+            print(f"  {pd.CONFIG}: failed {type(e).__name__}")
+            continue
+        gbs = nbytes / (ms / 1e3) / 1e9
+        print(f"  {pd.CONFIG} splits={meta.num_splits}: {ms * 1e3:.0f} us, {gbs:,.0f} GB/s")
+        if best is None or ms < best[0]:
+            best = (ms, dict(pd.CONFIG))
     pd.CONFIG.update(best[1])
     print(f"decode kernel best: {best[1]} {best[0] * 1e3:.0f} us")
 
@@ -177,6 +175,9 @@ def main():
     date = datetime.date.today().isoformat()
     if args.tune_decode:
         tune_decode(bw)
+    from polyrl.rollout.native.paged_decode import CONFIG as decode_config
+
+    print(f"paged-decode config: {decode_config}")
     results, rows = [], []
     P = 256
     for name in args.models.split(","):

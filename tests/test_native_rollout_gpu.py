@@ -178,3 +178,16 @@ def test_fused_sampler_statistics_and_reproducibility():
     assert torch.equal(tok, big.float().argmax(-1))
     ref = torch.log_softmax(big.float(), -1).gather(1, tok[:, None]).squeeze(1)
     assert (lp - ref).abs().max() < 1e-4
+
+
+def test_fused_sampler_across_vocab_chunks():
+    from polyrl.rollout.native.fused import sample_rows
+
+    R, V = 20000, 5000  # several 1024-wide chunks; mass split between far-apart tokens
+    logits = torch.full((R, V), -30.0, device="cuda")
+    logits[:, [100, 3000, 4900]] = torch.tensor([0.0, 0.0, 0.6931], device="cuda")  # 1 : 1 : 2
+    tok, lp = sample_rows(logits, 1.0, seed=3)
+    freq = torch.stack([(tok == i).float().mean() for i in (100, 3000, 4900)])
+    assert (freq - torch.tensor([0.25, 0.25, 0.5], device="cuda")).abs().max() < 0.02, freq
+    tok, _ = sample_rows(torch.zeros(R, V, device="cuda"), 1.0, seed=4)  # uniform: mean index ~ V/2
+    assert abs(tok.float().mean().item() - (V - 1) / 2) < 40 and tok.min() >= 0 and tok.max() < V

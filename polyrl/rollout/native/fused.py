@@ -138,81 +138,98 @@ def silu_mul(gate_up_TX: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _sample_partial_kernel(L, PM, PS, PV, PI, seed, inv_temp, V, stride, per_chunk,
+@triton.jit
+def _sample_partial_kernel(L, PM, PS, PI, inv_temp, V, stride, per_chunk,
                            NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
-    # one program per (row, chunk of the vocabulary): partial log-sum-exp and the chunk's best Gumbel score
+    # one program per (row, chunk of the vocabulary): the chunk's max and sum-exp (and, greedy, its argmax)
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     lo = ch * per_chunk
     hi = tl.minimum(V, lo + per_chunk)
     m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max / sum-exp, reduced at the end
     s = tl.zeros([BLOCK], tl.float32)
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     for start in range(lo, hi, BLOCK):
         c = start + tl.arange(0, BLOCK)
-        msk = c < hi
-        x = tl.load(L + row * stride + c, mask=msk, other=float("-inf")).to(tl.float32) * inv_temp
+        x = tl.load(L + row * stride + c, mask=c < hi, other=float("-inf")).to(tl.float32) * inv_temp
+        if GREEDY:
+            best_i = tl.where(x > m, c, best_i)
         m_new = tl.maximum(m, x)
         live = m_new > float("-inf")  # lanes that have seen a real logit (padding lanes stay at 0)
         s = s * tl.where(live, tl.exp(m - m_new), 1.0) + tl.where(live, tl.exp(x - m_new), 0.0)
         m = m_new
-        if GREEDY:
-            score = x
-        else:
-            # RNG counter = (row, column): the draw does not depend on how the vocabulary is chunked
-            u = tl.rand(seed, (row * V + c).to(tl.int32))
-            score = x - tl.log(-tl.log(u))
-        score = tl.where(msk, score, float("-inf"))
-        better = score > best_v
-        best_v = tl.where(better, score, best_v)
-        best_i = tl.where(better, c, best_i)
     mx = tl.max(m, 0)
-    sm = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0)
-    top = tl.max(best_v, 0)
-    idx = tl.min(tl.where(best_v == top, best_i, 2147483647), 0)  # lowest index among ties, like torch.argmax
     o = row * NCHUNK + ch
     tl.store(PM + o, mx)
-    tl.store(PS + o, sm)
-    tl.store(PV + o, top)
-    tl.store(PI + o, idx)
+    tl.store(PS + o, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
+    if GREEDY:
+        tl.store(PI + o, tl.min(tl.where(m == mx, best_i, 2147483647), 0))  # lowest index among ties
 
 
-@triton.jit
-def _sample_combine_kernel(L, PM, PS, PV, PI, TOK, LP, inv_temp, stride, NCHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["seed"])
+def _sample_pick_kernel(L, PM, PS, PI, TOK, LP, seed, inv_temp, V, stride, per_chunk,
+                        NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+    # one program per row: log-sum-exp from the chunks, then the token: argmax (greedy) or inverse CDF at one
+    # uniform draw keyed by (seed, row), found chunk first and then inside that chunk
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, NCHUNK)
     m = tl.load(PM + row * NCHUNK + k)
-    s = tl.load(PS + row * NCHUNK + k)
-    v = tl.load(PV + row * NCHUNK + k)
-    i = tl.load(PI + row * NCHUNK + k)
     mx = tl.max(m, 0)
-    lse = mx + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
-    top = tl.max(v, 0)
-    idx = tl.min(tl.where(v == top, i, 2147483647), 0)
+    w = tl.where(m > float("-inf"), tl.load(PS + row * NCHUNK + k) * tl.exp(m - mx), 0.0)  # chunk masses
+    lse = mx + tl.log(tl.sum(w, 0))
+    if GREEDY:
+        i = tl.load(PI + row * NCHUNK + k)
+        idx = tl.min(tl.where(m == mx, i, 2147483647), 0)
+    else:
+        target = tl.rand(seed, row.to(tl.int32)) * tl.sum(w, 0)
+        cum = tl.cumsum(w, 0)
+        ch = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), NCHUNK - 1)
+        target -= tl.sum(tl.where(k < ch, w, 0.0), 0)
+        lo = ch * per_chunk
+        hi = tl.minimum(V, lo + per_chunk)
+        idx = hi - 1  # rounding fallback: the chunk's last token
+        found = 0
+        run = 0.0
+        last = lo
+        for start in range(lo, hi, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            x = tl.load(L + row * stride + c, mask=c < hi, other=float("-inf")).to(tl.float32) * inv_temp
+            p = tl.exp(x - mx)
+            cp = run + tl.cumsum(p, 0)
+            n_below = tl.sum(((cp <= target) & (c < hi)).to(tl.int32), 0)
+            hit = (found == 0) & (n_below < tl.sum((c < hi).to(tl.int32), 0))
+            idx = tl.where(hit, start + n_below, idx)
+            found = tl.where(hit, 1, found)
+            last = tl.where(tl.sum(p, 0) > 0, tl.max(tl.where(p > 0, c, lo), 0), last)
+            run = run + tl.sum(p, 0)
+        idx = tl.where(found == 1, idx, last)
     x_tok = tl.load(L + row * stride + idx).to(tl.float32) * inv_temp
     tl.store(TOK + row, idx.to(tl.int64))
     tl.store(LP + row, x_tok - lse)
 
 
-SAMPLE_CHUNKS = 16  # programs per row: 256 rows alone leave the GPU half idle (measured 233 us vs ~30 us)
+SAMPLE_CHUNKS = 16  # programs per row for the log-sum-exp pass: 256 rows alone leave the GPU half idle
 
 
 def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or temperature sampling of each row; returns (ids, log_softmax(logits / T)[id]).
+
+    Two read passes over the logits and one uniform per row (inverse CDF): an earlier Gumbel-max version drew a
+    Philox number and took two logs per logit and was compute-bound (206 us for 256 x 152k on an H200).
+    """
     R, V = logits_RV.shape
     dev = logits_RV.device
     tok = torch.empty(R, dtype=torch.long, device=dev)
     lp = torch.empty(R, dtype=torch.float32, device=dev)
-    part = torch.empty(3, R, SAMPLE_CHUNKS, dtype=torch.float32, device=dev)
+    part = torch.empty(2, R, SAMPLE_CHUNKS, dtype=torch.float32, device=dev)
     part_i = torch.empty(R, SAMPLE_CHUNKS, dtype=torch.int32, device=dev)
     greedy = temperature == 0.0
     inv_temp = 1.0 if greedy else 1.0 / temperature
     BLOCK = 1024
     per_chunk = triton.cdiv(triton.cdiv(V, SAMPLE_CHUNKS), BLOCK) * BLOCK
-    _sample_partial_kernel[(R, SAMPLE_CHUNKS)](logits_RV, part[0], part[1], part[2], part_i, seed, inv_temp, V,
-                                               logits_RV.stride(0), per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK,
-                                               GREEDY=greedy, num_warps=4)
-    _sample_combine_kernel[(R,)](logits_RV, part[0], part[1], part[2], part_i, tok, lp, inv_temp,
-                                 logits_RV.stride(0), NCHUNK=SAMPLE_CHUNKS, num_warps=1)
+    _sample_partial_kernel[(R, SAMPLE_CHUNKS)](logits_RV, part[0], part[1], part_i, inv_temp, V, logits_RV.stride(0),
+                                               per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy,
+                                               num_warps=4)
+    _sample_pick_kernel[(R,)](logits_RV, part[0], part[1], part_i, tok, lp, seed, inv_temp, V, logits_RV.stride(0),
+                              per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy, num_warps=4)
     return tok, lp
