@@ -72,7 +72,7 @@ def main() -> None:
 
     from polyrl.algorithms.losses import PolicyLossConfig
     from polyrl.distributed import DistEnv
-    from polyrl.distributed.parallelize import parallelize
+    from polyrl.distributed.parallelize import param_groups, parallelize
     from polyrl.distributed.weights import full_tensors
     from polyrl.training.actor import Actor, UpdateSettings, make_scheduler
     from polyrl.training.config import FSDPConfig
@@ -84,7 +84,7 @@ def main() -> None:
     if env.is_distributed:
         parallelize(model, env.mesh, FSDPConfig(), env.device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-6)
     actor = Actor(model, opt, make_scheduler(opt, total_steps=100, warmup_steps=0, kind="constant",
                                              min_lr_ratio=0.0, num_cycles=0.5), dp=env)
     s = UpdateSettings(mini_batch_size=args.seqs_per_gpu, micro_batch_size=args.micro, ppo_epochs=1,

@@ -47,7 +47,10 @@ def mixed_precision_policy(cfg, device: torch.device):
     mp = cfg.mixed_precision or {}
     param = to_dtype(mp.get("param_dtype", cfg.dtype), "fsdp_config.mixed_precision.param_dtype")
     reduce = to_dtype(mp.get("reduce_dtype", "float32"), "fsdp_config.mixed_precision.reduce_dtype")
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    # cast_forward_inputs=False: autocast (the actor's) decides activation dtypes, as in one process; FSDP casting
+    # block inputs (e.g. fp32 RoPE cos/sin) to bf16 in forward but not in a checkpointed recompute breaks
+    # gradient checkpointing ("recomputed values have different metadata")
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False)
 
 
 def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
@@ -94,3 +97,13 @@ def parallelize_frozen(model: nn.Module, mesh, cfg, device: torch.device) -> nn.
     from dataclasses import replace
 
     return parallelize(model, mesh, replace(cfg, reshard_after_forward=True), device)
+
+
+def param_groups(model: nn.Module) -> list:
+    """Trainable parameters for the optimizer: one group per kind (FSDP-sharded DTensors, replicated plain tensors),
+    because fused/foreach optimizers refuse a list that mixes the two. A plain list when nothing is sharded."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sharded = [p for p in params if hasattr(p, "full_tensor")]
+    if not sharded:
+        return params
+    return [{"params": sharded}, {"params": [p for p in params if not hasattr(p, "full_tensor")]}]

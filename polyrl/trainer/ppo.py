@@ -31,6 +31,7 @@ from polyrl.config import save_config, to_dict
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
+from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
@@ -112,7 +113,7 @@ class PPOTrainer:
             parallelize(model, self.dist.mesh, arr.actor.fsdp_config, self.device)
         self.model = model
         optim = arr.actor.optim
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = param_groups(model)  # polyrl.distributed: sharded and replicated parameters in separate groups
         optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                       weight_decay=optim.weight_decay)
         warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else \
