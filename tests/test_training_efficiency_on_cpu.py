@@ -55,7 +55,8 @@ def test_packed_equals_padded_equals_one_sequence_at_a_time(tiny_model_dir, arch
     model = load_causal_lm(str(tiny_model_dir)).eval() if arch == "llama" else _qwen2(tiny_model_dir)
     batch, prompts, responses = _batch(6)
     with torch.no_grad():
-        packed, ent_p = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=True))
+        packed, ent_p = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=True,
+                                                                                    pack_on_cpu=True))
         padded, ent_d = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=False))
         for i, (p, r) in enumerate(zip(prompts, responses)):  # the ground truth: each sequence alone, no padding
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1].float() / 0.7
@@ -85,7 +86,7 @@ def test_packed_gradients_equal_padded_gradients(tiny_model_dir):
     grads = []
     for use_remove_padding in (True, False):
         model = copy.deepcopy(base)
-        logp, ent = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(use_remove_padding=use_remove_padding,
+        logp, ent = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(use_remove_padding=use_remove_padding, pack_on_cpu=True,
                                                                                  logprob_chunk_size=7))
         ((logp * batch["advantages"]).sum() + 0.1 * ent.sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))

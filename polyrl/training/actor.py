@@ -37,6 +37,7 @@ class ForwardSettings:
     logprob_chunk_size: int = 2048  # LM-head rows per chunk (logprobs.py); never materialises [tokens, vocab] fp32
     chunk_checkpointing: bool = True  # recompute each chunk's logits in backward instead of saving them
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
+    pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
 
     def __post_init__(self):
         if self.compute_dtype not in _DTYPES:
@@ -81,7 +82,7 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
     trunk, head = _trunk_and_head(model)
     shape = tuple(mb["responses"].shape)
     with _autocast(fwd, mb["input_ids"].device):
-        if fwd.use_remove_padding:
+        if fwd.use_remove_padding and (mb["input_ids"].is_cuda or fwd.pack_on_cpu):
             packed = pack(mb)
             with packed_attention(model):
                 out = trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
@@ -179,7 +180,8 @@ class Actor:
 
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
         # packed attention stays on through backward: checkpointed layers re-run their forward there
-        with packed_attention(self.model) if self.fwd.use_remove_padding else nullcontext():
+        packs = self.fwd.use_remove_padding and (batch["input_ids"].is_cuda or self.fwd.pack_on_cpu)
+        with packed_attention(self.model) if packs else nullcontext():
             return self._update(batch, s, generator)
 
     def _update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None) -> dict[str, float]:
