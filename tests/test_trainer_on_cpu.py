@@ -159,6 +159,6 @@ def test_quickstart_learns(tmp_path, monkeypatch):
     from polyrl.trainer.quickstart import run_quickstart
 
     monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
-    r = run_quickstart(str(tmp_path / "qs"), fast=True, extra_overrides=["actor_rollout_ref.rollout.name=hf"])
+    r = run_quickstart(str(tmp_path / "qs"), fast=True)  # the default engine: rollout.name=native
     assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
     assert (tmp_path / "qs" / "metrics.jsonl").is_file()

@@ -488,8 +488,11 @@ class PPOTrainer:
         }
 
     def _engine_generator_state(self):
+        """The engine's sampling-RNG position: a generator state (hf) or its call counter (native seeds per call)."""
         gen = getattr(self.engine, "generator", None)
-        return gen.get_state() if gen is not None else None
+        if gen is not None:
+            return {"generator": gen.get_state()}
+        return {"num_calls": int(getattr(self.engine, "num_calls", 0))}
 
     def save_checkpoint(self, export_hf: bool = False) -> Path:
         if self.dist.is_distributed:
@@ -566,8 +569,11 @@ class PPOTrainer:
         self.sampler.load_state_dict(extra["sampler"])
         set_rng_state(extra["rng"])
         self.generator.set_state(extra["generator"])
-        if extra.get("engine_generator") is not None and getattr(self.engine, "generator", None) is not None:
-            self.engine.generator.set_state(extra["engine_generator"])
+        eng = extra.get("engine_generator") or {}
+        if "generator" in eng and getattr(self.engine, "generator", None) is not None:
+            self.engine.generator.set_state(eng["generator"])
+        if "num_calls" in eng and hasattr(self.engine, "num_calls"):
+            self.engine.num_calls = eng["num_calls"]
         if self.kl_ctrl is not None and extra.get("kl_coef") is not None:
             self.kl_ctrl.value = extra["kl_coef"]
         self.engine.update_weights(self._weights_for_rollout())
