@@ -88,3 +88,13 @@ def test_validation_n_samples(tiny_model_dir, synth_data_dir, tmp_path):
                 "val-core/polyrl/reverse/acc/maj@4/mean"):
         assert key in row, sorted(row)
     assert not (tmp_path / "ckpt").exists()  # val_only trains and saves nothing
+
+
+def test_generation_dumps(tiny_model_dir, synth_data_dir, tmp_path, capsys):
+    _run(tiny_model_dir, synth_data_dir, tmp_path, f"trainer.rollout_data_dir={tmp_path / 'gen'}",
+         f"trainer.validation_data_dir={tmp_path / 'valgen'}", "trainer.val_before_train=True",
+         "trainer.log_val_generations=2")
+    rows = [json.loads(line) for line in (tmp_path / "gen" / "1.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {"input", "output", "score", "step"} <= set(rows[0])
+    assert (tmp_path / "valgen" / "1.jsonl").is_file()
+    assert "[val 1] prompt=" in capsys.readouterr().out

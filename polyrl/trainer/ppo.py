@@ -301,6 +301,8 @@ class PPOTrainer:
                     self.engine.release_memory()
             with timer.stage("reward"):
                 scores, extras = self._score(prompts, out)
+            if cfg.trainer.rollout_data_dir:
+                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, scores)
             if cfg.algorithm.adv_estimator == "remax":
                 with timer.stage("gen_max"):
                     greedy = self.engine.generate([p.prompt_ids for p in prompts],
@@ -457,12 +459,31 @@ class PPOTrainer:
         if "acc" not in infos:
             infos["acc"] = [float(s >= 1.0) for s in scores] if self._binary_rewards(scores) else scores
         infos.setdefault("pred", preds)  # majority vote (maj@N) over the decoded answers
+        t = self.cfg.trainer
+        if t.validation_data_dir:
+            self._dump_generations(t.validation_data_dir, val, out, scores)
+        for i in range(min(t.log_val_generations, len(preds))):
+            prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=True)
+            print(f"[val {i}] prompt={prompt!r} response={preds[i]!r} score={scores[i]:.3f}", flush=True)
         sources, uids = [s.data_source for s in texts], [str(s.index) for s in texts]
         if self.dist.is_distributed:
             sources, uids, infos = dp_data.gather_validation(self.dist, sources, uids, infos)
         metrics = process_validation_metrics(sources, uids, infos)
         metrics.update(self.timer.pop())
         return metrics
+
+    def _dump_generations(self, folder: str, prompts, out, scores) -> None:
+        """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score."""
+        import json as _json
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        rank = f"_rank{self.dist.rank}" if self.dist.is_distributed else ""
+        responses = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        with open(Path(folder) / f"{self.global_step + 1}{rank}.jsonl", "a") as f:
+            for pi, resp, score in zip(out.prompt_index, responses, scores):
+                prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
+                f.write(_json.dumps({"step": self.global_step + 1, "input": prompt, "output": resp, "score": score})
+                        + "\n")
 
     @staticmethod
     def _binary_rewards(scores) -> bool:
