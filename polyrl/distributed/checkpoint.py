@@ -80,7 +80,13 @@ def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
 
     path = Path(path)
     state = _model_optim_state(model, optimizer)
+    groups = [dict(g) for g in state["optimizer"]["param_groups"]]
     dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    # per-parameter state is keyed by name, but the *grouping* depends on the process count (sharded and replicated
+    # parameters are separate groups only when sharded): keep this process's groups, with the saved hyper-parameters
+    # (all groups share them; the LR in them is where the schedule was)
+    saved = state["optimizer"]["param_groups"][0]
+    state["optimizer"]["param_groups"] = [{**g, **{k: v for k, v in saved.items() if k != "params"}} for g in groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
     return extra
@@ -107,3 +113,13 @@ def without_aliases(full: dict[str, torch.Tensor], like) -> dict[str, torch.Tens
             keep[name] = full[name]
         seen.add(key)
     return keep
+
+
+def regroup_scheduler_state(state: dict, num_groups: int) -> dict:
+    """An LR scheduler's state saved with another number of optimizer groups (see `load_sharded`): per-group lists
+    are cut or extended to `num_groups` (all groups share one schedule, so element 0 stands for all)."""
+    out = dict(state)
+    for key, value in state.items():
+        if key in ("base_lrs", "_last_lr", "lr_lambdas") and isinstance(value, list) and len(value) != num_groups:
+            out[key] = [value[0]] * num_groups
+    return out

@@ -543,11 +543,13 @@ class PPOTrainer:
             self.tokenizer.save_pretrained(out_dir)
 
     def _load_sharded(self, state: dict) -> bool:
-        from polyrl.distributed.checkpoint import is_sharded, load_sharded
+        from polyrl.distributed.checkpoint import is_sharded, load_sharded, regroup_scheduler_state
 
         if not is_sharded(state["_path"]):
             return False
         load_sharded(state["_path"], self.model, self.actor.optimizer)
+        state["extra"]["scheduler"] = regroup_scheduler_state(state["extra"]["scheduler"],
+                                                              len(self.actor.optimizer.param_groups))
         gens = state["extra"].get("engine_generator")
         if isinstance(gens, list):  # per-rank sampling streams; a different process count starts fresh ones
             state["extra"]["engine_generator"] = gens[self.dist.rank] if len(gens) == self.dist.world_size else None
