@@ -98,3 +98,13 @@ def test_generation_dumps(tiny_model_dir, synth_data_dir, tmp_path, capsys):
     assert len(rows) == 16 and {"input", "output", "score", "step"} <= set(rows[0])
     assert (tmp_path / "valgen" / "1.jsonl").is_file()
     assert "[val 1] prompt=" in capsys.readouterr().out
+
+
+def test_max_actor_ckpt_to_keep_and_resume_path(tiny_model_dir, synth_data_dir, tmp_path):
+    _run(tiny_model_dir, synth_data_dir, tmp_path, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2",
+         steps=4)
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step_"))
+    assert kept == ["global_step_3", "global_step_4"]
+    rows = _run(tiny_model_dir, synth_data_dir, tmp_path, "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={tmp_path / 'ckpt' / 'global_step_3'}", steps=5)
+    assert [r["step"] for r in rows][-2:] == [4, 5]  # restarted from step 3, not from the latest (4)
