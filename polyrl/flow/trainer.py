@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -264,6 +265,44 @@ class FlowGRPOTrainer:
         mean = float(torch.cat(scores).mean()) if scores else math.nan
         return {f"val-core/{self.cfg.data.data_source}/reward/mean@1": mean}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.policy.transformer.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self, root: str) -> None:
+        """Trainable weights (LoRA or all), optimizer, step and RNG streams, atomically (polyrl.utils.checkpoint)."""
+        from polyrl.utils.checkpoint import CheckpointManager
+
+        with self.timer.stage("save_checkpoint"):
+            CheckpointManager(root).save(self.global_step, {
+                "model": self._trainable_state(),
+                "optimizer": self.optimizer.state_dict(),
+                "trainer": {"global_step": self.global_step, "noise_rng": self._noise_gen.get_state(),
+                            "data_rng": self._data_gen.get_state(), "order": list(self._order)},
+            })  # fmt: skip
+
+    def load_checkpoint(self, root: str) -> bool:
+        """Resume from the latest complete checkpoint under `root`; False when there is none."""
+        from polyrl.utils.checkpoint import CheckpointManager
+
+        mgr = CheckpointManager(root)
+        step = mgr.latest_step()
+        if step is None:
+            return False
+        state = mgr.load(step)
+        params = dict(self.policy.transformer.named_parameters())
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        t = state["trainer"]
+        self.global_step = int(t["global_step"])
+        self._noise_gen.set_state(t["noise_rng"])
+        self._data_gen.set_state(t["data_rng"])
+        self._order = list(t["order"])
+        return True
+
     def fit(self, progress: bool | None = None) -> dict[str, list[float]]:
         """Run trainer.total_training_steps steps with validation; returns {"val": [...], "train": [...]} rewards."""
         t = self.cfg.trainer
@@ -286,12 +325,18 @@ class FlowGRPOTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=t.total_training_steps, desc="FlowGRPO", unit="step", dynamic_ncols=True)
-        for _ in range(t.total_training_steps):
+        ckpt_dir = str(Path(t.default_local_dir) / "checkpoints")
+        if t.save_freq > 0 and self.load_checkpoint(ckpt_dir) and bar is not None:
+            bar.update(self.global_step)
+        while self.global_step < t.total_training_steps:
             m = self.step()
             history["train"].append(m["critic/rewards/mean"])
             last = self.global_step == t.total_training_steps
             if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                 m.update(run_val())
+            if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
+                self.save_checkpoint(ckpt_dir)
+                m.update(self.timer.pop())
             if self.tracker:
                 self.tracker.log(m, step=self.global_step)
             if bar is not None:
