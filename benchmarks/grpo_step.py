@@ -48,6 +48,7 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
     tok_dir, model_dir = work / "tokenizer", work / "model"
     tok.save_pretrained(tok_dir)  # separate dir: transformers forces Qwen2Tokenizer onto dirs whose config is qwen2
     cfg = qwen25_1_5b(init_std)
+    cfg.use_cache = True  # generate() in TRL reads it from the saved config; without it HF decodes with no KV cache
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
     torch.manual_seed(seed)
     with torch.device("cuda"):
@@ -227,6 +228,7 @@ def main(argv=None):
             res["polyrl_error"] = repr(e)[:500]
             torch.cuda.empty_cache()
         if args.skip_trl:
+            record(args, report, length, device)
             continue
         t0 = time.perf_counter()
         try:
@@ -245,25 +247,31 @@ def main(argv=None):
             traceback.print_exc()
             res["trl_error"] = repr(e)[:500]
             torch.cuda.empty_cache()
+        record(args, report, length, device)
     print(json.dumps(report, indent=1, default=str))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
     print("\n| response len | polyrl tok/s | TRL tok/s | ratio |\n|---|---|---|---|")
     for length in args.lengths.split(","):
         r = report.get(length, {})
         p, t = r.get("polyrl", {}).get("perf/throughput"), r.get("trl", {}).get("throughput")
         print(f"| {length} | {p or '-'} | {t or '-'} | {f'{p / t:.2f}x' if p and t else '-'} |")
-        if args.rows_out and p:
-            from _record import append_row
 
-            tim = r["polyrl"]
-            shape = (f"GRPO step, Qwen2.5-1.5B shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
-                     f"resp <= {length}; rollout={rollout}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
-                     f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s")
-            append_row(device, "grpo_step perf/throughput tok/s/GPU", shape, f"{p:.0f}",
-                       peer=f"TRL 1.16 GRPOTrainer (no vLLM): {t:.0f}" if t else "-",
-                       ratio_peer=f"{p / t:.2f}x" if t else "-", path=args.rows_out)
 
+def record(args, report, length, device):
+    """Append this length's row (and the JSON) as soon as it is measured: a later timeout must not lose it."""
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
+    r = report.get(str(length), {})
+    p, t = r.get("polyrl", {}).get("perf/throughput"), r.get("trl", {}).get("throughput")
+    if args.rows_out and p:
+        from _record import append_row
+
+        tim = r["polyrl"]
+        shape = (f"GRPO step, Qwen2.5-1.5B shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
+                 f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
+                 f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s")
+        append_row(device, "grpo_step perf/throughput tok/s/GPU", shape, f"{p:.0f}",
+                   peer=f"TRL 1.16 GRPOTrainer (no vLLM): {t:.0f}" if t else "TRL: not measured",
+                   ratio_peer=f"{p / t:.2f}x" if t else "-", path=args.rows_out)
 
 if __name__ == "__main__":
     main()
