@@ -28,13 +28,37 @@ def _train(argv: list[str]) -> int:
     from polyrl.trainer.ppo import PPOTrainer
 
     cfg = build_config(PPOConfig(), argv)
+    from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
     from polyrl.utils.profiler import maybe_relaunch_under_nsys
 
+    if not under_torchrun() and processes_wanted(cfg) > 1:
+        _check_before_launch(cfg, processes_wanted(cfg))  # config errors as one sentence here, not once per rank
+        return maybe_launch(cfg, argv)
     maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
     trainer = PPOTrainer(cfg)
     trainer.fit()
     print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint {getattr(trainer, 'final_checkpoint', '-')}")
     return 0
+
+
+def _check_before_launch(cfg, world_size: int) -> None:
+    import copy
+
+    from polyrl.trainer.checks import check_batch_sizes, check_supported
+    from polyrl.trainer.ppo import resolve_defaults
+
+    c = copy.deepcopy(cfg)
+    resolve_defaults(c)
+    check_supported(c)
+    previous = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        check_batch_sizes(c)
+    finally:
+        if previous is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = previous
 
 
 def _sft(argv: list[str]) -> int:
