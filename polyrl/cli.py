@@ -37,7 +37,9 @@ def _train(argv: list[str]) -> int:
     maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
     trainer = PPOTrainer(cfg)
     trainer.fit()
-    print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint {getattr(trainer, 'final_checkpoint', '-')}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint "
+              f"{getattr(trainer, 'final_checkpoint', '-')}")
     return 0
 
 

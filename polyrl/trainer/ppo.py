@@ -648,12 +648,16 @@ class PPOTrainer:
         return last_val
 
     def _write_report(self) -> None:
-        try:
-            from polyrl.report import build_report
+        """report.html beside metrics.jsonl; needs the `file` logger (the report reads metrics.jsonl alone)."""
+        if self.dist.is_distributed and self.dist.rank != 0:
+            return
+        if not (self.run_dir / "metrics.jsonl").is_file():
+            print("polyrl: no report (add 'file' to trainer.logger to get metrics.jsonl and report.html)", flush=True)
+            return
+        from polyrl.report import build_report
 
-            build_report(str(self.run_dir))
-        except ImportError:
-            pass
+        path = build_report(str(self.run_dir))
+        print(f"polyrl: report written to {path}", flush=True)
 
 
 def _progress(enabled: bool, total: int, initial: int):
