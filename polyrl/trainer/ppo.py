@@ -212,7 +212,7 @@ class PPOTrainer:
         try:
             from polyrl.report.env import collect_env
 
-            env = collect_env()
+            env = collect_env(self.model)
         except Exception as e:  # the run must not die for a missing version string
             env = {"error": repr(e)}
         (self.run_dir / "env.json").write_text(json.dumps(env, indent=1, default=str))
