@@ -102,10 +102,10 @@ def tune_decode(bw: float) -> None:
     best = None
     print(f"decode kernel: B={B} ctx={ctx} KV read {nbytes / 1e9:.2f} GB per layer-call; copy-BW floor "
           f"{nbytes / bw * 1e6:.0f} us")
-    grid = [(ah, tile, warps, stages, pps) for ah in (False, True) for tile in ((16, 32, 64) if ah else (32, 64))
-            for warps in (4, 8) for stages in (3,) for pps in (1, 2, 4)]
-    for ah, tile, warps, stages, pps in grid:
-        pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps, all_heads=ah)
+    grid = [(tile, warps, stages, pps) for tile in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)
+            for pps in (1, 2, 4)]
+    for tile, warps, stages, pps in grid:
+        pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps)
         meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
                         block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda"),
                         num_splits=pd.choose_num_splits(B, KVH, sms), use_kernel=True)

@@ -70,66 +70,9 @@ def _paged_decode_kernel(
     tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
 
 
-@triton.jit
-def _paged_decode_all_heads_kernel(
-    Q, K, V, SeqSlots, BT, CL, O, LSE, scale,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_bt,
-    stride_ot, stride_oh, stride_os,
-    H: tl.constexpr, HP: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr,
-):
-    # Variant: one program per (sequence, split) covers every kv head. A tile is TILE tokens x KVH heads, i.e. each
-    # page's rows are read as one contiguous run; q head h only scores columns of kv head h // G (mask).
-    s = tl.program_id(0)
-    sp = tl.program_id(1)
-    ctx = tl.load(CL + s)
-    row = tl.load(SeqSlots + s).to(tl.int64)
-    per = tl.cdiv(tl.cdiv(ctx, SPLITS), TILE) * TILE
-    lo = sp * per
-    hi = tl.minimum(ctx, lo + per)
-    h = tl.arange(0, HP)
-    d = tl.arange(0, D)
-    G: tl.constexpr = H // KVH
-    q = tl.load(Q + s * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    r = tl.arange(0, TILE * KVH)
-    head = r % KVH
-    same = (h[:, None] // G) == head[None, :]
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l = tl.zeros([HP], tl.float32)
-    acc = tl.zeros([HP, D], tl.float32)
-    for start in range(lo, hi, TILE):
-        t = start + r // KVH
-        tm = t < hi
-        blk = tl.load(BT + row * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
-        off = blk * stride_kb + (t % BS) * stride_kt + head * stride_kh
-        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            sc = tl.dot(q, tl.trans(k)) * scale
-        sc = tl.where(same & tm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
-    hm = h < H
-    tl.store(O + s * stride_ot + h[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=hm[:, None])
-    tl.store(LSE + (s * H + h) * SPLITS + sp, lse, mask=hm)
-
-
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
-CONFIG = dict(tile=64, num_warps=4, num_stages=2, programs_per_sm=2, all_heads=False)
+# (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
+CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
 
 
 def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
@@ -144,24 +87,14 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
     knobs = dict(D=D, BS=k_cache.shape[1], TILE=CONFIG["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
                  num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
-    if use_all_heads(kvh):
-        _paged_decode_all_heads_kernel[(T, splits)](*common, H=H, HP=max(16, triton.next_power_of_2(H)), KVH=kvh,
-                                                     **knobs)
-    else:
-        _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
+    _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
         return o[:, :, 0].to(q_THD.dtype)
     w = torch.softmax(lse, dim=-1)  # exact merge of the splits' normalised outputs
     return (o * w[..., None]).sum(2).to(q_THD.dtype)
 
 
-def use_all_heads(num_kv_heads: int) -> bool:
-    return CONFIG["all_heads"] and num_kv_heads & (num_kv_heads - 1) == 0  # tile rows must be a power of 2
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     """Enough (seq, head, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that."""
-    if use_all_heads(num_kv_heads):
-        num_kv_heads = 1
     want = CONFIG["programs_per_sm"] * num_sms
     return max(1, min(16, -(-want // max(1, batch * num_kv_heads))))
