@@ -91,7 +91,9 @@ class NativeEngine:
         loaded = load_hf_weights(model, hf.state_dict().items())
         missing = required_hf_names(model) - loaded
         if missing:
-            raise ValueError(f"the HF model lacks {len(missing)} parameters the engine needs, e.g. {sorted(missing)[:3]}.")
+            raise ValueError(
+                f"the HF model lacks {len(missing)} parameters the engine needs, e.g. {sorted(missing)[:3]}."
+            )
         return cls(model, device=device, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens)
@@ -101,7 +103,9 @@ class NativeEngine:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1.")
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1."
+            )
         self.model, self.spec, self.device = model.eval(), model.spec, torch.device(device)
         model.fused = self.device.type == "cuda"
         self.dtype = model.embed.weight.dtype
@@ -279,21 +283,20 @@ class NativeEngine:
         last = t(offs + lens - 1)
         return t(ids), t(pos_T), meta, last
 
-    def _decode_meta(self, batch: int, use_kernel: bool) -> AttnMeta:
-        m = self.dec_meta
-        if use_kernel:
-            from polyrl.rollout.native.paged_decode import choose_num_splits
+    def _decode_meta(self, batch: int) -> AttnMeta:
+        """Paged-kernel metadata over the static decode buffers (rows: slots, positions, cache slots, context)."""
+        from polyrl.rollout.native.paged_decode import choose_num_splits
 
-            return AttnMeta(slot_mapping=m[2, :batch], decode=True, seq_slots=m[0, :batch],
-                            block_tables=self.bt_dev, context_lens=m[3, :batch], use_kernel=True,
-                            num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms))
-        raise AssertionError("the gather decode path builds its own meta")
+        m = self.dec_meta
+        return AttnMeta(slot_mapping=m[2, :batch], decode=True, seq_slots=m[0, :batch], block_tables=self.bt_dev,
+                        context_lens=m[3, :batch], use_kernel=True,
+                        num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms))
 
     def _decode_forward(self, batch: int) -> torch.Tensor:
         """Decode forward over static buffers (the function CUDA graphs capture). Returns logits [batch, V]."""
         m = self.dec_meta
         ids = self.tok_buf[m[0, :batch]]
-        h = self.model(ids, m[1, :batch], self._decode_meta(batch, use_kernel=True))
+        h = self.model(ids, m[1, :batch], self._decode_meta(batch))
         return self.model.logits(h)
 
     # ---- launching and processing steps ------------------------------------------------------------------------
@@ -315,7 +318,6 @@ class NativeEngine:
                 logits = self.graphs.run(B)[:B] if self.graphs is not None else self._decode_forward(B)
             else:
                 ids = self.tok_buf[torch.from_numpy(slots)]
-                seqs = step.seqs
                 meta = self._gather_decode_meta(slots, pos)
                 h = self.model(ids, torch.from_numpy(pos), meta)
                 logits = self.model.logits(h)
@@ -387,7 +389,9 @@ class NativeEngine:
             if not ids:
                 raise ValueError(f"prompt {p} is empty; every prompt needs at least one token.")
             if min(max_new(p * n + j) for j in range(n)) < 1:
-                raise ValueError(f"prompt {p} asks for fewer than 1 new token; max_new_tokens/forced_lengths must be >= 1.")
+                raise ValueError(
+                    f"prompt {p} asks for fewer than 1 new token; max_new_tokens/forced_lengths must be >= 1."
+                )
             if len(ids) + longest > self.max_model_len:
                 raise ValueError(
                     f"prompt {p} has {len(ids)} tokens + {longest} new > max_model_len={self.max_model_len}; "
@@ -440,7 +444,8 @@ class NativeEngine:
             drain()
             inflight.append(launched)
         assert self.blocks.all_free(), "KV blocks leaked"
-        self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch, prefill_tokens=prefill_tokens,
+        self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
+                          prefill_tokens=prefill_tokens,
                           num_preempted=sched.num_preempted)
         rows = [all_seqs[r] for r in range(num_rows)]
         return Rollout(
