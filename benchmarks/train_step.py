@@ -89,11 +89,8 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
 
 def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps):
     model = build_model(cfg, grad_ckpt=grad_ckpt)
-    if compile_layers:
-        for layer in model.model.layers:
-            layer.compile(dynamic=True)
     opt, sched = optimizer_for(model)
-    actor = Actor(model, opt, sched, fwd=ForwardSettings())
+    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers))
     s = settings(batch["responses"].shape[0], max_token_len)
     torch.cuda.reset_peak_memory_stats()
     t_compile = time.perf_counter()

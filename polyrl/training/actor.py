@@ -37,6 +37,7 @@ class ForwardSettings:
     logprob_chunk_size: int = 2048  # LM-head rows per chunk (logprobs.py); never materialises [tokens, vocab] fp32
     chunk_checkpointing: bool = True  # recompute each chunk's logits in backward instead of saving them
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
+    compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
 
     def __post_init__(self):
@@ -48,7 +49,8 @@ class ForwardSettings:
     def from_config(cls, model_cfg, actor_cfg) -> "ForwardSettings":
         """From `actor_rollout_ref.model` and `.actor`; chunked, checkpointed log-probs are always on (exact)."""
         return cls(use_remove_padding=model_cfg.use_remove_padding, compute_dtype=actor_cfg.fsdp_config.dtype,
-                   activation_offload=model_cfg.enable_activation_offload)
+                   activation_offload=model_cfg.enable_activation_offload,
+                   compile_layers=actor_cfg.use_torch_compile or actor_cfg.fsdp_config.use_torch_compile)
 
 
 def _autocast(fwd: ForwardSettings, device: torch.device):
@@ -98,6 +100,17 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
         logp, ent = _head_logprobs(head, hidden, mb["responses"][rows, cols], temperature, with_entropy, fwd)
         zeros = logp.new_zeros(shape)
         return zeros.index_put((rows, cols), logp), (zeros.index_put((rows, cols), ent) if with_entropy else None)
+
+
+def compile_decoder_layers(model) -> None:
+    """`torch.compile` each decoder layer in place (state-dict names unchanged, so weight sync is unaffected).
+
+    Per layer rather than the whole model: identical layers share one compiled graph, and the varlen attention and
+    the chunked LM head stay outside it. Dynamic shapes, because every packed micro-batch has a different length.
+    """
+    trunk, _ = _trunk_and_head(model)
+    for layer in trunk.layers:
+        layer.compile(dynamic=True)
 
 
 def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None) -> list:
@@ -177,6 +190,8 @@ class Actor:
         self.dp = dp  # polyrl.distributed.DistEnv when data-parallel (see _global_counts); None in one process
         self.fwd = fwd or ForwardSettings()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if self.fwd.compile_layers:
+            compile_decoder_layers(model)
 
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
         # packed attention stays on through backward: checkpointed layers re-run their forward there
