@@ -86,8 +86,8 @@ def test_packed_gradients_equal_padded_gradients(tiny_model_dir):
     grads = []
     for use_remove_padding in (True, False):
         model = copy.deepcopy(base)
-        logp, ent = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(use_remove_padding=use_remove_padding, pack_on_cpu=True,
-                                                                                 logprob_chunk_size=7))
+        fwd = ForwardSettings(use_remove_padding=use_remove_padding, pack_on_cpu=True, logprob_chunk_size=7)
+        logp, ent = logprobs_and_entropy(model, batch, 1.0, True, fwd)
         ((logp * batch["advantages"]).sum() + 0.1 * ent.sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().max() > 1e-3
@@ -114,7 +114,8 @@ def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, mode):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         actor = Actor(model, opt, make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant",
-                                                 min_lr_ratio=0.0, num_cycles=0.5))
+                                                 min_lr_ratio=0.0, num_cycles=0.5),
+                      fwd=ForwardSettings(pack_on_cpu=True))  # packed micro-batches, as on GPU
         metrics.append(actor.update(batch, _settings(loss_agg_mode=mode, max_token_len=max_token_len)))
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert (results[0] - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4

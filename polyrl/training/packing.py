@@ -63,7 +63,7 @@ def pack(mb: Batch) -> Packed:
     prompt_len = am[:, :P].sum(1)
     resp_used = am[:, P:]  # which response columns hold real tokens
     rows, cols = resp_used.nonzero(as_tuple=True)
-    # response token (b, t) sits at packed position cu[b] + prompt_len[b] + t; the output one position earlier predicts it
+    # response token (b, t) sits at packed position cu[b] + prompt_len[b] + t; the output one earlier predicts it
     pred_index = cu[:-1].long()[rows] + prompt_len[rows] + cols - 1
     return Packed(
         input_ids=mb["input_ids"].flatten()[flat].unsqueeze(0),
