@@ -39,7 +39,7 @@ from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
-from polyrl.training.actor import Actor, UpdateSettings, compute_logprobs, make_scheduler
+from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch, select
 from polyrl.training.critic import explained_variance
 from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -121,7 +121,8 @@ class PPOTrainer:
         scheduler = make_scheduler(optimizer, total_steps=self.total_steps, warmup_steps=warmup,
                                    kind=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio,
                                    num_cycles=optim.num_cycles)
-        self.actor = Actor(model, optimizer, scheduler, dp=self.dist)
+        self.actor = Actor(model, optimizer, scheduler, dp=self.dist,
+                           fwd=ForwardSettings.from_config(arr.model, arr.actor))
         self.ref_model = self._make_reference(model)
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
@@ -230,8 +231,12 @@ class PPOTrainer:
             s = self._update_settings(batch)
             if not s.old_from_current:
                 with timer.stage("old_log_prob"):
-                    batch["old_log_probs"] = compute_logprobs(self.model, batch, temperature=s.temperature,
-                                                              micro_batch_size=s.micro_batch_size)
+                    r = arr.rollout
+                    batch["old_log_probs"] = compute_logprobs(
+                        self.model, batch, temperature=s.temperature,
+                        micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+                        max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                        fwd=self.actor.fwd)
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if self.ref_model is not None:
@@ -385,8 +390,6 @@ class PPOTrainer:
         B = batch["responses"].shape[0]
         mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.world_size)  # this rank's share of a mini-batch
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or mini
-        if a.use_dynamic_bsz:  # token budget -> rows, using the padded row length of this batch
-            micro = max(1, a.ppo_max_token_len_per_gpu // batch["input_ids"].shape[1])
         knobs = LossKnobs(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                           clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                           clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
@@ -398,15 +401,18 @@ class PPOTrainer:
             loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode, knobs=knobs, grad_clip=a.grad_clip,
             entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
-            old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward))
+            old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward),
+            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref
-        micro = ref.log_prob_micro_batch_size_per_gpu or s.micro_batch_size
+        kw = dict(temperature=s.temperature, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+                  max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+                  fwd=self.actor.fwd)
         if self.ref_model == "disable_adapter":
             with self.model.disable_adapter():
-                return compute_logprobs(self.model, batch, temperature=s.temperature, micro_batch_size=micro)
-        return compute_logprobs(self.ref_model, batch, temperature=s.temperature, micro_batch_size=micro)
+                return compute_logprobs(self.model, batch, **kw)
+        return compute_logprobs(self.ref_model, batch, **kw)
 
     def _advantages(self, batch, index) -> dict[str, float]:
         alg = self.cfg.algorithm
