@@ -85,7 +85,8 @@ def rollout_name() -> str:
         return "hf"
 
 
-def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, max_token_len, device="cuda"):
+def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, max_token_len, device="cuda",
+               extra=None):
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.ppo import PPOTrainer
@@ -119,10 +120,7 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
         f"trainer.device={device}",
         "trainer.progress_bar=False",
     ]
-    trainer = PPOTrainer(build_config(PPOConfig(), overrides))
-    # ppo.py still turns the token budget into a row count; hand the budget itself to the actor (balanced packing)
-    orig = trainer._update_settings
-    trainer._update_settings = lambda batch: dataclasses.replace(orig(batch), max_token_len=max_token_len)
+    trainer = PPOTrainer(build_config(PPOConfig(), overrides + list(extra or [])))
     out = []
     for _ in range(steps):
         out.append(trainer.step())
@@ -188,6 +186,7 @@ def main(argv=None):
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides (e.g. profiler keys)")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -202,7 +201,8 @@ def main(argv=None):
         try:
             try:
                 ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
-                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len)
+                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
+                                extra=args.extra)
             except Exception as e:  # noqa: BLE001
                 if rollout != "native":
                     raise
@@ -210,7 +210,8 @@ def main(argv=None):
                 torch.cuda.empty_cache()
                 rollout = res["rollout"] = "hf"
                 ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
-                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len)
+                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
+                                extra=args.extra)
             m = ms[-1]
             res["polyrl"] = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/", "actor/grad_norm",
                                                                          "response_length/mean", "critic/score/mean",
@@ -268,7 +269,8 @@ def record(args, report, length, device):
         tim = r["polyrl"]
         shape = (f"GRPO step, Qwen2.5-1.5B shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
                  f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
-                 f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s")
+                 f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s"
+                 + (f"; {' '.join(args.extra)}" if args.extra else ""))
         append_row(device, "grpo_step perf/throughput tok/s/GPU", shape, f"{p:.0f}",
                    peer=f"TRL 1.16 GRPOTrainer (no vLLM): {t:.0f}" if t else "TRL: not measured",
                    ratio_peer=f"{p / t:.2f}x" if t else "-", path=args.rows_out)
