@@ -62,6 +62,8 @@ class OptimConfig:
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
+    lr_warmup_steps: int = 0
+    """Linear warmup over this many optimizer steps (verl's key); Adam's first sign-like steps can wreck a small model."""
 
 
 @dataclass

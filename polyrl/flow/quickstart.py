@@ -53,6 +53,7 @@ def default_config() -> FlowConfig:
     # +23 at lr 3e-4, +18 at lr 2e-4); lr 1e-3 or clip 1e-2 collapse; lr 1e-4 barely moves. The clip is 10x the Qwen
     # recipe's because the mean log-prob runs over D = 256 elements here, not 64x64x16.
     a.optim.lr = 3e-4
+    a.optim.lr_warmup_steps = 10  # 5 RL steps
     a.diffusion_loss.clip_ratio = 1e-3
     a.use_kl_loss = True
     a.kl_loss_coef = 0.01

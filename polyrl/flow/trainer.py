@@ -65,6 +65,8 @@ class FlowGRPOTrainer:
         # model is loaded in fp32 (the default here).
         self.optimizer = torch.optim.AdamW(params, lr=actor.optim.lr, weight_decay=actor.optim.weight_decay,
                                            betas=tuple(actor.optim.betas))  # fmt: skip
+        warmup = actor.optim.lr_warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / max(warmup, 1)))
         self.global_step = 0
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
@@ -188,6 +190,7 @@ class FlowGRPOTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(float(grad_norm))
                 for key, val in metric_sums.items():
@@ -198,6 +201,7 @@ class FlowGRPOTrainer:
         if metrics:
             metrics["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_higher"] + metrics["actor/pg_clipfrac_lower"]
             metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/num_trained_samples"] = num_terms_all / max(len(traj.step_indices), 1)
         return metrics
 
@@ -278,6 +282,7 @@ class FlowGRPOTrainer:
             CheckpointManager(root).save(self.global_step, {
                 "model": self._trainable_state(),
                 "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
                 "trainer": {"global_step": self.global_step, "noise_rng": self._noise_gen.get_state(),
                             "data_rng": self._data_gen.get_state(), "order": list(self._order)},
             })  # fmt: skip
@@ -296,6 +301,7 @@ class FlowGRPOTrainer:
             for name, value in state["model"].items():
                 params[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         t = state["trainer"]
         self.global_step = int(t["global_step"])
         self._noise_gen.set_state(t["noise_rng"])
