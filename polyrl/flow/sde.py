@@ -135,7 +135,9 @@ def step(
     mean, std = STEP_TYPES[sde_type](x32, v32, sigma_t, sigma_next_t, noise_level, sigma_max)
     std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
     if x_next is None:
-        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        # draw where the generator lives (the trainer's is a CPU generator: checkpointable, device-independent)
+        gen_device = generator.device if generator is not None else x.device
+        noise = torch.randn(x.shape, generator=generator, device=gen_device, dtype=torch.float32).to(x.device)
         x_next = mean + std * noise
     return StepOut(mean, std, x_next, gaussian_log_prob(x_next, mean, std, sde_type))
 
