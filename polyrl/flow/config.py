@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.utils.profiler import GlobalProfilerConfig
+
 
 @dataclass
 class DataConfig:
@@ -256,3 +258,5 @@ class FlowConfig:
     """Rewards."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop."""
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    """Profiler (torch, torch_memory, nsys), the same keys as `polyrl train`."""

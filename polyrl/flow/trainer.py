@@ -52,7 +52,11 @@ class FlowGRPOTrainer:
                  async_scorer=None):  # fmt: skip
         self.cfg, self.policy, self.reward_fn = cfg, policy, reward_fn
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
+        from polyrl.utils.profiler import Profiler
+
+        self.profiler = Profiler(cfg.global_profiler)  # no-op unless global_profiler.tool is set
         self.tracker, self.timer = tracker, timer or StepTimer()
+        self.timer.hooks.append(self.profiler)
         self.async_scorer = async_scorer
         actor = cfg.actor_rollout_ref.actor
         sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
@@ -210,6 +214,7 @@ class FlowGRPOTrainer:
     def step(self) -> dict[str, float]:
         ro = self.cfg.actor_rollout_ref.rollout
         t0 = time.perf_counter()
+        self.profiler.step_start(self.global_step + 1)
         with self.timer.stage("step"):
             batch = self._next_prompts()
             with self.timer.stage("gen"):
@@ -225,6 +230,7 @@ class FlowGRPOTrainer:
             with self.timer.stage("update_actor"):
                 metrics = self.update_actor(rollout, adv_B)
         self.global_step += 1
+        self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0
         group_std = torch.stack([scores_B[torch.tensor(rollout.group_ids) == g].std()
                                  for g in sorted(set(rollout.group_ids))])  # fmt: skip
@@ -265,9 +271,17 @@ class FlowGRPOTrainer:
                                       sde_type=self.cfg.actor_rollout_ref.rollout.algo.sde_type,
                                       noise_level=vk.noise_level, train_steps=[], generator=gen)  # fmt: skip
                 images = self.policy.decode(traj.final_B)
+                if lo == 0 and self.tracker is not None:  # a grid of validation samples for the run report
+                    self._log_samples(images[:16])
                 scores.append(torch.as_tensor(self.reward_fn(images, prompts, metadata), dtype=torch.float32))
         mean = float(torch.cat(scores).mean()) if scores else math.nan
         return {f"val-core/{self.cfg.data.data_source}/reward/mean@1": mean}
+
+    def _log_samples(self, images_BCHW: torch.Tensor) -> None:
+        arr = (images_BCHW.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        if arr.shape[-1] == 1:
+            arr = arr[..., 0]
+        self.tracker.log_images("val/samples", list(arr), step=self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -350,6 +364,7 @@ class FlowGRPOTrainer:
                 bar.set_postfix(reward=f"{m['critic/rewards/mean']:.3f}", val=f"{history['val'][-1]:.3f}" if history["val"] else "-")
         if bar is not None:
             bar.close()
+        self.profiler.close()
         return history
 
 
