@@ -146,7 +146,7 @@ def grpo_overrides(model_dir: Path, data_dir: Path, run_dir: Path, s: Quickstart
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.total_training_steps={s.grpo_steps}",
         "trainer.val_before_train=True",
-        "trainer.test_freq=-1",
+        "trainer.test_freq=10",
         "trainer.resume_mode=disable",
         f"trainer.seed={s.seed}",
         f"trainer.device={s.device}",
