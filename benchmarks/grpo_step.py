@@ -15,7 +15,6 @@ step time, verl's `perf/throughput`; the first step of each run is a warm-up and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

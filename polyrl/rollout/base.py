@@ -7,7 +7,7 @@ It knows nothing about rewards or RL. Backends register themselves by name
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
 import torch

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +38,7 @@ from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
-from polyrl.training.batch import build_batch, select
+from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
 from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
 from polyrl.utils.profiler import Profiler
@@ -99,9 +97,7 @@ class PPOTrainer:
         batch = cfg.data.gen_batch_size or cfg.data.train_batch_size
         self.sampler = PromptSampler(self.train_data, batch, shuffle=cfg.data.shuffle, seed=seed)
         self.total_steps = len(self.sampler) * t.total_epochs
-        if t.total_training_steps is not None:
-            self.total_steps = min(self.total_steps, t.total_training_steps) if t.total_epochs else \
-                t.total_training_steps
+        if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
         arr.actor.optim.total_training_steps = self.total_steps
 
@@ -287,7 +283,7 @@ class PPOTrainer:
         cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
         fg = cfg.algorithm.filter_groups
         want = cfg.data.train_batch_size
-        kept_samples, kept_rows, parts, metrics = [], [], [], {}
+        parts, metrics = [], {}
         num_gen = 0
         while True:
             prompts = self.sampler.next_batch()
@@ -363,7 +359,6 @@ class PPOTrainer:
                                                                           samples))
             extras_all = {k: pick(v) for k, v in extras_all.items()}
         batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        T = batch["responses"].shape[1]
         rl = torch.zeros_like(batch["response_mask"])
         for i, lp in enumerate(logps):
             rl[i, : len(lp)] = torch.tensor(lp, device=self.device)
@@ -376,7 +371,6 @@ class PPOTrainer:
             batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
         for k, v in extras_all.items():
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
-        del T
         return samples, batch, index, metrics
 
     def _score(self, prompts, out):
@@ -673,12 +667,3 @@ def _progress(enabled: bool, total: int, initial: int):
 
     return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
 
-
-def nullctx():
-    return nullcontext()
-
-
-def main_env_threads() -> None:
-    """Use all cores for intra-op work on CPU unless the user pinned it."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
