@@ -162,3 +162,14 @@ def test_quickstart_learns(tmp_path, monkeypatch):
     r = run_quickstart(str(tmp_path / "qs"), fast=True)  # the default engine: rollout.name=native
     assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
     assert (tmp_path / "qs" / "metrics.jsonl").is_file()
+
+
+def test_update_metrics_are_plain_numbers(tiny_model_dir):
+    """Loggers and users get floats, not device tensors (a tensor here once broke pytest.approx and JSON dumps)."""
+    model = load_causal_lm(str(tiny_model_dir))
+    batch = _batch(tiny_model_dir)
+    batch["old_log_probs"] = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=8)
+    batch["ref_log_probs"] = batch["old_log_probs"]
+    metrics = _actor(model).update(batch, _settings(micro_batch_size=2))
+    bad = {k: type(v).__name__ for k, v in metrics.items() if not isinstance(v, (int, float))}
+    assert not bad, bad

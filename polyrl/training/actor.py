@@ -282,8 +282,8 @@ class Actor:
                 metrics[k] = float(v) / num_mini  # these were summed over micro-batches of a mini-batch
             elif k == "actor/grad_norm":
                 metrics[k] = float(v) / num_mini
-            elif counts[k]:
-                metrics[k] = float(v) / counts[k]
+            elif float(counts[k]):  # token-weighted metrics: counts are tensors summed on device
+                metrics[k] = float(v) / float(counts[k])
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/nonfinite_skipped"] = skipped
         peak = peak_flops(batch["responses"].device)
