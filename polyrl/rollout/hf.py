@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 
 from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
-from polyrl.rollout.sampling import sample_tokens
+from polyrl.rollout.sampling import sample
 
 
 @register_rollout("hf")
@@ -68,8 +68,8 @@ class HFRollout:
             out = self.model(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                              use_cache=True)
             past = out.past_key_values
-            tok_B, lp_B = sample_tokens(out.logits[:, -1], temperature=sampling.temperature, top_k=sampling.top_k,
-                                        top_p=sampling.top_p, generator=self.generator)
+            tok_B, lp_B = sample(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p,
+                                 generator=self.generator)
             live_B = ~done_B
             tokens_BT[:, t] = torch.where(live_B, tok_B, tokens_BT[:, t])
             logp_BT[:, t] = torch.where(live_B, lp_B, logp_BT[:, t])

@@ -1,7 +1,9 @@
-"""Token sampling shared by the rollout backends: temperature, top-k, top-p, on device, no host syncs.
+"""Token sampling shared by the rollout backends: temperature, top-k, top-p, on the device, no host sync.
 
-Log-probs are taken from the full tempered distribution `log_softmax(logits / T)` (T = 1 for greedy), which is
-exactly what the trainer recomputes; top-k/top-p only restrict which token is drawn (as vLLM reports them).
+The returned logprob is log_softmax(logits / temperature) of the chosen token (temperature 1 when greedy), taken
+before top-k/top-p filtering: that is what the trainer recomputes from the same logits, so the two can be compared
+(`training/rollout_probs_diff_mean`). Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
+draws exactly from p with one random tensor and no cumulative sums (done in log space: no softmax pass).
 """
 
 from __future__ import annotations
@@ -9,26 +11,32 @@ from __future__ import annotations
 import torch
 
 
-def sample_tokens(logits_BV: torch.Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_BV = logits_BV.float()
+def sample(
+    logits_RV: torch.Tensor,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (token ids [R] int64, logprobs [R] float32)."""
     if temperature == 0.0:
-        tokens_B = logits_BV.argmax(dim=-1)
-        logp_BV = torch.log_softmax(logits_BV, dim=-1)
-        return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-    scaled_BV = logits_BV / temperature
-    logp_BV = torch.log_softmax(scaled_BV, dim=-1)
-    masked_BV = scaled_BV
-    if top_k is not None and 0 < top_k < scaled_BV.shape[-1]:
-        kth_B1 = torch.topk(scaled_BV, top_k, dim=-1).values[:, -1:]
-        masked_BV = masked_BV.masked_fill(masked_BV < kth_B1, float("-inf"))
+        logits = logits_RV.float()
+        tok = logits.argmax(-1)
+        return tok, (logits.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(logits, -1))
+    logits = logits_RV.to(torch.float32, copy=True).div_(temperature)
+    lse = torch.logsumexp(logits, -1)
+    filtered = logits
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_BV, idx_BV = torch.sort(masked_BV, dim=-1, descending=True)
-        probs_BV = torch.softmax(sorted_BV, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop_BV = (probs_BV.cumsum(-1) - probs_BV) >= top_p
-        sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
-        masked_BV = torch.full_like(masked_BV, float("-inf")).scatter(-1, idx_BV, sorted_BV)
-    probs_BV = torch.softmax(masked_BV, dim=-1)
-    tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-    return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+        sorted_logits, idx = torch.sort(filtered, dim=-1, descending=True)
+        probs_sorted = torch.softmax(sorted_logits, -1)
+        mass_before = probs_sorted.cumsum(-1) - probs_sorted  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, idx, sorted_logits)
+    # argmax(p / E) == argmax(logits - log E): no softmax needed. CUDA's exponential_ never returns 0 (it clamps
+    # to eps/2, about as often as the true distribution goes that low); the CPU clamp guards log(0).
+    noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(1e-30).log_()
+    tok = noise.neg_().add_(filtered).argmax(-1)
+    return tok, logits.gather(1, tok[:, None]).squeeze(1) - lse
