@@ -108,3 +108,29 @@ def test_max_actor_ckpt_to_keep_and_resume_path(tiny_model_dir, synth_data_dir, 
     rows = _run(tiny_model_dir, synth_data_dir, tmp_path, "trainer.resume_mode=resume_path",
                 f"trainer.resume_from_path={tmp_path / 'ckpt' / 'global_step_3'}", steps=5)
     assert [r["step"] for r in rows][-2:] == [4, 5]  # restarted from step 3, not from the latest (4)
+
+
+def test_kept_rows_takes_whole_groups_in_order():
+    from types import SimpleNamespace
+
+    from polyrl.trainer.ppo import kept_rows
+
+    parts = [{"out": SimpleNamespace(prompt_index=[0, 0, 1, 1, 2, 2]), "keep": {0, 2}},
+             {"out": SimpleNamespace(prompt_index=[0, 0, 1, 1]), "keep": {1}}]
+    assert kept_rows(parts, 2) == [(0, 0), (0, 1), (0, 4), (0, 5)]
+    assert kept_rows(parts, 3) == [(0, 0), (0, 1), (0, 4), (0, 5), (1, 2), (1, 3)]
+    assert kept_rows([{"out": SimpleNamespace(prompt_index=[0, 0, 1])}], 1) == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_dynamic_sampling_with_remax_baselines(tiny_model_dir, synth_data_dir, tmp_path):
+    rows = _run(tiny_model_dir, synth_data_dir, tmp_path, "algorithm.adv_estimator=remax",
+                "algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=50",
+                "actor_rollout_ref.rollout.temperature=1.5", f"custom_reward_function.path={_length_reward(tmp_path)}")
+    assert "timing_s/gen_max" in rows[0] and rows[0]["critic/rewards/zero_std_ratio"] == 0.0
+
+
+def _length_reward(tmp_path):
+    f = tmp_path / "length_reward.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    return float(len(solution_str))\n")
+    return f

@@ -331,33 +331,15 @@ class PPOTrainer:
                     f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
                     "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
                     "too many groups get identical rewards.")
-        prompts_all, resp, logps, scores, index, baselines, extras_all, samples = [], [], [], [], [], [], {}, []
-        used = 0
-        for part_no, p in enumerate(parts):
-            out = p["out"]
-            for row, pi in enumerate(out.prompt_index):
-                if "keep" in p and (pi not in p["keep"] or used >= want * r.n):
-                    continue
-                used += 1
-                prompt = p["prompts"][pi]
-                prompts_all.append(prompt.prompt_ids)
-                resp.append(out.token_ids[row])
-                logps.append(out.logprobs[row])
-                scores.append(p["scores"][row])
-                index.append(part_no * 1_000_000 + pi)
-                samples.append(prompt)
-                if p["baselines"] is not None:
-                    baselines.append(p["baselines"][row])
-                for k, v in p["extras"].items():
-                    extras_all.setdefault(k, []).append(v[row])
-        if "keep" in parts[0]:
-            # whole groups only, and exactly train_batch_size of them
-            groups = list(dict.fromkeys(index))[:want]
-            keep_rows = [i for i, g in enumerate(index) if g in set(groups)]
-            pick = lambda xs: [xs[i] for i in keep_rows]  # noqa: E731
-            prompts_all, resp, logps, scores, index, samples = map(pick, (prompts_all, resp, logps, scores, index,
-                                                                          samples))
-            extras_all = {k: pick(v) for k, v in extras_all.items()}
+        rows = kept_rows(parts, want)
+        samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
+        prompts_all = [s.prompt_ids for s in samples]
+        resp = [parts[i]["out"].token_ids[j] for i, j in rows]
+        logps = [parts[i]["out"].logprobs[j] for i, j in rows]
+        scores = [parts[i]["scores"][j] for i, j in rows]
+        index = [i * 1_000_000 + parts[i]["out"].prompt_index[j] for i, j in rows]  # group id: (batch, prompt)
+        baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
+        extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
         batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         rl = torch.zeros_like(batch["response_mask"])
         for i, lp in enumerate(logps):
@@ -658,6 +640,16 @@ class PPOTrainer:
 
         path = build_report(str(self.run_dir))
         print(f"polyrl: report written to {path}", flush=True)
+
+
+def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
+    """(generation batch, row) pairs to train on: every row of a plain step; under DAPO dynamic sampling the rows of
+    the first `num_groups` kept prompt groups (whole groups only, in generation order)."""
+    if "keep" not in parts[0]:
+        return [(0, j) for j in range(len(parts[0]["out"].prompt_index))]
+    groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
+    chosen = set(groups[:num_groups])
+    return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]
 
 
 def _progress(enabled: bool, total: int, initial: int):
