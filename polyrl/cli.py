@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("polyrl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `polyrl keys | head`: the reader went away, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
