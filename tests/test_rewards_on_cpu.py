@@ -2,12 +2,13 @@ import math
 import time
 
 import pytest
+import torch
 
+from polyrl.algorithms.dapo import overlong_penalty
 from polyrl.errors import RewardError
 from polyrl.rewards import (CustomRewardConfig, OverlongBufferConfig, RewardManager, build_reward_fn,
                             default_compute_score, load_custom_reward)
 from polyrl.rewards import boxed, gsm8k
-from polyrl.rewards.manager import overlong_penalty
 
 # ------------------------------------------------------------------------------------------------ rule scorers
 
@@ -174,7 +175,8 @@ def test_unknown_data_source_through_manager_keeps_the_clear_message():
 def test_overlong_penalty_matches_dapo_formula():
     cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, log=True)
     # max 10, buffer 4: free up to 6 tokens, then -0.25 per token down to -1 at 10
-    assert [overlong_penalty(n, 10, cfg) for n in (3, 6, 7, 8, 10)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    assert overlong_penalty(lengths, 10, cfg.len, cfg.penalty_factor).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
     mgr = RewardManager(default_compute_score, overlong_buffer=cfg, max_response_length=10)
     scores, extras = mgr.score([("polyrl/addition", "5", "5", None)] * 2, response_lengths=[2, 9])
     assert scores == [1.0, 0.25]

@@ -18,6 +18,9 @@ import numbers
 from collections import defaultdict
 from typing import Any, Callable
 
+import torch
+
+from polyrl.algorithms.dapo import overlong_penalty
 from polyrl.errors import RewardError
 from polyrl.rewards.config import OverlongBufferConfig
 
@@ -41,12 +44,6 @@ def _as_float(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):  # e.g. a tensor with more than one element
         return None
-
-
-def overlong_penalty(length: int, max_response_length: int, cfg: OverlongBufferConfig) -> float:
-    """DAPO soft overlong punishment: 0 up to max - len tokens, then falling linearly to -penalty_factor at max."""
-    expected = max_response_length - cfg.len
-    return min(-(length - expected) / cfg.len * cfg.penalty_factor, 0.0)
 
 
 class RewardManager:
@@ -109,7 +106,8 @@ class RewardManager:
         if self.overlong is not None:
             if response_lengths is None or len(response_lengths) != len(samples):
                 raise ValueError("overlong_buffer needs one response length per sample")
-            penalties = [overlong_penalty(n, self.max_response_length, self.overlong) for n in response_lengths]
+            penalties = overlong_penalty(torch.tensor(response_lengths), self.max_response_length, self.overlong.len,
+                                         self.overlong.penalty_factor).tolist()
             scores = [s + p for s, p in zip(scores, penalties)]
             if self.overlong.log:
                 extras["overlong_reward"] = penalties
