@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyrl.models.loader import to_dtype
+from polyrl.utils.device import to_dtype
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

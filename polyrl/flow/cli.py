@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 
 from polyrl.errors import ConfigError, DataError
+from polyrl.utils.device import pick_device
 
 USAGE = "usage: polyrl flow {quickstart,train} [--config FILE.yaml] [KEY=VALUE ...]"
 
@@ -48,7 +48,7 @@ def train(argv: list[str]) -> int:
     cfg = build_config(FlowConfig(), argv)
     if cfg.actor_rollout_ref.model.path is None:
         return 0 if quickstart.run(argv) else 1
-    device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(cfg.trainer.device)
     p, m = cfg.actor_rollout_ref.rollout.pipeline, cfg.actor_rollout_ref.model
     policy = load_pipeline_policy(m.path, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,
                                   negative_prompt=p.negative_prompt, max_sequence_length=p.max_sequence_length,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.utils.device import to_dtype
 
 EncodeFn = Callable[[list[str]], list[tuple[torch.Tensor, torch.Tensor]]]  # prompts -> [(embeds_TD, mask_T)]
 
@@ -195,9 +196,6 @@ class _AdaptersOff(torch.nn.Module):
 
 # --------------------------------------------------------------------------- diffusers pipelines from a local directory
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def load_pipeline_policy(path: str, *, height: int, width: int, true_cfg_scale: float = 1.0,
                          negative_prompt: str = " ", max_sequence_length: int = 256, dtype: str = "float32",
                          device: str | torch.device = "cpu") -> FlowPolicy:  # fmt: skip
@@ -209,8 +207,7 @@ def load_pipeline_policy(path: str, *, height: int, width: int, true_cfg_scale: 
             f"actor_rollout_ref.model.path={path!r} is not a diffusers pipeline directory (no model_index.json); "
             "pass a folder written by pipeline.save_pretrained()."
         )
-    if dtype not in _DTYPES:
-        raise ConfigError(f"actor_rollout_ref.model.dtype={dtype!r}; use one of {sorted(_DTYPES)}.")
+    torch_dtype = to_dtype(dtype, "actor_rollout_ref.model.dtype")
     import json
 
     cls_name = json.loads((Path(path) / "model_index.json").read_text()).get("_class_name")
@@ -221,7 +218,7 @@ def load_pipeline_policy(path: str, *, height: int, width: int, true_cfg_scale: 
         )
     from diffusers import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=_DTYPES[dtype]).to(device)
+    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=torch_dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     factor = pipe.vae_scale_factor
     if height % (factor * 2) or width % (factor * 2):

@@ -12,16 +12,7 @@ from pathlib import Path
 import torch
 
 from polyrl.errors import ConfigError
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def to_dtype(name: str, key: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"Config key '{key}' got dtype {name!r}; use one of float32, bfloat16, float16.")
-    return DTYPES[name]
-
+from polyrl.utils.device import to_dtype
 
 def _check_dir(path: str | None, key: str) -> Path:
     if not path:

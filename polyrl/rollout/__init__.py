@@ -16,8 +16,9 @@ def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_mod
     if cfg.name == "native":
         from polyrl.rollout.native.engine import NativeEngine
 
-        dtype = torch.float32 if device.type == "cpu" else {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                                                             "float32": torch.float32}[cfg.dtype]
+        from polyrl.utils.device import to_dtype
+
+        dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
         return NativeEngine.from_hf(
             _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

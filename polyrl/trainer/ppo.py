@@ -40,18 +40,11 @@ from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
+from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
 from polyrl.utils.tracking import Tracker
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name} but no CUDA GPU is visible; use trainer.device=cpu or auto.")
-    return torch.device(name)
 
 
 def resolve_defaults(cfg: PPOConfig) -> None:

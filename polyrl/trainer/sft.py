@@ -176,7 +176,7 @@ def save_hf_atomic(model, tokenizer, out_dir: str | Path) -> Path:
 
 def run_sft(cfg: SFTConfig) -> Path:
     """`polyrl sft`: load, fine-tune, and write an HF model directory; returns its path."""
-    from polyrl.trainer.ppo import pick_device
+    from polyrl.utils.device import pick_device
     from polyrl.utils.tracking import Tracker
 
     t = cfg.trainer

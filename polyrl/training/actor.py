@@ -23,9 +23,8 @@ from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import peak_flops, training_flops
 from polyrl.training.logprobs import chunked_logprobs
 from polyrl.training.packing import attention_kwargs, pack, packed_attention, unpack
+from polyrl.utils.device import DTYPES
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
 
 
 @dataclass
@@ -41,7 +40,7 @@ class ForwardSettings:
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
 
     def __post_init__(self):
-        if self.compute_dtype not in _DTYPES:
+        if self.compute_dtype not in DTYPES:
             raise ValueError(f"compute dtype {self.compute_dtype!r} is unknown; set actor.fsdp_config.dtype to "
                              "bfloat16, float16 or float32.")
 
@@ -54,7 +53,7 @@ class ForwardSettings:
 
 
 def _autocast(fwd: ForwardSettings, device: torch.device):
-    dtype = _DTYPES[fwd.compute_dtype]
+    dtype = DTYPES[fwd.compute_dtype]
     if device.type != "cuda" or dtype == torch.float32:
         return nullcontext()
     return torch.autocast("cuda", dtype=dtype)
