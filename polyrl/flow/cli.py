@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 from polyrl.errors import ConfigError, DataError
 from polyrl.utils.device import pick_device
 
