@@ -294,15 +294,15 @@ class PPOTrainer:
                 if r.free_cache_engine:
                     self.engine.release_memory()
             with timer.stage("reward"):
-                scores, extras = self._score(prompts, out)
+                scores, extras, texts = self._score(prompts, out)
             if cfg.trainer.rollout_data_dir:
-                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, scores)
+                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
             if cfg.algorithm.adv_estimator == "remax":
                 with timer.stage("gen_max"):
                     greedy = self.engine.generate([p.prompt_ids for p in prompts],
                                                   SamplingParams(n=1, temperature=0.0, max_new_tokens=r.response_length,
                                                                  stop_token_ids=self.stop_ids))
-                    base, _ = self._score(prompts, greedy)
+                    base, _, _ = self._score(prompts, greedy)
                 baselines = [base[i] for i in out.prompt_index]
             else:
                 baselines = None
@@ -352,7 +352,8 @@ class PPOTrainer:
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
                    for pi, text in zip(out.prompt_index, texts)]
-        return self.reward.score(samples, response_lengths=out.lengths)
+        scores, extras = self.reward.score(samples, response_lengths=out.lengths)
+        return scores, extras, texts  # the decoded responses, for logging and majority votes
 
     def _update_settings(self, batch) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
@@ -427,33 +428,32 @@ class PPOTrainer:
             if self.dist.is_distributed:  # each rank validates a slice; gathered below
                 val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
             out = self.engine.generate([s.prompt_ids for s in val], sampling)
-            scores, extras = self._score(val, out)
-        texts = [val[pi] for pi in out.prompt_index]
-        preds = [t.strip() for t in self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)]
+            scores, extras, texts = self._score(val, out)
+        rows = [val[pi] for pi in out.prompt_index]
+        preds = [t.strip() for t in texts]
         infos = {"reward": scores, **extras}
         if "acc" not in infos:
             infos["acc"] = [float(s >= 1.0) for s in scores] if self._binary_rewards(scores) else scores
         infos.setdefault("pred", preds)  # majority vote (maj@N) over the decoded answers
         t = self.cfg.trainer
         if t.validation_data_dir:
-            self._dump_generations(t.validation_data_dir, val, out, scores)
+            self._dump_generations(t.validation_data_dir, val, out, texts, scores)
         for i in range(min(t.log_val_generations, len(preds))):
             prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=True)
             print(f"[val {i}] prompt={prompt!r} response={preds[i]!r} score={scores[i]:.3f}", flush=True)
-        sources, uids = [s.data_source for s in texts], [str(s.index) for s in texts]
+        sources, uids = [s.data_source for s in rows], [str(s.index) for s in rows]
         if self.dist.is_distributed:
             sources, uids, infos = dp_data.gather_validation(self.dist, sources, uids, infos)
         metrics = process_validation_metrics(sources, uids, infos)
         metrics.update(self.timer.pop())
         return metrics
 
-    def _dump_generations(self, folder: str, prompts, out, scores) -> None:
+    def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:
         """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score."""
         import json as _json
 
         Path(folder).mkdir(parents=True, exist_ok=True)
         rank = f"_rank{self.dist.rank}" if self.dist.is_distributed else ""
-        responses = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         with open(Path(folder) / f"{self.global_step + 1}{rank}.jsonl", "a") as f:
             for pi, resp, score in zip(out.prompt_index, responses, scores):
                 prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
