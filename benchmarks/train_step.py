@@ -68,8 +68,8 @@ def settings(num_seqs, max_token_len):
                           calculate_entropy=True, old_from_current=True, max_token_len=max_token_len)
 
 
-def optimizer_for(model, lr=1e-6):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+def optimizer_for(params, lr=1e-6):
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     return opt, make_scheduler(opt, total_steps=100, warmup_steps=0, kind="constant", min_lr_ratio=0.0,
                                num_cycles=0.5)
 
@@ -87,10 +87,14 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps):
+def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps, master=False,
+               profile=None):
+    from polyrl.training.master_weights import MasterWeights
+
     model = build_model(cfg, grad_ckpt=grad_ckpt)
-    opt, sched = optimizer_for(model)
-    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers))
+    mw = MasterWeights(model) if master else None
+    opt, sched = optimizer_for(mw.master if mw else model.parameters())
+    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers), master=mw)
     s = settings(batch["responses"].shape[0], max_token_len)
     torch.cuda.reset_peak_memory_stats()
     t_compile = time.perf_counter()
@@ -101,16 +105,45 @@ def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, 
 
     times = timed(fn=step, warmup=warmup, steps=steps)
     first = time.perf_counter() - t_compile - sum(times)
+    if profile:
+        kernel_breakdown(step, profile)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del actor, opt, model
     torch.cuda.empty_cache()
     return times, peak, last, first
 
 
+def kernel_breakdown(step, label: str) -> None:
+    """GPU time of one step by kernel family (torch.profiler), to see what the MFU gap is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    fams: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA":
+            continue
+        n = e.key.lower()
+        fam = ("gemm" if any(k in n for k in ("gemm", "sm90", "cutlass", "xmma", "nvjet")) else
+               "attention" if any(k in n for k in ("flash", "fmha", "attn")) else
+               "triton(fused)" if "triton" in n else
+               "copy/cast" if any(k in n for k in ("copy", "cast", "convert")) else
+               "optimizer" if any(k in n for k in ("adam", "foreach", "multi_tensor")) else "other elementwise")
+        fams[fam] = fams.get(fam, 0.0) + e.self_device_time_total / 1e6
+    total = sum(fams.values())
+    print(f"[{label}] GPU time by family, one step ({total:.3f} s busy): " + ", ".join(
+        f"{k} {v:.3f}s ({v / total:.0%})" for k, v in sorted(fams.items(), key=lambda kv: -kv[1])), flush=True)
+    top = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                 key=lambda e: -e.self_device_time_total)[:12]
+    for e in top:
+        print(f"   {e.self_device_time_total / 1e3:8.1f} ms  x{e.count:<5d} {e.key[:110]}", flush=True)
+
+
 def run_hf(cfg, batch, *, micro_rows, warmup, steps):
     """A plain HF loop: padded rows, full logits, fp32 log_softmax, grad checkpointing, autocast bf16."""
     model = build_model(cfg, grad_ckpt=True)
-    opt, _ = optimizer_for(model)
+    opt, _ = optimizer_for(model.parameters())
     B, T = batch["responses"].shape
     num_tokens = batch["response_mask"].sum()
 
@@ -171,6 +204,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variants", default="packed,packed_ckpt,hf,compiled")
     ap.add_argument("--rows-out", default=None)
+    ap.add_argument("--profile", action="store_true", help="print GPU time by kernel family per variant")
     args = ap.parse_args(argv)
     cfg = qwen25_1_5b()
     batch = make_batch(args.num_seqs, args.prompt_len, args.resp_min, args.resp_max, cfg.vocab_size)
@@ -188,10 +222,11 @@ def main(argv=None):
                 times, mem = run_hf(cfg, batch, micro_rows=4, warmup=args.warmup, steps=args.steps)
                 extra = ""
             else:
-                times, mem, last, first = run_polyrl(cfg, batch, grad_ckpt=(v == "packed_ckpt"),
+                times, mem, last, first = run_polyrl(cfg, batch, grad_ckpt=v.startswith("packed_ckpt"),
                                                      max_token_len=args.max_token_len,
-                                                     compile_layers=(v == "compiled"), warmup=args.warmup,
-                                                     steps=args.steps)
+                                                     compile_layers="compiled" in v, warmup=args.warmup,
+                                                     steps=args.steps, master="master" in v,
+                                                     profile=v if args.profile else None)
                 extra = f"warmup+compile {first:.1f}s; update's own perf/mfu/actor {last.get('perf/mfu/actor', 0):.1%}"
         except Exception as e:  # one variant failing (OOM, compile) must not lose the others
             print(f"{v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

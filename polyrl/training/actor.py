@@ -182,13 +182,14 @@ class UpdateSettings:
 
 
 class Actor:
-    def __init__(self, model, optimizer, scheduler, dp=None, fwd: ForwardSettings | None = None):
+    def __init__(self, model, optimizer, scheduler, dp=None, fwd: ForwardSettings | None = None, master=None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dp = dp  # polyrl.distributed.DistEnv when data-parallel (see _global_counts); None in one process
         self.fwd = fwd or ForwardSettings()
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = master  # training.master_weights.MasterWeights: bf16 module, fp32 masters in the optimizer
+        self.params = master.master if master is not None else [p for p in model.parameters() if p.requires_grad]
         if self.fwd.compile_layers:
             compile_decoder_layers(model)
 
@@ -262,6 +263,8 @@ class Actor:
                 grad_norm = clip_grad_norm_(self.params, s.grad_clip)  # plain, FSDP-sharded or mixed parameters
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    if self.master is not None:
+                        self.master.copy_to_model()
                 else:  # a NaN/Inf update would poison the weights: skip it, keep the weights, count it
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
