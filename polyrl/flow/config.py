@@ -122,6 +122,8 @@ class PipelineConfig:
     """Negative prompt for CFG."""
     max_sequence_length: int = 256
     """Prompt token limit for the text encoder."""
+    guidance_scale: float = 3.5
+    """Embedded guidance of guidance-distilled models (FLUX.1-dev, `guidance_embeds`); ignored by the others."""
     shift: float = 3.0
     """Time shift of the sigma grid when the model has no scheduler (the quickstart); pipelines use their own."""
 
