@@ -17,44 +17,18 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.flow.adapters import FAMILIES, EncodeFn, FlowAdapter, LatentShape, QwenImageAdapter, cfg_combine
 from polyrl.utils.device import to_dtype
 
-EncodeFn = Callable[[list[str]], list[tuple[torch.Tensor, torch.Tensor]]]  # prompts -> [(embeds_TD, mask_T)]
-
-
-def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """True CFG with Qwen-Image's rescale: the guided velocity keeps the conditional branch's per-token norm."""
-    guided = v_uncond + scale * (v_cond - v_uncond)
-    return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-
-
-def pad_prompts(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad variable-length prompt embeddings to one [B, T, D] batch and its [B, T] mask."""
-    t_max = max(e.shape[0] for e, _ in items)
-    embeds = items[0][0].new_zeros(len(items), t_max, items[0][0].shape[-1])
-    mask = torch.zeros(len(items), t_max, dtype=torch.long, device=embeds.device)
-    for i, (e, m) in enumerate(items):
-        embeds[i, : e.shape[0]] = e
-        mask[i, : m.shape[0]] = m
-    return embeds, mask
-
-
-@dataclass
-class LatentShape:
-    """Packed latent layout: tokens of `channels`, on a grid of (grid_h, grid_w) patches."""
-
-    grid_h: int
-    grid_w: int
-    channels: int
+__all__ = ["EncodeFn", "FlowPolicy", "LatentShape", "cfg_combine", "load_pipeline_policy"]
 
 
 class FlowPolicy:
-    """A Qwen-Image-style transformer (packed latents, text embeds + mask, RoPE over img_shapes) as a flow policy."""
+    """A diffusers flow transformer as a policy; the family `adapter` knows how to call it (Qwen-Image's by default)."""
 
     def __init__(
         self,
@@ -67,6 +41,7 @@ class FlowPolicy:
         true_cfg_scale: float = 1.0,
         negative_prompt: str = " ",
         device: str | torch.device = "cpu",
+        adapter: FlowAdapter | None = None,
     ):
         self.transformer = transformer
         self.encode_fn, self.decode_fn, self.sigmas_fn = encode_fn, decode_fn, sigmas_fn
@@ -75,7 +50,8 @@ class FlowPolicy:
         self.negative_prompt = negative_prompt
         self.device = torch.device(device)
         self.dtype = next(transformer.parameters()).dtype
-        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.adapter = adapter if adapter is not None else QwenImageAdapter(latent, self.dtype)
+        self._cache: dict[str, tuple[torch.Tensor, ...]] = {}
         self._ref_copy: torch.nn.Module | None = None
         self.is_lora = False
 
@@ -87,12 +63,14 @@ class FlowPolicy:
         missing = [p for p in wanted if p not in self._cache]
         if missing:
             with torch.no_grad():
-                for p, (e, m) in zip(missing, self.encode_fn(missing)):
-                    self._cache[p] = (e.to(self.device, self.dtype), m.to(self.device))
+                for p, cond in zip(missing, self.encode_fn(missing)):
+                    self._cache[p] = tuple(t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+                                           for t in cond)  # fmt: skip
 
-    def prompt_batch(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prompt_batch(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+        """The batched condition of `prompts` (Qwen-Image: embeds [B, T, D] and mask [B, T])."""
         self.cache_prompts(prompts)
-        return pad_prompts([self._cache[p] for p in prompts])
+        return self.adapter.collate([self._cache[p] for p in prompts])
 
     # ------------------------------------------------------------------ model
 
@@ -100,14 +78,8 @@ class FlowPolicy:
         shape = (batch, self.latent.grid_h * self.latent.grid_w, self.latent.channels)
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device, self.dtype)
 
-    def _forward(self, module, x, sigma_B, embeds, mask):
-        img_shapes = [[(1, self.latent.grid_h, self.latent.grid_w)]] * x.shape[0]
-        return module(hidden_states=x.to(self.dtype), encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                      timestep=sigma_B.to(self.dtype), img_shapes=img_shapes, return_dict=False)[0]  # fmt: skip
-
     def velocity(self, x: torch.Tensor, sigma_B: torch.Tensor, prompts: list[str], *, reference: bool = False):
         """The (guided) velocity in fp32; `reference=True` evaluates the reference policy (no grad)."""
-        embeds, mask = self.prompt_batch(prompts)
         module = self.transformer
         ctx = contextlib.nullcontext()
         if reference:
@@ -123,12 +95,12 @@ class FlowPolicy:
                 module = self._ref_copy
         with ctx:
             if self.true_cfg_scale <= 1:
-                return self._forward(module, x, sigma_B, embeds, mask).float()
-            neg_e, neg_m = self.prompt_batch([self.negative_prompt] * x.shape[0])
-            both_e, both_m = _pad_pair(embeds, neg_e), _pad_pair(mask, neg_m)
-            v = self._forward(module, torch.cat([x, x]), torch.cat([sigma_B, sigma_B]), both_e, both_m).float()
+                return self.adapter.forward(module, x, sigma_B, self.prompt_batch(prompts)).float()
+            # one forward over the batch [positive; negative]
+            cond = self.prompt_batch(prompts + [self.negative_prompt] * x.shape[0])
+            v = self.adapter.forward(module, torch.cat([x, x]), torch.cat([sigma_B, sigma_B]), cond).float()
             v_cond, v_uncond = v.chunk(2)
-            return cfg_combine(v_cond, v_uncond, self.true_cfg_scale)
+            return self.adapter.guide(v_cond, v_uncond, self.true_cfg_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images [B, C, H, W] in [0, 1] for the reward functions."""
@@ -166,19 +138,6 @@ class FlowPolicy:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
 
-def _pad_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Concatenate two [B, T, ...] tensors along batch after right-padding the shorter T with zeros."""
-    t = max(a.shape[1], b.shape[1])
-
-    def pad(x):
-        if x.shape[1] == t:
-            return x
-        extra = x.new_zeros(x.shape[0], t - x.shape[1], *x.shape[2:])
-        return torch.cat([x, extra], dim=1)
-
-    return torch.cat([pad(a), pad(b)])
-
-
 class _AdaptersOff(torch.nn.Module):
     """Calls the wrapped diffusers model with its LoRA adapters disabled (the reference policy)."""
 
@@ -197,63 +156,38 @@ class _AdaptersOff(torch.nn.Module):
 # --------------------------------------------------------------------------- diffusers pipelines from a local directory
 
 def load_pipeline_policy(path: str, *, height: int, width: int, true_cfg_scale: float = 1.0,
-                         negative_prompt: str = " ", max_sequence_length: int = 256, dtype: str = "float32",
-                         device: str | torch.device = "cpu") -> FlowPolicy:  # fmt: skip
-    """A `QwenImagePipeline` saved in `path` as a FlowPolicy (text encoder used once per prompt, VAE for rewards)."""
+                         negative_prompt: str = " ", max_sequence_length: int = 256, guidance_scale: float = 3.5,
+                         dtype: str = "float32", device: str | torch.device = "cpu") -> FlowPolicy:  # fmt: skip
+    """The diffusers pipeline saved in `path` as a FlowPolicy, through the adapter registered for its `_class_name`
+    (text encoders used once per prompt, VAE only for rewards)."""
+    import json
     from pathlib import Path
 
-    if not (Path(path) / "model_index.json").is_file():
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
         raise ConfigError(
             f"actor_rollout_ref.model.path={path!r} is not a diffusers pipeline directory (no model_index.json); "
             "pass a folder written by pipeline.save_pretrained()."
         )
+    cls_name = json.loads(index.read_text()).get("_class_name")
+    if cls_name not in FAMILIES:
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path!r} holds a {cls_name}; supported pipelines are {sorted(FAMILIES)}."
+        )
     torch_dtype = to_dtype(dtype, "actor_rollout_ref.model.dtype")
-    import json
+    import diffusers
 
-    cls_name = json.loads((Path(path) / "model_index.json").read_text()).get("_class_name")
-    if cls_name != "QwenImagePipeline":
-        raise ConfigError(
-            f"actor_rollout_ref.model.path={path!r} holds a {cls_name}; only QwenImagePipeline is supported so far "
-            "(SD3 and FLUX adapters are not written yet)."
-        )
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=torch_dtype).to(device)
+    pipe = getattr(diffusers, cls_name).from_pretrained(path, torch_dtype=torch_dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
-    factor = pipe.vae_scale_factor
-    if height % (factor * 2) or width % (factor * 2):
+    multiple = pipe.vae_scale_factor * 2  # every family packs (or patchifies) 2x2 latent patches
+    if height % multiple or width % multiple:
         raise ConfigError(
-            f"rollout.pipeline.height/width={height}x{width} must be multiples of {factor * 2} for this pipeline."
+            f"rollout.pipeline.height/width={height}x{width} must be multiples of {multiple} for this pipeline."
         )
-    grid_h, grid_w = height // factor // 2, width // factor // 2
-
-    def encode(prompts: list[str]):
-        embeds, mask = pipe.encode_prompt(prompt=prompts, device=pipe.device, max_sequence_length=max_sequence_length)
-        if mask is None:  # diffusers drops an all-ones mask
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        lengths = mask.sum(-1).tolist()
-        return [(embeds[i, : int(n)], mask[i, : int(n)]) for i, n in enumerate(lengths)]
-
-    def decode(latents: torch.Tensor) -> torch.Tensor:
-        vae = pipe.vae
-        z = pipe._unpack_latents(latents, height, width, factor).to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z)
-        std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(z)
-        image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    def sigmas(num_steps: int) -> torch.Tensor:
-        import numpy as np
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        c = pipe.scheduler.config
-        mu = calculate_shift(grid_h * grid_w, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
-        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        return pipe.scheduler.sigmas.clone()
-
-    policy = FlowPolicy(pipe.transformer, encode_fn=encode, decode_fn=decode, sigmas_fn=sigmas,
-                        latent=LatentShape(grid_h, grid_w, pipe.transformer.config.in_channels),
-                        true_cfg_scale=true_cfg_scale, negative_prompt=negative_prompt, device=device)  # fmt: skip
+    parts = FAMILIES[cls_name](pipe, height=height, width=width, max_sequence_length=max_sequence_length,
+                               guidance_scale=guidance_scale)  # fmt: skip
+    policy = FlowPolicy(pipe.transformer, encode_fn=parts.encode_fn, decode_fn=parts.decode_fn,
+                        sigmas_fn=parts.sigmas_fn, latent=parts.latent, true_cfg_scale=true_cfg_scale,
+                        negative_prompt=negative_prompt, device=device, adapter=parts.adapter)  # fmt: skip
     policy.pipe = pipe
     return policy

@@ -1,0 +1,87 @@
+"""Qwen-Image (`QwenImagePipeline`): packed 2x2 latents, variable-length text with a mask, RoPE over `img_shapes`.
+
+- Condition per prompt: (embeds_TD, mask_T), Qwen2.5-VL's last hidden state without the template tokens.
+- timestep = sigma (the transformer takes sigma directly; the pipeline passes t / 1000).
+- CFG is "true CFG" with Qwen-Image's per-token norm rescale v *= |v_c| / |v| (both upstream repos).
+- Grid: sigmas linspace(1, 1/N, N) through the scheduler with the dynamic shift mu of the image sequence length.
+- Decode: the 5-D Wan-style VAE with per-channel latents_mean / latents_std.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polyrl.flow.adapters.base import Cond, LatentShape, PipelineParts, register_family
+
+
+def pad_prompts(items: list[Cond]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad variable-length prompt embeddings to one [B, T, D] batch and its [B, T] mask."""
+    t_max = max(e.shape[0] for e, _ in items)
+    embeds = items[0][0].new_zeros(len(items), t_max, items[0][0].shape[-1])
+    mask = torch.zeros(len(items), t_max, dtype=torch.long, device=embeds.device)
+    for i, (e, m) in enumerate(items):
+        embeds[i, : e.shape[0]] = e
+        mask[i, : m.shape[0]] = m
+    return embeds, mask
+
+
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with Qwen-Image's rescale: the guided velocity keeps the conditional branch's per-token norm."""
+    guided = v_uncond + scale * (v_cond - v_uncond)
+    return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
+
+@dataclass
+class QwenImageAdapter:
+    """Calls a `QwenImageTransformer2DModel` (or anything with its keyword interface, like the quickstart's)."""
+
+    latent: LatentShape
+    dtype: torch.dtype
+
+    def collate(self, conds: list[Cond]) -> Cond:
+        return pad_prompts(conds)
+
+    def forward(self, module, x, sigma_B, cond):
+        embeds, mask = cond
+        img_shapes = [[(1, self.latent.grid_h, self.latent.grid_w)]] * x.shape[0]
+        return module(hidden_states=x.to(self.dtype), encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                      timestep=sigma_B.to(self.dtype), img_shapes=img_shapes, return_dict=False)[0]  # fmt: skip
+
+    def guide(self, v_cond, v_uncond, scale):
+        return cfg_combine(v_cond, v_uncond, scale)
+
+
+@register_family("QwenImagePipeline")
+def parts(pipe, *, height: int, width: int, max_sequence_length: int, guidance_scale: float) -> PipelineParts:
+    factor = pipe.vae_scale_factor
+    latent = LatentShape(height // factor // 2, width // factor // 2, pipe.transformer.config.in_channels)
+
+    def encode(prompts: list[str]) -> list[Cond]:
+        embeds, mask = pipe.encode_prompt(prompt=prompts, device=pipe.device, max_sequence_length=max_sequence_length)
+        if mask is None:  # diffusers drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        lengths = mask.sum(-1).tolist()
+        return [(embeds[i, : int(n)], mask[i, : int(n)]) for i, n in enumerate(lengths)]
+
+    def decode(latents: torch.Tensor) -> torch.Tensor:
+        vae = pipe.vae
+        z = pipe._unpack_latents(latents, height, width, factor).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z)
+        std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(z)
+        image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def sigmas(num_steps: int) -> torch.Tensor:
+        import numpy as np
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        c = pipe.scheduler.config
+        mu = calculate_shift(latent.grid_h * latent.grid_w, c.get("base_image_seq_len", 256),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
+        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+        return pipe.scheduler.sigmas.clone()
+
+    adapter = QwenImageAdapter(latent, pipe.transformer.dtype)
+    return PipelineParts(adapter, encode, decode, sigmas, latent)
