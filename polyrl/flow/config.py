@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.training.config import FSDPConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
 
@@ -104,6 +105,8 @@ class ActorConfig:
     """mean: exact Gaussian KL on the step means; velocity: squared velocity difference (flow_grpo#198)."""
     skip_zero_adv: bool = True
     """Skip samples whose advantage is exactly 0 (zero-std groups): same loss gradient, less compute."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 with several processes: reshard_after_forward, fsdp_size, offload, mixed_precision.reduce_dtype (compute runs in model.dtype)."""
 
 
 @dataclass
@@ -242,6 +245,10 @@ class TrainerConfig:
     """Run directory (metrics.jsonl, config.yaml, checkpoints)."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
+    n_gpus_per_node: int = 1
+    """Data-parallel processes on this node (polyrl relaunches itself under torchrun when > 1)."""
+    nnodes: int = 1
+    """Nodes; `polyrl flow train` launches one node only (run torchrun on each node for more)."""
     progress_bar: bool = True
     """Show a tqdm bar over the steps."""
 
