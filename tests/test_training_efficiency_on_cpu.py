@@ -15,6 +15,7 @@ from polyrl.training.actor import (Actor, ForwardSettings, UpdateSettings, compu
 from polyrl.training.batch import build_batch
 from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import matmul_params, mfu, training_flops
+from polyrl.training.fused_head import fused_logprobs
 from polyrl.training.logprobs import chunked_logprobs, naive_logprobs
 from polyrl.training.packing import pack
 
@@ -138,20 +139,29 @@ def test_balanced_micro_batches_respect_budget_and_balance():
         balanced_micro_batches([1200, 10], 1000)
 
 
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
-def test_chunked_logprobs_equal_naive_values_and_gradients(chunk_size):
+def test_chunked_logprobs_equal_naive_values_and_gradients(chunk_size, impl):
+    """Both memory-lean heads (autograd through checkpointed chunks; hand-written backward) equal full logits."""
     g = torch.Generator().manual_seed(0)
     h0, w0, b0 = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g), torch.randn(50, generator=g)
     y = torch.randint(0, 50, (10,), generator=g)
+    g_logp, g_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)  # arbitrary upstream gradients
+    lean = chunked_logprobs if impl == "chunked" else fused_logprobs
     outs = []
-    for fn in (naive_logprobs, lambda *a, **k: chunked_logprobs(*a, chunk_size=chunk_size, **k)):
+    for fn in (naive_logprobs, lambda *a, **k: lean(*a, chunk_size=chunk_size, **k)):
         h, w, b = (t.clone().requires_grad_() for t in (h0, w0, b0))
         logp, ent = fn(h, w, y, bias_V=b, temperature=0.8, with_entropy=True)
-        (logp.sum() + 0.3 * ent.sum()).backward()
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
         outs.append((logp.detach(), ent.detach(), h.grad, w.grad, b.grad))
     for naive, chunked in zip(*outs):
         torch.testing.assert_close(chunked, naive, rtol=1e-5, atol=1e-5)
-    assert chunked_logprobs(h0, w0, y, with_entropy=False)[1] is None
+    assert lean(h0, w0, y, with_entropy=False)[1] is None
+    h = h0.clone().requires_grad_()  # log-probs alone: the entropy term must drop out of the gradient
+    lean(h, w0, y, with_entropy=False, chunk_size=chunk_size)[0].sum().backward()
+    h_ref = h0.clone().requires_grad_()
+    naive_logprobs(h_ref, w0, y)[0].sum().backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_flops_match_a_hand_count_for_qwen2_5_1_5b():

@@ -21,6 +21,7 @@ from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
 from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import peak_flops, training_flops
+from polyrl.training.fused_head import fused_logprobs
 from polyrl.training.logprobs import chunked_logprobs
 from polyrl.training.packing import attention_kwargs, pack, packed_attention, unpack
 from polyrl.utils.device import DTYPES
@@ -35,6 +36,7 @@ class ForwardSettings:
     compute_dtype: str = "bfloat16"  # autocast dtype on CUDA over fp32 master weights; CPU computes in fp32
     logprob_chunk_size: int = 2048  # LM-head rows per chunk (logprobs.py); never materialises [tokens, vocab] fp32
     chunk_checkpointing: bool = True  # recompute each chunk's logits in backward instead of saving them
+    fused_head: bool = True  # hand-written LM-head backward, one fused pass per chunk (fused_head.py); False: autograd
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
     compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
@@ -66,6 +68,9 @@ def _trunk_and_head(model):
 
 
 def _head_logprobs(head, hidden_MD, targets_M, temperature, with_entropy, fwd):
+    if fwd.fused_head:
+        return fused_logprobs(hidden_MD, head.weight, targets_M, bias_V=head.bias, temperature=temperature,
+                              with_entropy=with_entropy, chunk_size=fwd.logprob_chunk_size)
     return chunked_logprobs(hidden_MD, head.weight, targets_M, bias_V=head.bias, temperature=temperature,
                             with_entropy=with_entropy, chunk_size=fwd.logprob_chunk_size,
                             checkpoint=fwd.chunk_checkpointing)
