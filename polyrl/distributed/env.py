@@ -6,6 +6,11 @@ single-process run is just `DistEnv` with `world_size == 1` and every collective
 Backend: nccl on CUDA, gloo on CPU. The data-parallel mesh is 1-D (`dp_shard`: plain FSDP over all ranks) unless
 `fsdp_size` divides the world into shard groups, then it is 2-D (`dp_replicate`, `dp_shard`): HSDP, each group of
 `fsdp_size` ranks holds one sharded copy and the groups all-reduce gradients.
+
+Ulysses sequence parallelism (`sp_size > 1`, distributed/ulysses.py) views the world as `dp x sp`: `sp_size`
+consecutive ranks (one node's NVLink neighbours) form an SP group that trains the same rows, split by tokens, so the
+*data* is sharded over `dp_size = world_size / sp_size` groups (`dp_rank`, `dp_size`), while FSDP still shards the
+model over the whole world (`mesh`). With `sp_size == 1`, `dp_rank == rank` and `dp_size == world_size`.
 """
 
 from __future__ import annotations
@@ -31,13 +36,42 @@ class DistEnv:
     rank: int = 0
     """Global rank of this process."""
     world_size: int = 1
-    """Number of data-parallel processes."""
+    """Number of processes (FSDP shards the model over all of them)."""
     local_rank: int = 0
     """Rank on this node (selects the GPU)."""
     device: torch.device = torch.device("cpu")
     """This rank's device."""
     mesh: Any = None
     """torch DeviceMesh for FSDP2 (None in a single process)."""
+    sp_size: int = 1
+    """Ulysses sequence-parallel degree: consecutive ranks sharing one micro-batch."""
+    sp_group: Any = None
+    """ProcessGroup of this rank's SP group (None when sp_size == 1)."""
+    dp_group: Any = None
+    """ProcessGroup of the ranks with this rank's sp_rank, one per data shard (None: the whole world)."""
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank trains (ranks of one SP group share it)."""
+        return self.rank // self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data shards: processes that train different rows."""
+        return self.world_size // self.sp_size
+
+    @property
+    def sp(self):
+        """`ulysses.SeqParallel` for the packed forward, or None without sequence parallelism."""
+        if self.sp_size == 1:
+            return None
+        from polyrl.distributed.ulysses import SeqParallel
+
+        return SeqParallel(group=self.sp_group, rank=self.sp_rank, size=self.sp_size)
 
     @property
     def is_distributed(self) -> bool:
@@ -48,9 +82,12 @@ class DistEnv:
         return self.rank == 0
 
     @classmethod
-    def setup(cls, device: str = "auto", *, fsdp_size: int = -1, timeout_s: int = 600) -> "DistEnv":
+    def setup(cls, device: str = "auto", *, fsdp_size: int = -1, sp_size: int = 1, timeout_s: int = 600) -> "DistEnv":
         """Join the torchrun job described by the environment (or stay single-process) and build the mesh."""
         world = launched_world_size()
+        if sp_size < 1 or world % sp_size:
+            raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp_size} does not divide the "
+                              f"{world} processes; use a divisor of {world}.")
         if world == 1:
             return cls(device=_pick_device(device, 0))
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -61,16 +98,28 @@ class DistEnv:
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
+        sp_group = dp_group = None
+        if sp_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            grid = init_device_mesh(dev.type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+            sp_group, dp_group = grid.get_group("sp"), grid.get_group("dp")
         return cls(rank=rank, world_size=world, local_rank=local_rank, device=dev,
-                   mesh=build_mesh(dev.type, world, fsdp_size))
+                   mesh=build_mesh(dev.type, world, fsdp_size), sp_size=sp_size, sp_group=sp_group,
+                   dp_group=dp_group)
 
     # ------------------------------------------------------------------------------------------------ collectives
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduced copy of `t` over all ranks (`t` itself when single-process)."""
-        if not self.is_distributed:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, over: str = "world") -> torch.Tensor:
+        """Reduced copy of `t` over all ranks, or with `over="dp"` over the data shards only (one rank per SP group,
+        so rows shared by an SP group count once); `t` itself when there is nothing to reduce over."""
+        if over not in ("world", "dp"):
+            raise ValueError(f"over={over!r}; use 'world' or 'dp'.")
+        size = self.world_size if over == "world" else self.dp_size
+        if size == 1:
             return t
         out = t.detach().clone()
-        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+                        group=self.dp_group if over == "dp" else None)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:

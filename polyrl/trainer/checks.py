@@ -77,6 +77,31 @@ def check_batch_sizes(cfg) -> None:
                           f"{d.train_batch_size}.")
 
 
+def check_sequence_parallel(cfg) -> None:
+    """Ulysses (polyrl/distributed/ulysses.py): the actor's degree, which the reference shares; no critic SP."""
+    import os
+
+    arr = cfg.actor_rollout_ref
+    sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
+    if cfg.critic.ulysses_sequence_parallel_size != 1:
+        raise ConfigError(f"critic.ulysses_sequence_parallel_size={cfg.critic.ulysses_sequence_parallel_size}: the "
+                          "critic has no sequence parallelism in polyrl; set it to 1.")
+    if sp < 1:
+        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must be at least 1.")
+    if ref_sp not in (1, sp):  # 1 is the default: like verl's interpolated default, the reference follows the actor
+        raise ConfigError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's "
+                          f"{sp}; the reference runs on the actor's sequence-parallel groups, so set it to {sp}.")
+    if sp == 1:
+        return
+    if not arr.model.use_remove_padding:
+        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} splits the packed row and "
+                          "needs actor_rollout_ref.model.use_remove_padding=True.")
+    procs = int(os.environ.get("WORLD_SIZE", "0")) or cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if procs % sp:
+        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} does not divide the {procs} "
+                          f"processes; use a divisor of {procs}.")
+
+
 def check_supported(cfg) -> None:
     """Refuse settings polyrl cannot honour here, each with the reason and the alternative."""
     arr = cfg.actor_rollout_ref
@@ -94,13 +119,7 @@ def check_supported(cfg) -> None:
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: polyrl's engine "
             "runs one full replica per GPU (data-parallel rollout), which is faster for models that fit one GPU; "
             "set it to 1.")
-    for role, sp in (("actor", arr.actor.ulysses_sequence_parallel_size),
-                     ("ref", arr.ref.ulysses_sequence_parallel_size),
-                     ("critic", cfg.critic.ulysses_sequence_parallel_size)):
-        if sp > 1:
-            raise ConfigError(
-                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp} is not implemented in polyrl yet; "
-                "set it to 1 and bound memory with use_dynamic_bsz and enable_gradient_checkpointing instead.")
+    check_sequence_parallel(cfg)
     for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config)):
         if (fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy) and ngpu == 0:
             raise ConfigError(

@@ -12,12 +12,15 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from polyrl.algorithms import agg_loss, kl_penalty, policy_loss
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
+from polyrl.errors import ConfigError
 from polyrl.distributed.grads import clip_grad_norm_
+from polyrl.distributed.ulysses import check_heads, gather_predictions, shard_packed
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
 from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import peak_flops, training_flops
@@ -40,6 +43,7 @@ class ForwardSettings:
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
     compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
+    sp: Any = None  # Ulysses group (distributed/ulysses.SeqParallel), set by Actor from its DistEnv; None: whole rows
 
     def __post_init__(self):
         if self.compute_dtype not in DTYPES:
@@ -52,6 +56,11 @@ class ForwardSettings:
         return cls(use_remove_padding=model_cfg.use_remove_padding, compute_dtype=actor_cfg.fsdp_config.dtype,
                    activation_offload=model_cfg.enable_activation_offload,
                    compile_layers=actor_cfg.use_torch_compile or actor_cfg.fsdp_config.use_torch_compile)
+
+
+def _packs(fwd: ForwardSettings, device: torch.device) -> bool:
+    """Packed forward? Always under Ulysses (it splits the packed row); on CPU only when asked (O(N^2) mask)."""
+    return fwd.use_remove_padding and (device.type == "cuda" or fwd.pack_on_cpu or fwd.sp is not None)
 
 
 def _autocast(fwd: ForwardSettings, device: torch.device):
@@ -81,21 +90,31 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
     """Response log-probs (and entropy) [B, T] of one micro-batch; zeros at padding. fp32 results.
 
     Packed (default): one padding-free row through varlen attention. Padded: the `[B, P+T]` rows with their mask.
-    Either way logits exist only at response positions, one chunk at a time.
+    Either way logits exist only at response positions, one chunk at a time. Under Ulysses (`fwd.sp`) this rank
+    runs its 1/sp of the packed row and the LM head on the predictions it holds; every rank of the SP group returns
+    the whole micro-batch's values (gradients flow back only to the rank that computed each one: ulysses.py).
     """
     fwd = fwd or ForwardSettings()
     temperature = 1.0 if temperature in (0.0, 1.0) else temperature
     trunk, head = _trunk_and_head(model)
     shape = tuple(mb["responses"].shape)
     with _autocast(fwd, mb["input_ids"].device):
-        if fwd.use_remove_padding and (mb["input_ids"].is_cuda or fwd.pack_on_cpu):
+        if _packs(fwd, mb["input_ids"].device):
             packed = pack(mb)
+            local, bounds = shard_packed(packed, fwd.sp) if fwd.sp is not None else (packed, None)
             with packed_attention(model):
-                out = trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                            **attention_kwargs(packed))
-            hidden = out.last_hidden_state[0, packed.pred_index]
-            logp, ent = _head_logprobs(head, hidden, packed.targets, temperature, with_entropy, fwd)
+                out = trunk(input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False,
+                            **attention_kwargs(local, fwd.sp))
+            hidden = out.last_hidden_state[0, local.pred_index]
+            logp, ent = _head_logprobs(head, hidden, local.targets, temperature, with_entropy, fwd)
+            if fwd.sp is not None:
+                # no prediction on this rank: an empty LM-head product keeps it in backward (ulysses.py)
+                anchor = torch.nn.functional.linear(hidden, head.weight, head.bias).sum(-1) if not len(hidden) \
+                    else None
+                logp = gather_predictions(logp, bounds, fwd.sp, anchor)
+                ent = gather_predictions(ent, bounds, fwd.sp, anchor) if with_entropy else None
             return unpack(logp, packed, shape), (unpack(ent, packed, shape) if with_entropy else None)
+        assert fwd.sp is None, "Ulysses sequence parallelism needs the packed forward (use_remove_padding=True)"
         T = shape[1]
         out = trunk(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                     position_ids=mb["position_ids"], use_cache=False)
@@ -193,6 +212,14 @@ class Actor:
         self.scheduler = scheduler
         self.dp = dp  # polyrl.distributed.DistEnv when data-parallel (see _global_counts); None in one process
         self.fwd = fwd or ForwardSettings()
+        if dp is not None and dp.sp is not None:  # Ulysses: the packed forward splits rows over the SP group
+            if not self.fwd.use_remove_padding:
+                raise ConfigError(f"ulysses_sequence_parallel_size={dp.sp_size} needs actor_rollout_ref.model."
+                                  "use_remove_padding=True (it splits the packed row); set it to True.")
+            cfg = model.config
+            check_heads(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+                        or cfg.num_attention_heads, dp.sp_size)
+            self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
         self.master = master  # training.master_weights.MasterWeights: bf16 module, fp32 masters in the optimizer
         self.params = master.master if master is not None else [p for p in model.parameters() if p.requires_grad]
         if self.fwd.compile_layers:
@@ -200,7 +227,7 @@ class Actor:
 
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
         # packed attention stays on through backward: checkpointed layers re-run their forward there
-        packs = self.fwd.use_remove_padding and (batch["input_ids"].is_cuda or self.fwd.pack_on_cpu)
+        packs = _packs(self.fwd, batch["input_ids"].device)
         with packed_attention(self.model) if packs else nullcontext():
             return self._update(batch, s, generator)
 
@@ -234,7 +261,7 @@ class Actor:
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
                     with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
                         logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy, self.fwd)
-                    flops += _flops(self.model, mb)
+                    flops += _flops(self.model, mb) / self._sp_size  # the SP group shares this micro-batch's work
                     mask = mb["response_mask"]
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
@@ -261,7 +288,7 @@ class Actor:
                         loss = loss + s.kl_loss_coef * kl_loss
                         add("actor/kl_loss", kl_loss)
                         add("actor/kl_coef", torch.tensor(s.kl_loss_coef), 0.0)
-                    (loss * self._dp_size).backward()
+                    (loss * self._loss_scale).backward()
                     add("actor/pg_loss", pg_loss)
                     for k, v in pg_metrics.items():
                         add(k, v, frac)
@@ -299,28 +326,38 @@ class Actor:
         return metrics
 
     # ---- data parallel (polyrl.distributed) --------------------------------------------------------------------
-    # Each rank holds a slice of every mini-batch. Loss normalisers count the *whole* mini-batch over all ranks, and
-    # FSDP averages gradients over ranks, so each rank's loss is multiplied by the DP size: the average of the scaled
-    # per-rank sums is the single-process mini-batch loss, whatever the number of processes.
+    # Each data shard (an SP group under Ulysses, else one rank) holds a slice of every mini-batch. Loss normalisers
+    # count the *whole* mini-batch over the data shards, and FSDP averages gradients over all world ranks, so each
+    # rank's loss is multiplied by the world size: the average of the scaled per-rank sums is the single-process
+    # mini-batch loss, whatever the number of processes (the SP argument is in distributed/ulysses.py).
     @property
-    def _dp_size(self) -> int:
+    def _loss_scale(self) -> int:
         return self.dp.world_size if self.dp is not None else 1
 
+    @property
+    def _num_data_shards(self) -> int:
+        return self.dp.dp_size if self.dp is not None else 1
+
+    @property
+    def _sp_size(self) -> int:
+        return self.dp.sp_size if self.dp is not None else 1
+
     def _global_counts(self, num_tokens: torch.Tensor, num_seqs: int):
-        if self._dp_size == 1:
+        if self._num_data_shards == 1:
             return num_tokens, num_seqs
         both = self.dp.all_reduce(torch.stack([num_tokens.float(), torch.tensor(float(num_seqs),
-                                                                                device=num_tokens.device)]))
+                                                                                device=num_tokens.device)]), over="dp")
         return both[0], int(both[1])
 
     def _reduce_metric_sums(self, sums: dict, counts: dict) -> None:
-        """Per-rank partial sums -> sums over the job (grad_norm is already global; kl_coef is a constant)."""
-        if self._dp_size == 1:
+        """Per-shard partial sums -> sums over the job (grad_norm is already global; kl_coef is a constant); the
+        ranks of an SP group hold identical sums, so they are reduced over the data shards only."""
+        if self._num_data_shards == 1:
             return
         keys = sorted(k for k in sums if k not in ("actor/grad_norm", "actor/kl_coef"))
         dev = next(iter(sums.values())).device if sums else torch.device("cpu")
         packed = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(())
                               for k in keys for x in (sums[k], counts[k])])
-        packed = self.dp.all_reduce(packed)
+        packed = self.dp.all_reduce(packed, over="dp")
         for i, k in enumerate(keys):
             sums[k], counts[k] = packed[2 * i], float(packed[2 * i + 1])

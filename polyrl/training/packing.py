@@ -15,6 +15,10 @@ package needed). Elsewhere (CPU) each sequence is a block of a block-diagonal ca
 exact but O(N^2) memory: fine for tests, not for long packs. Note that plain `sdpa` with restarting position ids is
 *not* something to rely on: whether HF turns position ids into a packed mask depends on the version and on whether an
 attention mask is passed; the explicit `cu_seq_lens` path does not depend on either.
+
+Ulysses sequence parallelism (polyrl/distributed/ulysses.py) reuses all of this: each SP rank feeds its slice of the
+packed row with the whole row's `cu_seq_lens` and its `SeqParallel` group as the extra kwarg `polyrl_sp`, and
+`varlen_attention_forward` exchanges heads for tokens around the same kernels.
 """
 
 from __future__ import annotations
@@ -83,10 +87,14 @@ def unpack(values_M: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> to
     return out.index_put((packed.rows, packed.cols), values_M)
 
 
-def attention_kwargs(packed: Packed) -> dict:
-    """What the model's forward passes down to `varlen_attention_forward` (flash-attention-2's kwarg names)."""
-    return dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
-                max_length_k=packed.max_seqlen)
+def attention_kwargs(packed: Packed, sp=None) -> dict:
+    """What the model's forward passes down to `varlen_attention_forward` (flash-attention-2's kwarg names), plus
+    the Ulysses group (`polyrl.distributed.ulysses.SeqParallel`) when this rank holds 1/sp of the packed row."""
+    kw = dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
+              max_length_k=packed.max_seqlen)
+    if sp is not None:
+        kw["polyrl_sp"] = sp
+    return kw
 
 
 # ------------------------------------------------------------------------------------------------ attention kernels
@@ -134,27 +142,51 @@ _VARLEN_BROKEN: list[str] = []
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """HF attention-interface function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None)."""
+    """HF attention-interface function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None).
+
+    Under Ulysses (`polyrl_sp` in kwargs) N is this rank's 1/sp of the packed row and `cu_seq_lens_q` describes the
+    whole row: the heads are exchanged around the kernel (distributed/ulysses.py)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         raise RuntimeError("polyrl_varlen attention was called without cu_seq_lens_q; it is only valid inside "
                            "polyrl.training.packing.packed_attention() with a packed batch.")
     assert query.shape[0] == 1, "packed attention expects one packed row"
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
-    if q.is_cuda and _VARLEN is not None and not _VARLEN_BROKEN:
-        # RoPE against fp32 cos/sin (fp32 residual stream under autocast) promotes q/k to fp32: cast to the kernel's
+    q, k, v = _kernel_dtype(*(t[0].transpose(0, 1) for t in (query, key, value)))  # [N, H, D]
+    max_len = int(kwargs["max_length_q"])
+    sp = kwargs.get("polyrl_sp")
+    if sp is None:
+        return _varlen(q, k, v, cu, max_len, scaling).unsqueeze(0), None
+    from polyrl.distributed.ulysses import ulysses_attention
+
+    attend = lambda q_, k_, v_: _varlen(q_, k_, v_, cu, max_len, scaling)  # noqa: E731
+    return ulysses_attention(attend, q, k, v, sp).unsqueeze(0), None
+
+
+def _cuda_kernel_usable(q) -> bool:
+    return q.is_cuda and _VARLEN is not None and not _VARLEN_BROKEN
+
+
+def _kernel_dtype(q, k, v):
+    """RoPE against fp32 cos/sin (fp32 residual stream under autocast) promotes q/k to fp32: cast to the CUDA
+    kernel's dtype here, before any Ulysses all-to-all, so that moves half the bytes."""
+    if _cuda_kernel_usable(q) and q.dtype not in (torch.float16, torch.bfloat16):
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v
+
+
+def _varlen(q, k, v, cu, max_len: int, scaling):
+    """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D], causal within each `cu` segment: the CUDA kernel or SDPA."""
+    if _cuda_kernel_usable(q):
+        q, k, v = _kernel_dtype(q, k, v)  # no-op unless called directly
         try:
-            return _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32),
-                                int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
+            return _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32), max_len, scaling)
         except (TypeError, RuntimeError) as e:  # an older torch spelling or an unsupported GPU: say so, stay correct
             _VARLEN_BROKEN.append(repr(e))
             warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to block-causal SDPA "
                           "(exact, O(N^2) memory).", stacklevel=2)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    return _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling).unsqueeze(0), None
+    return _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling)
 
 
 def _register() -> None:

@@ -1,0 +1,212 @@
+"""Ulysses sequence parallelism on CPU (gloo): 2 processes with sp=2 give the 1-process packed results.
+
+The 2-process job is this file under torchrun (`__main__` at the bottom), started once for the module: each rank
+computes log-probs/entropy, their parameter gradients, and an `Actor.update` under FSDP2 for two tiny models, a
+Llama with 4 query / 2 KV heads (heads split evenly) and a Qwen2 with 4 / 1 (the KV head is repeated for 2 ranks),
+and saves them; the tests compare with the same computations in this process without SP. fp32 throughout, so the
+only differences are summation order (tolerances below).
+"""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.distributed.ulysses import check_heads, owned_predictions, pad_packed
+from polyrl.errors import ConfigError
+from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy
+from polyrl.training.batch import build_batch
+from polyrl.training.packing import pack
+
+VALUES = dict(rtol=0, atol=1e-5)  # log-probs / entropy: fp32, packed vs SP-packed differ in summation order only
+GRADS = dict(rtol=1e-4, atol=1e-6)
+ARCHS = {"llama": dict(arch="llama", heads=4, kv_heads=2), "qwen2_kv1": dict(arch="qwen2", heads=4, kv_heads=1)}
+
+
+def _model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(100, hidden_size=32, layers=2, intermediate=64, tie=False, **ARCHS[name])
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _batch(num_rows=8, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    rand_len = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    prompts = [torch.randint(4, 90, (rand_len(2, 12),), generator=g).tolist() for _ in range(num_rows)]
+    responses = [torch.randint(4, 90, (rand_len(1, 9),), generator=g).tolist() for _ in range(num_rows)]
+    b = build_batch(prompts, responses, pad_token_id=0, device=torch.device("cpu"))
+    b["advantages"] = torch.randn(b["responses"].shape, generator=g) * b["response_mask"]
+    b["old_log_probs"] = (-2.0 + 0.3 * torch.randn(b["responses"].shape, generator=g)) * b["response_mask"]
+    b["ref_log_probs"] = b["old_log_probs"] - 0.1
+    return b
+
+
+def _settings():
+    return UpdateSettings(mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, temperature=0.7, loss_mode="vanilla",
+                          loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.01,
+                          use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+
+
+def _grads(model, fwd, batch):
+    """Parameter gradients of a loss over log-probs and entropy (plain module: no FSDP averaging involved)."""
+    logp, ent = logprobs_and_entropy(model, batch, 0.7, True, fwd)
+    ((logp * batch["advantages"]).sum() + 0.1 * ent.sum()).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def compute_all(env=None) -> dict:
+    """Everything the tests compare: with `env` (the 2-process job) under sp=2, else in one process, packed."""
+    from polyrl.distributed.parallelize import parallelize, param_groups
+    from polyrl.distributed.weights import full_state_dict
+    from polyrl.training.actor import make_scheduler
+    from polyrl.training.config import FSDPConfig
+
+    batch = _batch()
+    fwd = ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7, sp=env.sp if env else None)
+    out = {}
+    for name in ARCHS:
+        model = _model(name)
+        with torch.no_grad():
+            logp, ent = logprobs_and_entropy(model, batch, 0.7, True, fwd)
+        out[name] = dict(logp=logp, ent=ent,
+                         ref=compute_logprobs(model, batch, temperature=0.7, micro_batch_size=3, fwd=fwd),
+                         grads=_grads(copy.deepcopy(model), fwd, batch))
+        if env is not None:  # each rank holds its partial gradient (its tokens, its heads): their sum is the gradient
+            for g in out[name]["grads"].values():
+                torch.distributed.all_reduce(g)
+            parallelize(model, env.mesh, FSDPConfig(), env.device)
+        opt = torch.optim.SGD(param_groups(model), lr=1.0)
+        sched = make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant", min_lr_ratio=0.0, num_cycles=0.5)
+        actor = Actor(model, opt, sched, dp=env, fwd=ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7))
+        out[name]["metrics"] = actor.update(batch, _settings())
+        out[name]["weights"] = full_state_dict(model)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ pure pieces
+
+
+def test_padding_is_its_own_segment_and_ranks_own_their_predictions():
+    packed = pack(_batch(5, seed=1))
+    N = packed.num_tokens
+    ids, pos, cu, max_len = pad_packed(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, 4)
+    pad = ids.shape[1] - N
+    assert ids.shape[1] % 4 == 0 and pad == -N % 4
+    if pad:  # the pad tokens form one extra segment after every real one: no real token attends to them
+        assert cu.tolist() == packed.cu_seqlens.tolist() + [N + pad] and pos[0, N:].tolist() == list(range(pad))
+    bounds = owned_predictions(packed.pred_index, ids.shape[1], 4)
+    n = ids.shape[1] // 4
+    assert bounds[0] == 0 and bounds[-1] == len(packed.pred_index)
+    for r in range(4):
+        mine = packed.pred_index[bounds[r]:bounds[r + 1]]
+        assert ((mine >= r * n) & (mine < (r + 1) * n)).all()
+
+
+def test_head_layouts_that_do_not_split_are_refused():
+    check_heads(12, 2, 2)
+    check_heads(12, 2, 4)  # 2 KV heads repeated for 4 ranks
+    for heads, kv, sp in ((12, 2, 8), (12, 4, 3), (12, 3, 2)):
+        with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size"):
+            check_heads(heads, kv, sp)
+
+
+def test_checks_refuse_what_sp_does_not_support(monkeypatch):
+    from polyrl.trainer.checks import check_sequence_parallel
+    from polyrl.trainer.config import PPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+    def refused(**keys):
+        cfg = PPOConfig()
+        cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size = keys.pop("sp", 2)
+        cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size = keys.pop("ref_sp", 1)
+        cfg.critic.ulysses_sequence_parallel_size = keys.pop("critic_sp", 1)
+        cfg.actor_rollout_ref.model.use_remove_padding = keys.pop("use_remove_padding", True)
+        try:
+            check_sequence_parallel(cfg)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    assert refused() is None and refused(ref_sp=2) is None and refused(sp=4, ref_sp=4) is None
+    assert "use_remove_padding=True" in refused(use_remove_padding=False)
+    assert "does not divide the 4 processes" in refused(sp=3)
+    assert "critic" in refused(critic_sp=2)
+    assert "ref.ulysses_sequence_parallel_size=4" in refused(ref_sp=4)
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+
+
+def _micro_batches_with_an_idle_rank(batch) -> int:
+    """How many of the update's micro-batches leave one of 2 SP ranks without a prediction (only prompt tokens)."""
+    from polyrl.training.batch import select, trim_columns
+
+    idle = 0
+    for start in range(0, batch["responses"].shape[0], _settings().micro_batch_size):
+        packed = pack(trim_columns(select(batch, slice(start, start + _settings().micro_batch_size))))
+        b = owned_predictions(packed.pred_index, packed.num_tokens + packed.num_tokens % 2, 2)
+        idle += min(b[1] - b[0], b[2] - b[1]) == 0
+    return idle
+
+
+@pytest.fixture(scope="module")
+def sp2_vs_one(tmp_path_factory):
+    """(1-process results, [rank 0, rank 1] results of the sp=2 job)."""
+    from polyrl.distributed.launch import torchrun_command
+
+    out = tmp_path_factory.mktemp("ulysses")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    job = subprocess.Popen(torchrun_command(2, [__file__, str(out)]), env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    one = compute_all()
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    return one, [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_sp2_logprobs_entropy_and_gradients_equal_one_process(sp2_vs_one, name):
+    one, ranks = sp2_vs_one
+    batch = _batch()
+    assert batch["attention_mask"].sum() % 2 == 1  # the whole packed row needs padding: that path is exercised
+    assert _micro_batches_with_an_idle_rank(batch) > 0  # and the update has a rank with no prediction to backprop
+    ref = one[name]
+    for got in (r[name] for r in ranks):  # both ranks of the SP group see the whole micro-batch
+        for key in ("logp", "ent", "ref"):
+            torch.testing.assert_close(got[key], ref[key], **VALUES)
+        assert ref["grads"]["model.layers.0.self_attn.k_proj.weight"].abs().max() > 1e-3
+        for n, g in ref["grads"].items():  # summed over the SP ranks: neither lost nor counted twice
+            torch.testing.assert_close(got["grads"][n], g, **GRADS, msg=n)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_sp2_actor_update_equals_one_process(sp2_vs_one, name):
+    one, ranks = sp2_vs_one
+    ref, got = one[name], ranks[0][name]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac"):
+        assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert ranks[1][name]["metrics"]["actor/pg_loss"] == got["metrics"]["actor/pg_loss"]
+    before = {n: p.detach() for n, p in _model(name).state_dict().items()}
+    assert max((ref["weights"][n] - before[n]).abs().max() for n in before) > 1e-2  # the update moved weights
+    for n, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][n], w, rtol=0, atol=1e-5, msg=n)
+
+
+if __name__ == "__main__":  # one rank of the sp=2 job
+    from polyrl.distributed import DistEnv
+
+    torch.set_num_threads(1)
+    dist_env = DistEnv.setup("cpu", sp_size=2)
+    result = compute_all(dist_env)
+    torch.save(result, Path(sys.argv[1]) / f"rank{dist_env.rank}.pt")
+    dist_env.close()
