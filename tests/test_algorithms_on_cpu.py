@@ -107,6 +107,43 @@ def test_dr_grpo_skips_std():
     close(adv[:, 0], [0.5, -0.5, 2.0])  # s - mean; the singleton's mean is 0
 
 
+def test_grpo_global_std_divides_by_the_batch_std():
+    r, mask = outcome_rewards([1.0, 3.0, 2.0, 2.0], mask=[[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    index = [0, 0, 1, 1]
+    adv, _ = compute_advantage("grpo", token_level_rewards_BT=r, response_mask_BT=mask, index=index,
+                               global_std=True, epsilon=0.0)  # fmt: skip
+    # group means 2 and 2 -> s - mean = [-1, 1, 0, 0]; batch std of [1, 3, 2, 2]: sqrt(2 / 3) = 0.8165 (unbiased)
+    close(adv[:, 0], [-1.2247449, 1.2247449, 0.0, 0.0])
+    assert float(adv[1, 2]) == 0.0 and float(adv[3, 1]) == 0.0  # padding stays 0
+    per_group, _ = compute_advantage("grpo", token_level_rewards_BT=r, response_mask_BT=mask, index=index)
+    close(per_group[:, 0], [-0.7071068, 0.7071068, 0.0, 0.0])  # group 0's std is sqrt(2); group 1's is 0
+
+
+def test_grpo_global_std_singleton_and_adv_clip_max():
+    r, mask = outcome_rewards([1.0, 3.0, 5.0])
+    adv, ret = compute_advantage("grpo", token_level_rewards_BT=r, response_mask_BT=mask, index=["a", "a", "b"],
+                                 global_std=True, adv_clip_max=2.0, epsilon=0.0)  # fmt: skip
+    # means: a -> 2, the singleton b -> 0; s - mean = [-1, 1, 5]; batch std of [1, 3, 5] = 2 -> [-0.5, 0.5, 2.5]
+    close(adv, torch.tensor([-0.5, 0.5, 2.0]).unsqueeze(-1).expand(3, 3))  # 2.5 clipped to 2
+    close(ret[:, 0], [-0.5, 0.5, 2.5])  # returns are not clipped
+    one, _ = compute_advantage("grpo", token_level_rewards_BT=r[:1], response_mask_BT=mask[:1], index=[0],
+                               global_std=True, epsilon=0.0)  # fmt: skip
+    close(one[:, 0], [1.0])  # a batch of one: mean 0, std 1
+
+
+def test_flow_grpo_clip_fractions_are_on_the_ratio():
+    from polyrl.flow.algos import clipped_loss
+
+    # ratios exp(d): 1.5, 0.5, 1.5, 0.5, 1.0 with advantages +, +, -, -, +; clip 0.2
+    d = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5, 1.0]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0])
+    _, m = clipped_loss(d, torch.zeros(5), adv, clip_ratio=0.2, num_terms=5)
+    # verl-omni's FlowGRPO fractions: above 1 + clip (2 of 5) / below 1 - clip (2 of 5), whatever the advantage sign
+    assert float(m["actor/pg_clipfrac_higher"]) == 2 and float(m["actor/pg_clipfrac_lower"]) == 2  # sums over terms
+    # loss: max(-A r, -A clip(r)) = [-1.2, -0.5, 1.5, 0.8, -1.0], sum -0.4, mean -0.08
+    assert float(m["actor/pg_loss"]) / 5 == pytest.approx(-0.08, abs=1e-6)
+
+
 def test_rloo_leave_one_out():
     # group [3,0,0]: 3 - mean(0,0) = 3; 0 - mean(3,0) = -1.5 (== 3/2 * (s - 1)); singleton keeps its score 5
     r, mask = outcome_rewards([3.0, 0.0, 0.0, 5.0])

@@ -133,8 +133,10 @@ def test_sd3_velocity_is_the_pipelines_cfg_call(sd3_dir):
     sigma = policy.sigmas(4)[1]
     ours = policy.velocity(x, sigma.expand(2), PROMPTS)
     with torch.no_grad():  # StableDiffusion3Pipeline.__call__: batch [uncond; cond], timestep = scheduler.timesteps[i]
-        pe, npe, pooled, npooled = pipe.encode_prompt(prompt=PROMPTS, prompt_2=None, prompt_3=None, negative_prompt="",
-                                                      do_classifier_free_guidance=True, max_sequence_length=MAX_SEQ)  # fmt: skip
+        pe, npe, pooled, npooled = pipe.encode_prompt(
+            prompt=PROMPTS, prompt_2=None, prompt_3=None, negative_prompt="", do_classifier_free_guidance=True,
+            max_sequence_length=MAX_SEQ,
+        )  # fmt: skip
         t = pipe.scheduler.timesteps[1]
         v = pipe.transformer(hidden_states=torch.cat([unpack_2x2(x, latent)] * 2), timestep=t.expand(4),
                              encoder_hidden_states=torch.cat([npe, pe]),
@@ -175,7 +177,8 @@ def test_flux_velocity_is_the_pipelines_call_with_guidance_embedding(flux_dir):
         def call(guidance):
             return pipe.transformer(hidden_states=x, timestep=pipe.scheduler.timesteps[1].expand(2) / 1000,
                                     guidance=torch.full((2,), guidance), pooled_projections=pooled,
-                                    encoder_hidden_states=pe, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]  # fmt: skip
+                                    encoder_hidden_states=pe, txt_ids=text_ids, img_ids=img_ids,
+                                    return_dict=False)[0]  # fmt: skip
 
         expected = call(GUIDANCE)
         other_guidance = call(GUIDANCE + 2.0)
@@ -227,9 +230,10 @@ def test_two_flow_grpo_lora_steps(sd3_dir, flux_dir, family, cfg_scale):
     torch.manual_seed(0)
     cfg = _grpo_config(cfg_scale)
     p, m = cfg.actor_rollout_ref.rollout.pipeline, cfg.actor_rollout_ref.model
-    policy = load_pipeline_policy(sd3_dir if family == "sd3" else flux_dir, height=p.height, width=p.width,
-                                  true_cfg_scale=p.true_cfg_scale, negative_prompt=p.negative_prompt,
-                                  max_sequence_length=p.max_sequence_length, guidance_scale=p.guidance_scale)  # fmt: skip
+    policy = load_pipeline_policy(
+        sd3_dir if family == "sd3" else flux_dir, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,
+        negative_prompt=p.negative_prompt, max_sequence_length=p.max_sequence_length, guidance_scale=p.guidance_scale,
+    )  # fmt: skip
     policy.add_lora(m.lora_rank, m.lora_alpha, m.target_modules, m.lora_init)
     assert all("lora" in n for n, q in policy.transformer.named_parameters() if q.requires_grad)
     before = {n: q.detach().clone() for n, q in policy.transformer.named_parameters()}

@@ -1,7 +1,7 @@
 """RL algorithm math: pure tensor functions in name->function registries (verl `core_algos.py` semantics).
 
 - `advantages`: `compute_advantage(name, ...)` over `ADV_ESTIMATORS` (gae, grpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline, remax, opo, gpg).
+  reinforce_plus_plus_baseline, remax, opo, gpg); FlowGRPO's `global_std` (grpo) and `adv_clip_max` are parameters.
 - `losses`: `agg_loss` (micro-batch invariant with global normalisers), `policy_loss(name, ...)` over
   `POLICY_LOSSES` (vanilla, gspo, gpg, clip_cov, kl_cov), `value_loss`, logits helpers.
 - `kl`: `kl_penalty(kind, ...)`, KL controllers, `apply_kl_in_reward`.

@@ -4,7 +4,8 @@ Semantics follow verl's `core_algos.py` (the key `algorithm.adv_estimator` picks
 
 - `gae`: GAE over response tokens, skipping padding; advantages whitened over the batch, returns = adv + values.
 - `grpo`: outcome score s = sum of token rewards; per group (s - mean) / (std + eps) with torch.std (unbiased);
-  a group of one gets mean 0, std 1. Dr.GRPO is `norm_adv_by_std_in_grpo=False` (no division).
+  a group of one gets mean 0, std 1. Dr.GRPO is `norm_adv_by_std_in_grpo=False` (no division). FlowGRPO's
+  `global_std=True` divides by the std of the whole batch's scores instead of each group's.
 - `rloo`: n/(n-1) * (s - group mean), i.e. s minus the mean of the *other* samples; a group of one keeps s.
 - `reinforce_plus_plus`: discounted return-to-go (gamma), whitened over all valid tokens of the batch.
 - `reinforce_plus_plus_baseline`: s minus the group mean, broadcast to tokens, whitened over the batch.
@@ -13,7 +14,8 @@ Semantics follow verl's `core_algos.py` (the key `algorithm.adv_estimator` picks
 - `gpg`: B / (number of nonzero scores) * (s - group mean).
 
 Group statistics are computed with scatter-adds instead of verl's per-row Python loop (same values to float
-rounding); padding positions of every advantage are 0.
+rounding); padding positions of every advantage are 0. `adv_clip_max` (FlowGRPO, any estimator) clips the
+advantages, not the returns, to [-adv_clip_max, adv_clip_max].
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def compute_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     reward_baselines_B: torch.Tensor | None = None,
+    global_std: bool = False,
+    adv_clip_max: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ([B, T] each) from the estimator registered as `name`."""
+    """Advantages and returns ([B, T] each) from the estimator registered as `name`; advantages clipped to
+    [-adv_clip_max, adv_clip_max] when it is given."""
     if name not in ADV_ESTIMATORS:
         raise ConfigError(
             f"algorithm.adv_estimator={name!r} is not a known advantage estimator; use one of {sorted(ADV_ESTIMATORS)}."
@@ -83,7 +88,7 @@ def compute_advantage(
         raise ValueError(f"index has {len(index)} entries but the batch has {token_level_rewards_BT.shape[0]} rows")
     mask_BT = response_mask_BT.to(token_level_rewards_BT.dtype)
     with torch.no_grad():
-        return estimator.fn(
+        advantages_BT, returns_BT = estimator.fn(
             token_level_rewards_BT=token_level_rewards_BT,
             response_mask_BT=mask_BT,
             index=index,
@@ -93,7 +98,11 @@ def compute_advantage(
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
             epsilon=epsilon,
             reward_baselines_B=reward_baselines_B,
+            global_std=global_std,
         )
+        if adv_clip_max is not None:
+            advantages_BT = advantages_BT.clamp(-adv_clip_max, adv_clip_max)
+        return advantages_BT, returns_BT
 
 
 # --------------------------------------------------------------------------- group statistics
@@ -148,12 +157,14 @@ def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, **_)
 
 
 @register_adv_est("grpo", needs=("index",))
-def grpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_grpo, epsilon, **_):
-    """Group-relative advantage; Dr.GRPO skips the division by the group std."""
+def grpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_grpo, epsilon, global_std=False, **_):
+    """Group-relative advantage; Dr.GRPO skips the division by the std; `global_std` uses the batch's std."""
     scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
     mean_B, std_B, _ = group_mean_std(scores_B, ids_B, num_groups)
     adv_B = scores_B - mean_B
     if norm_adv_by_std_in_grpo:
+        if global_std:  # a batch of one has no spread: std 1, as a group of one
+            std_B = (scores_B.std() if scores_B.numel() > 1 else torch.ones_like(scores_B[0])).expand_as(scores_B)
         adv_B = adv_B / (std_B + epsilon)
     adv_BT = adv_B.unsqueeze(-1) * response_mask_BT
     return adv_BT, adv_BT

@@ -1,12 +1,14 @@
 """FlowGRPO's advantage and loss, built on the shared `polyrl.algorithms` functions.
 
-- Advantage: `compute_advantage("grpo", ...)` gives (R - group mean) [/ group std]; FlowGRPO adds `global_std`
+- Advantage: the shared `compute_advantage("grpo", ...)`: (R - group mean) [/ std], with FlowGRPO's `global_std`
   (divide by the std of the whole batch instead, the default for SD3/Qwen in both upstream repos) and
-  `adv_clip_max` (clip to [-c, c]). Both belong in `polyrl.algorithms` eventually; they live here until then.
-  Std is the unbiased torch.std (as verl's grpo); flow_grpo uses numpy's biased std, a factor sqrt(n/(n-1)).
+  `adv_clip_max` (clip to [-c, c]). Std is the unbiased torch.std (as verl's grpo and verl-omni's flow_grpo);
+  flow_grpo uses numpy's biased std, a factor sqrt(n/(n-1)).
 - Loss: each (sample, trained step) pair is one "token" of the shared `policy_loss("vanilla")` with
   token-mean aggregation, so the normaliser is the mini-batch's sample x step count whatever the micro-batch split.
-  The dual clip is disabled (clip_ratio_c huge): FlowGRPO has none.
+  The dual clip is disabled (clip_ratio_c huge): FlowGRPO has none. Clip fractions are verl-omni's FlowGRPO ones,
+  on the ratio alone: `pg_clipfrac_higher` = share of ratios above 1 + clip, `pg_clipfrac_lower` = below 1 - clip
+  (their sum is verl-omni's `pg_clipfrac`, |ratio - 1| > clip), whatever the advantage's sign.
 """
 
 from __future__ import annotations
@@ -29,17 +31,12 @@ def flow_grpo_advantages(
 ) -> torch.Tensor:
     """Outcome advantages [B] per prompt group (`index`: one group id per sample)."""
     scores_BT = scores_B.float().unsqueeze(-1)
-    ones_BT = torch.ones_like(scores_BT)
-    per_group_norm = norm_adv_by_std_in_grpo and not global_std
     adv_BT, _ = compute_advantage(
-        "grpo", token_level_rewards_BT=scores_BT, response_mask_BT=ones_BT, index=index,
-        norm_adv_by_std_in_grpo=per_group_norm, epsilon=ADV_EPS,
+        "grpo", token_level_rewards_BT=scores_BT, response_mask_BT=torch.ones_like(scores_BT), index=index,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, global_std=global_std, adv_clip_max=adv_clip_max,
+        epsilon=ADV_EPS,
     )  # fmt: skip
-    adv_B = adv_BT[:, 0]
-    if norm_adv_by_std_in_grpo and global_std:
-        std = scores_B.float().std() if scores_B.numel() > 1 else torch.ones(())
-        adv_B = adv_B / (std + ADV_EPS)
-    return adv_B.clamp(-adv_clip_max, adv_clip_max)
+    return adv_BT[:, 0]
 
 
 def zero_std_ratio(scores_B: torch.Tensor, index) -> float:

@@ -85,7 +85,8 @@ def parts(pipe, *, height: int, width: int, max_sequence_length: int, guidance_s
         c = pipe.scheduler.config
         grid = None if c.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
         mu = calculate_shift(latent.grid_h * latent.grid_w, c.get("base_image_seq_len", 256),
-                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                             c.get("max_shift", 1.15))  # fmt: skip
         retrieve_timesteps(pipe.scheduler, num_steps, "cpu", sigmas=grid, mu=mu)
         return pipe.scheduler.sigmas.clone()
 
