@@ -11,6 +11,11 @@ HEADER = ("| date | device | benchmark | shape / config | polyrl | peer (name: v
 
 
 def commit() -> str:
+    """The measured code's commit: $POLYRL_COMMIT when the run happens in an exported tree without .git."""
+    import os
+
+    if os.environ.get("POLYRL_COMMIT"):
+        return os.environ["POLYRL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "-"
