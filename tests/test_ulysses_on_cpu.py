@@ -8,6 +8,7 @@ only differences are summation order (tolerances below).
 """
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,7 +26,10 @@ from polyrl.training.packing import pack
 
 VALUES = dict(rtol=0, atol=1e-5)  # log-probs / entropy: fp32, packed vs SP-packed differ in summation order only
 GRADS = dict(rtol=1e-4, atol=1e-6)
+# heads split evenly / one KV head repeated for 2 ranks; the LM head through autograd (a rank without predictions
+# needs the empty-anchor path then) / through the fused hand-written backward
 ARCHS = {"llama": dict(arch="llama", heads=4, kv_heads=2), "qwen2_kv1": dict(arch="qwen2", heads=4, kv_heads=1)}
+FUSED_HEAD = {"llama": False, "qwen2_kv1": True}
 
 
 def _model(name: str):
@@ -64,30 +68,39 @@ def _grads(model, fwd, batch):
 
 
 def compute_all(env=None) -> dict:
-    """Everything the tests compare: with `env` (the 2-process job) under sp=2, else in one process, packed."""
+    """Everything the tests compare: with `env` (a torchrun job) under sp=2, else in one process, packed.
+
+    With dp=2 (4 processes) each SP group trains its data shard: its half of every mini-batch, as the trainer's
+    `shard_prompts` deals them."""
+    from polyrl.distributed.data import shard_prompts
     from polyrl.distributed.parallelize import parallelize, param_groups
     from polyrl.distributed.weights import full_state_dict
     from polyrl.training.actor import make_scheduler
+    from polyrl.training.batch import select
     from polyrl.training.config import FSDPConfig
 
-    batch = _batch()
-    fwd = ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7, sp=env.sp if env else None)
-    out = {}
+    dp_rank, dp_size = (env.dp_rank, env.dp_size) if env else (0, 1)
+    rows = shard_prompts(8, _settings().mini_batch_size, dp_rank, dp_size)
+    batch = select(_batch(), torch.tensor(rows))
+    settings = dataclasses.replace(_settings(), mini_batch_size=_settings().mini_batch_size // dp_size)
+    out = {"rows": rows}
     for name in ARCHS:
+        fwd = ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7, fused_head=FUSED_HEAD[name],
+                              sp=env.sp if env else None)
         model = _model(name)
         with torch.no_grad():
             logp, ent = logprobs_and_entropy(model, batch, 0.7, True, fwd)
         out[name] = dict(logp=logp, ent=ent,
                          ref=compute_logprobs(model, batch, temperature=0.7, micro_batch_size=3, fwd=fwd),
                          grads=_grads(copy.deepcopy(model), fwd, batch))
-        if env is not None:  # each rank holds its partial gradient (its tokens, its heads): their sum is the gradient
+        if env is not None:  # each rank holds its partial gradient (its rows, tokens, heads): the sum is the gradient
             for g in out[name]["grads"].values():
                 torch.distributed.all_reduce(g)
             parallelize(model, env.mesh, FSDPConfig(), env.device)
         opt = torch.optim.SGD(param_groups(model), lr=1.0)
         sched = make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant", min_lr_ratio=0.0, num_cycles=0.5)
-        actor = Actor(model, opt, sched, dp=env, fwd=ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7))
-        out[name]["metrics"] = actor.update(batch, _settings())
+        actor = Actor(model, opt, sched, dp=env, fwd=dataclasses.replace(fwd, sp=None))  # Actor sets sp from env
+        out[name]["metrics"] = actor.update(batch, settings)
         out[name]["weights"] = full_state_dict(model)
     return out
 
@@ -159,50 +172,59 @@ def _micro_batches_with_an_idle_rank(batch) -> int:
     return idle
 
 
+WORLDS = (2, 4)  # sp=2 alone (dp=1), and dp=2 x sp=2
+
+
 @pytest.fixture(scope="module")
-def sp2_vs_one(tmp_path_factory):
-    """(1-process results, [rank 0, rank 1] results of the sp=2 job)."""
+def jobs(tmp_path_factory):
+    """(1-process results, {world size: every rank's results}) for sp=2 jobs of 2 and 4 processes, run together."""
     from polyrl.distributed.launch import torchrun_command
 
-    out = tmp_path_factory.mktemp("ulysses")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
-    job = subprocess.Popen(torchrun_command(2, [__file__, str(out)]), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    outs = {w: tmp_path_factory.mktemp(f"ulysses{w}") for w in WORLDS}
+    procs = {w: subprocess.Popen(torchrun_command(w, [__file__, str(outs[w])]), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for w in WORLDS}
     one = compute_all()
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-3000:]
-    return one, [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for w, job in procs.items():
+        log, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, log[-3000:]
+    return one, {w: [torch.load(outs[w] / f"rank{r}.pt") for r in range(w)] for w in WORLDS}
 
 
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_sp2_logprobs_entropy_and_gradients_equal_one_process(sp2_vs_one, name):
-    one, ranks = sp2_vs_one
+def test_sp2_logprobs_entropy_and_gradients_equal_one_process(jobs, name, world):
+    one, runs = jobs
     batch = _batch()
     assert batch["attention_mask"].sum() % 2 == 1  # the whole packed row needs padding: that path is exercised
     assert _micro_batches_with_an_idle_rank(batch) > 0  # and the update has a rank with no prediction to backprop
     ref = one[name]
-    for got in (r[name] for r in ranks):  # both ranks of the SP group see the whole micro-batch
+    assert ref["grads"]["model.layers.0.self_attn.k_proj.weight"].abs().max() > 1e-3
+    for rank in runs[world]:  # both ranks of an SP group see their data shard's whole micro-batch
+        rows = rank["rows"]
+        assert len(rows) == 8 * 2 // world
         for key in ("logp", "ent", "ref"):
-            torch.testing.assert_close(got[key], ref[key], **VALUES)
-        assert ref["grads"]["model.layers.0.self_attn.k_proj.weight"].abs().max() > 1e-3
-        for n, g in ref["grads"].items():  # summed over the SP ranks: neither lost nor counted twice
-            torch.testing.assert_close(got["grads"][n], g, **GRADS, msg=n)
+            torch.testing.assert_close(rank[name][key], ref[key][rows], **VALUES)
+        for n, g in ref["grads"].items():  # summed over all ranks: neither lost nor counted twice
+            torch.testing.assert_close(rank[name]["grads"][n], g, **GRADS, msg=n)
 
 
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_sp2_actor_update_equals_one_process(sp2_vs_one, name):
-    one, ranks = sp2_vs_one
-    ref, got = one[name], ranks[0][name]
+def test_sp2_actor_update_equals_one_process(jobs, name, world):
+    one, runs = jobs
+    ref, got = one[name], runs[world][0][name]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
-    assert ranks[1][name]["metrics"]["actor/pg_loss"] == got["metrics"]["actor/pg_loss"]
+    for rank in runs[world][1:]:  # metrics are global sums over the data shards, the same on every rank
+        assert rank[name]["metrics"]["actor/pg_loss"] == pytest.approx(got["metrics"]["actor/pg_loss"], rel=1e-6)
     before = {n: p.detach() for n, p in _model(name).state_dict().items()}
     assert max((ref["weights"][n] - before[n]).abs().max() for n in before) > 1e-2  # the update moved weights
     for n, w in ref["weights"].items():
         torch.testing.assert_close(got["weights"][n], w, rtol=0, atol=1e-5, msg=n)
 
 
-if __name__ == "__main__":  # one rank of the sp=2 job
+if __name__ == "__main__":  # one rank of an sp=2 job
     from polyrl.distributed import DistEnv
 
     torch.set_num_threads(1)
