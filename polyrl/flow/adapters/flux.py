@@ -45,7 +45,7 @@ class FluxAdapter:
     """Set for guidance-distilled models (`guidance_embeds`); None for the others (schnell)."""
 
     def __post_init__(self):
-        self._img_ids = image_ids(self.latent)
+        self._img_ids = image_ids(self.latent).to(self.dtype)
 
     def collate(self, conds: list[Cond]) -> Cond:
         return stack_conds(conds)
@@ -56,7 +56,9 @@ class FluxAdapter:
         if self.guidance_scale is not None:
             guidance = torch.full((x.shape[0],), self.guidance_scale, device=x.device, dtype=torch.float32)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=x.device, dtype=self.dtype)
-        img_ids = self._img_ids.to(x.device, self.dtype)
+        if self._img_ids.device != x.device:  # moved once: a per-call host-to-device copy would sync the host
+            self._img_ids = self._img_ids.to(x.device)
+        img_ids = self._img_ids
         return module(hidden_states=x.to(self.dtype), encoder_hidden_states=embeds, pooled_projections=pooled,
                       timestep=sigma_B.to(self.dtype), img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
                       return_dict=False)[0]  # fmt: skip
