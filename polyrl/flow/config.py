@@ -37,7 +37,7 @@ class ModelConfig:
     """Which model, and LoRA or full fine-tuning."""
 
     path: str | None = None
-    """Local diffusers pipeline directory (QwenImagePipeline); null: the quickstart's tiny model."""
+    """Local diffusers pipeline dir (QwenImagePipeline, StableDiffusion3Pipeline, FluxPipeline); null: quickstart model."""
     lora_rank: int = 0
     """LoRA rank; 0 trains every transformer weight (full fine-tuning, fp32 optimizer state)."""
     lora_alpha: int = 128
@@ -120,7 +120,7 @@ class PipelineConfig:
     num_inference_steps: int = 10
     """Denoising steps during RL rollouts (denoising reduction: fewer than validation's)."""
     true_cfg_scale: float = 1.0
-    """Classifier-free guidance scale; > 1 runs [negative; positive] branches, both trained, Qwen norm rescale."""
+    """CFG scale; > 1 runs [positive; negative] branches, both trained (Qwen-Image adds its norm rescale)."""
     negative_prompt: str = " "
     """Negative prompt for CFG."""
     max_sequence_length: int = 256
