@@ -145,6 +145,9 @@ def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, syn
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     assert any(k.startswith("val-core/") for k in got[-1])  # validation gathered over both ranks
+    # trainer.balance_batch re-dealt rows across the ranks (and the metrics above still match one process)
+    for r in got:
+        assert 1.0 <= r["perf/balance/max_over_mean_after"] <= r["perf/balance/max_over_mean_before"]
     w1 = _weights(one / "ckpt" / "global_step_3")
     w2 = _weights(ckpt2)
     assert set(w1) == set(w2)

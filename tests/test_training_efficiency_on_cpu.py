@@ -12,7 +12,7 @@ from polyrl.models.loader import load_causal_lm
 from polyrl.trainer.metrics import rollout_logprob_gap
 from polyrl.training.actor import (Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy,
                                    make_scheduler)
-from polyrl.training.batch import build_batch
+from polyrl.training.batch import build_batch, select
 from polyrl.training.dynamic_batch import balanced_micro_batches
 from polyrl.training.flops import matmul_params, mfu, training_flops
 from polyrl.training.fused_head import fused_logprobs
@@ -232,3 +232,33 @@ def test_master_weights_keep_small_updates_that_bf16_weights_would_round_away(ti
     err_bf16 = (runs["bf16_only"] - runs["fp32"]).abs().mean() / moved.mean()
     assert err_master < 0.05, err_master
     assert err_bf16 > 2 * err_master, (err_bf16, err_master)
+
+
+def test_equal_size_partition_balances_tokens_with_equal_row_counts():
+    from polyrl.training.dynamic_batch import equal_size_partition
+
+    g = torch.Generator().manual_seed(0)
+    lengths = ((torch.rand(64, generator=g) ** 3) * 2000 + 50).long().tolist()  # long-tailed, like GRPO
+    parts = equal_size_partition(lengths, 4)
+    assert sorted(i for p in parts for i in p) == list(range(64)) and all(len(p) == 16 for p in parts)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    naive = [sum(lengths[i] for i in range(r * 16, (r + 1) * 16)) for r in range(4)]  # contiguous shards
+    assert max(loads) / (sum(loads) / 4) < 1.02 < max(naive) / (sum(naive) / 4)
+    with pytest.raises(ValueError, match="equal parts"):
+        equal_size_partition(lengths[:10], 4)
+
+
+def test_concat_rows_pads_prompts_left_and_responses_right():
+    from polyrl.training.batch import concat_rows
+
+    a = build_batch([[5, 6, 7]], [[8]], pad_token_id=0, device=torch.device("cpu"))
+    b = build_batch([[9]], [[10, 11, 12]], pad_token_id=0, device=torch.device("cpu"))
+    b["advantages"] = torch.ones(1, 3)
+    a["advantages"] = torch.ones(1, 1) * 2
+    m = concat_rows([a, b])
+    assert m["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 10, 11, 12]]
+    assert m["responses"].tolist() == [[8, 0, 0], [10, 11, 12]]
+    assert m["advantages"].tolist() == [[2, 0, 0], [1, 1, 1]]
+    assert m["position_ids"][1, 2:].tolist() == [0, 1, 2, 3]
+    for i, src in enumerate((a, b)):  # the packed view of each row is unchanged by the padding
+        assert pack(select(m, torch.tensor([i]))).input_ids.tolist() == pack(src).input_ids.tolist()

@@ -139,7 +139,7 @@ class TrainerConfig:
     device: str = "auto"
     """auto, cpu or cuda."""
     balance_batch: bool = True
-    """Balance sequence lengths across data-parallel ranks."""
+    """Re-deal each mini-batch's rows so data-parallel ranks train on equal token counts (no effect in one process)."""
     seed: int = 1
     """Global seed (model init, sampling, shuffling)."""
     run_dir: str | None = None

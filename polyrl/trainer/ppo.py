@@ -29,6 +29,7 @@ from polyrl.config import save_config, to_dict
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
+from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
@@ -236,6 +237,11 @@ class PPOTrainer:
                     batch["values"] = self.critic.compute_values(batch)
             with timer.stage("adv"):
                 metrics.update(self._advantages(batch, index))
+            rollout_batch = batch  # as generated on this rank: its groups match `index` (for data metrics)
+            if self.dist.is_distributed and cfg.trainer.balance_batch:
+                with timer.stage("balance_batch"):  # equal tokens per rank within each mini-batch
+                    batch, balance_metrics = balance_across_ranks(batch, s.mini_batch_size, self.dist)
+                metrics.update(balance_metrics)
             if self.critic is not None:
                 with timer.stage("update_critic"):
                     metrics.update(self.critic.update(batch))
@@ -252,9 +258,9 @@ class PPOTrainer:
         self.profiler.step_end(self.global_step)
         timings = timer.pop()
         metrics.update(timings)
-        metrics.update(data_metrics(batch, max_response_length=cfg.data.max_response_length, index=index))
+        metrics.update(data_metrics(rollout_batch, max_response_length=cfg.data.max_response_length, index=index))
         step_time = time.perf_counter() - t_step
-        num_tokens = int(batch["attention_mask"].sum())
+        num_tokens = int(rollout_batch["attention_mask"].sum())
         n_gpus = max(1, torch.cuda.device_count()) if self.device.type == "cuda" else 1
         if self.dist.is_distributed:  # per-rank numbers -> the job's (counts summed, extremes kept, rest averaged)
             n_gpus = self.dist.world_size

@@ -64,3 +64,30 @@ def trim_columns(batch: Batch) -> Batch:
         if v.dim() == 2 and v.shape[1] == batch["responses"].shape[1] and key not in ("input_ids",):
             out[key] = v[:, :T]
     return out
+
+
+def pad_columns(batch: Batch, prompt_width: int, response_width: int) -> Batch:
+    """Widen a batch to `[prompt_width | response_width]` columns: prompts are left-padded, responses right-padded.
+
+    Keys are classified by shape: `[B, P+T]` (input_ids, masks, positions), `[B, T]` (per-response-token values) and
+    per-row `[B]`; padding is 0 (masked out everywhere it matters)."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    assert prompt_width >= P and response_width >= T, (prompt_width, P, response_width, T)
+    out = {}
+    for key, v in batch.items():
+        if v.dim() >= 2 and v.shape[1] == P + T and key in ("input_ids", "attention_mask", "position_ids"):
+            out[key] = torch.nn.functional.pad(v, (prompt_width - P, response_width - T))
+        elif v.dim() >= 2 and v.shape[1] == T:
+            out[key] = torch.nn.functional.pad(v, (0, response_width - T))
+        else:
+            out[key] = v
+    return out
+
+
+def concat_rows(batches: list[Batch]) -> Batch:
+    """Rows of several batches in one (columns padded to the widest prompt and response)."""
+    P = max(b["input_ids"].shape[1] - b["responses"].shape[1] for b in batches)
+    T = max(b["responses"].shape[1] for b in batches)
+    padded = [pad_columns(b, P, T) for b in batches]
+    return {k: torch.cat([b[k] for b in padded]) for k in padded[0]}

@@ -40,3 +40,20 @@ def balanced_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int
 def fixed_micro_batches(num_rows: int, size: int) -> list[list[int]]:
     """Consecutive groups of `size` rows (the `*_micro_batch_size_per_gpu` path)."""
     return [list(range(s, min(s + size, num_rows))) for s in range(0, num_rows, size)]
+
+
+def equal_size_partition(lengths: list[int], num_parts: int) -> list[list[int]]:
+    """`num_parts` groups of exactly `len(lengths) / num_parts` rows with balanced token sums (LPT with a row cap).
+
+    verl's `balance_batch` (get_seqlen_balanced_partitions with equal_size=True): data-parallel ranks must hold the
+    same number of rows (mini-batch bookkeeping), and the step waits for the rank with the most tokens.
+    """
+    if len(lengths) % num_parts:
+        raise ValueError(f"{len(lengths)} rows cannot be split into {num_parts} equal parts.")
+    cap = len(lengths) // num_parts
+    loads, groups = [0] * num_parts, [[] for _ in range(num_parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = min((j for j in range(num_parts) if len(groups[j]) < cap), key=lambda j: (loads[j], j))
+        groups[j].append(i)
+        loads[j] += lengths[i]
+    return [sorted(g) for g in groups]
