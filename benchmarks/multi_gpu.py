@@ -3,7 +3,9 @@
     torchrun --nproc_per_node=1 benchmarks/multi_gpu.py --shape 1.5b     # baseline
     torchrun --nproc_per_node=2 benchmarks/multi_gpu.py --shape 1.5b     # FSDP2 over 2 GPUs
 
-Weak scaling: every rank trains the same number of sequences, so perfect scaling keeps tokens/s/GPU constant;
+Weak scaling: every rank trains the same number of sequences, so perfect scaling keeps tokens/s/GPU constant. Each
+step's global batch (seqs-per-gpu x N long-tailed sequences) is drawn once and dealt out to ranks as the trainer does
+with `trainer.balance_batch` (equal rows, balanced tokens; `--no-balance`: contiguous slices);
 `efficiency = tokens/s/GPU(N) / tokens/s/GPU(1)` (pass `--baseline` with the 1-process number). The model is a
 random-init model of the named shape (no downloads), trained with polyrl's `Actor.update` (packed, bf16 autocast,
 chunked log-probs) exactly as the trainer does; N=1 is the plain single-process path, N>1 goes through
@@ -65,6 +67,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--resp-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warmup step")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
+    ap.add_argument("--no-balance", dest="balance", action="store_false",
+                    help="contiguous shards instead of trainer.balance_batch's token-balanced ones")
     ap.add_argument("--baseline", type=float, default=None, help="1-process tokens/s/GPU, for the efficiency")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md (rank 0)")
     ap.add_argument("--out", default=None, help="append the JSON result to this file (rank 0)")
@@ -74,7 +80,9 @@ def main() -> None:
     from polyrl.distributed import DistEnv
     from polyrl.distributed.parallelize import param_groups, parallelize
     from polyrl.distributed.weights import full_tensors
-    from polyrl.training.actor import Actor, UpdateSettings, make_scheduler
+    from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
+    from polyrl.training.batch import select, trim_columns
+    from polyrl.training.dynamic_batch import equal_size_partition
     from polyrl.training.config import FSDPConfig
 
     env = DistEnv.setup("auto")
@@ -83,10 +91,11 @@ def main() -> None:
     replica = build(args.shape, env.device).to(torch.bfloat16)  # what a rollout engine holds
     if env.is_distributed:
         parallelize(model, env.mesh, FSDPConfig(), env.device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not args.no_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(param_groups(model), lr=1e-6)
-    actor = Actor(model, opt, make_scheduler(opt, total_steps=100, warmup_steps=0, kind="constant",
-                                             min_lr_ratio=0.0, num_cycles=0.5), dp=env)
+    sched = make_scheduler(opt, total_steps=100, warmup_steps=0, kind="constant", min_lr_ratio=0.0, num_cycles=0.5)
+    actor = Actor(model, opt, sched, dp=env, fwd=ForwardSettings(compile_layers=args.compile))
     s = UpdateSettings(mini_batch_size=args.seqs_per_gpu, micro_batch_size=args.micro, ppo_epochs=1,
                        temperature=1.0, loss_mode="vanilla", loss_agg_mode="token-mean",
                        knobs=PolicyLossConfig(loss_scale_factor=float(args.resp_len)), grad_clip=1.0,
@@ -98,8 +107,14 @@ def main() -> None:
     cuda = env.device.type == "cuda"
     times, syncs, tokens = [], [], []
     for step in range(args.steps + 1):
-        batch = batch_for(args.seqs_per_gpu, args.prompt_len, args.resp_len, vocab, env.device,
-                          seed=1000 * step + env.rank)
+        # the job's global batch (same on every rank), dealt out as the trainer does: balanced (trainer.balance_batch)
+        # or in contiguous slices
+        batch = batch_for(args.seqs_per_gpu * env.world_size, args.prompt_len, args.resp_len, vocab, env.device,
+                          seed=1000 * step)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        share = (equal_size_partition(lengths, env.world_size)[env.rank] if args.balance else
+                 list(range(env.rank * args.seqs_per_gpu, (env.rank + 1) * args.seqs_per_gpu)))
+        batch = trim_columns(select(batch, torch.tensor(share, device=env.device)))
         env.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -116,12 +131,13 @@ def main() -> None:
         if step:  # step 0 warms up allocator, kernels and NCCL communicators
             times.append(float(env.all_reduce(torch.tensor(t1 - t0, device=env.device), op="max")))
             syncs.append(float(env.all_reduce(torch.tensor(t2 - t1, device=env.device), op="max")))
-            tokens.append(int(batch["attention_mask"].sum()))
-    tok_s_gpu = sum(tokens) / sum(times)  # every rank has the same token count distribution (seeded)
+            tokens.append(sum(lengths) / env.world_size)
+    tok_s_gpu = sum(tokens) / sum(times)  # the job's tokens per GPU over the slowest rank's time
     n_params = sum(p.numel() for p in replica.parameters())
     tflops = 6 * n_params * tok_s_gpu / 1e12
     peak = 989.0 if cuda else float("nan")
     out = dict(shape=args.shape, world_size=env.world_size, seqs_per_gpu=args.seqs_per_gpu, micro=args.micro,
+               balanced=args.balance,
                prompt_len=args.prompt_len, resp_len=args.resp_len, update_tokens_per_s_per_gpu=round(tok_s_gpu, 1),
                update_s=round(sum(times) / len(times), 3), weight_sync_s=round(sum(syncs) / len(syncs), 4),
                model_tflops_per_gpu=round(tflops, 1), limit_tflops=peak, mfu=round(tflops / peak, 3),
@@ -140,7 +156,9 @@ def main() -> None:
             eff = f", {out['efficiency_vs_1']:.0%} of 1-GPU tokens/s/GPU" if args.baseline else ""
             append_row(f"{env.world_size}x {out['device']}", "multi_gpu (update_actor + weight sync)",
                        f"Qwen2.5-{args.shape} shape, {args.seqs_per_gpu} seqs/GPU x {args.prompt_len}+<={args.resp_len}"
-                       f" tok, micro {args.micro}, FSDP2 bf16, grad ckpt",
+                       f" tok, micro {args.micro}, FSDP2 bf16, {'no ckpt' if args.no_ckpt else 'grad ckpt'}"
+                       f"{', compiled' if args.compile else ''}, "
+                       f"{'balance_batch' if args.balance else 'contiguous shards'}",
                        f"{tok_s_gpu:.0f} tok/s/GPU{eff}; weight sync {out['weight_sync_s']} s",
                        limit=f"{peak:.0f} TFLOP/s bf16", ratio_limit=f"MFU {out['mfu']}")
     env.close()
