@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=1 benchmarks/multi_gpu.py --shape 1.5b     # baseline
     torchrun --nproc_per_node=2 benchmarks/multi_gpu.py --shape 1.5b     # FSDP2 over 2 GPUs
+    torchrun --nproc_per_node=2 benchmarks/multi_gpu.py --shape 1.5b --sp 2   # Ulysses: 2 GPUs share each row
 
 Weak scaling: every rank trains the same number of sequences, so perfect scaling keeps tokens/s/GPU constant. Each
 step's global batch (seqs-per-gpu x N long-tailed sequences) is drawn once and dealt out to ranks as the trainer does
@@ -12,6 +13,10 @@ chunked log-probs) exactly as the trainer does; N=1 is the plain single-process 
 `polyrl.distributed.parallelize`. Weight sync is `full_tensors` streamed into a bf16 replica (what each rank's
 rollout engine receives). What is NOT measured here: rollout, so this is the update_actor + update_weights share of a
 GRPO step, not the whole step. The limit printed is bf16 dense peak (~989 TFLOP/s on H100/H200) via 6*N*tokens FLOPs.
+
+`--sp S` (Ulysses sequence parallelism, polyrl/distributed/ulysses.py): groups of S consecutive ranks train the same
+rows, each holding 1/S of every packed micro-batch, so the batch is dealt to N/S data shards; to keep the per-GPU work
+of the plain run a shard trains S x `--seqs-per-gpu` sequences in micro-batches of S x `--micro`.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=float, default=None, help="1-process tokens/s/GPU, for the efficiency")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md (rank 0)")
     ap.add_argument("--out", default=None, help="append the JSON result to this file (rank 0)")
+    ap.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (divides the process count)")
     args = ap.parse_args()
 
     from polyrl.algorithms.losses import PolicyLossConfig
@@ -85,7 +91,7 @@ def main() -> None:
     from polyrl.training.dynamic_batch import equal_size_partition
     from polyrl.training.config import FSDPConfig
 
-    env = DistEnv.setup("auto")
+    env = DistEnv.setup("auto", sp_size=args.sp)
     torch.manual_seed(0)
     model = build(args.shape, env.device)
     replica = build(args.shape, env.device).to(torch.bfloat16)  # what a rollout engine holds
@@ -96,7 +102,8 @@ def main() -> None:
     opt = torch.optim.AdamW(param_groups(model), lr=1e-6)
     sched = make_scheduler(opt, total_steps=100, warmup_steps=0, kind="constant", min_lr_ratio=0.0, num_cycles=0.5)
     actor = Actor(model, opt, sched, dp=env, fwd=ForwardSettings(compile_layers=args.compile))
-    s = UpdateSettings(mini_batch_size=args.seqs_per_gpu, micro_batch_size=args.micro, ppo_epochs=1,
+    seqs_per_shard = args.seqs_per_gpu * args.sp  # one data shard = one SP group (one rank without --sp)
+    s = UpdateSettings(mini_batch_size=seqs_per_shard, micro_batch_size=args.micro * args.sp, ppo_epochs=1,
                        temperature=1.0, loss_mode="vanilla", loss_agg_mode="token-mean",
                        knobs=PolicyLossConfig(loss_scale_factor=float(args.resp_len)), grad_clip=1.0,
                        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
@@ -112,8 +119,8 @@ def main() -> None:
         batch = batch_for(args.seqs_per_gpu * env.world_size, args.prompt_len, args.resp_len, vocab, env.device,
                           seed=1000 * step)
         lengths = batch["attention_mask"].sum(1).tolist()
-        share = (equal_size_partition(lengths, env.world_size)[env.rank] if args.balance else
-                 list(range(env.rank * args.seqs_per_gpu, (env.rank + 1) * args.seqs_per_gpu)))
+        share = (equal_size_partition(lengths, env.dp_size)[env.dp_rank] if args.balance else
+                 list(range(env.dp_rank * seqs_per_shard, (env.dp_rank + 1) * seqs_per_shard)))
         batch = trim_columns(select(batch, torch.tensor(share, device=env.device)))
         env.barrier()
         if cuda:
@@ -136,7 +143,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in replica.parameters())
     tflops = 6 * n_params * tok_s_gpu / 1e12
     peak = 989.0 if cuda else float("nan")
-    out = dict(shape=args.shape, world_size=env.world_size, seqs_per_gpu=args.seqs_per_gpu, micro=args.micro,
+    out = dict(shape=args.shape, world_size=env.world_size, sp=args.sp, seqs_per_gpu=args.seqs_per_gpu,
+               micro=args.micro,
                balanced=args.balance,
                prompt_len=args.prompt_len, resp_len=args.resp_len, update_tokens_per_s_per_gpu=round(tok_s_gpu, 1),
                update_s=round(sum(times) / len(times), 3), weight_sync_s=round(sum(syncs) / len(syncs), 4),
@@ -157,7 +165,7 @@ def main() -> None:
             append_row(f"{env.world_size}x {out['device']}", "multi_gpu (update_actor + weight sync)",
                        f"Qwen2.5-{args.shape} shape, {args.seqs_per_gpu} seqs/GPU x {args.prompt_len}+<={args.resp_len}"
                        f" tok, micro {args.micro}, FSDP2 bf16, {'no ckpt' if args.no_ckpt else 'grad ckpt'}"
-                       f"{', compiled' if args.compile else ''}, "
+                       f"{', compiled' if args.compile else ''}{f', Ulysses sp={args.sp}' if args.sp > 1 else ''}, "
                        f"{'balance_batch' if args.balance else 'contiguous shards'}",
                        f"{tok_s_gpu:.0f} tok/s/GPU{eff}; weight sync {out['weight_sync_s']} s",
                        limit=f"{peak:.0f} TFLOP/s bf16", ratio_limit=f"MFU {out['mfu']}")

@@ -38,7 +38,7 @@ def _model(name: str):
     from polyrl.models.tiny import tiny_config
 
     torch.manual_seed(0)
-    cfg = tiny_config(100, hidden_size=32, layers=2, intermediate=64, tie=False, **ARCHS[name])
+    cfg = tiny_config(100, hidden_size=64, layers=2, intermediate=64, tie=False, **ARCHS[name])  # head_dim 16
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -67,11 +67,13 @@ def _grads(model, fwd, batch):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def compute_all(env=None) -> dict:
+def compute_all(env=None, device: str = "cpu") -> dict:
     """Everything the tests compare: with `env` (a torchrun job) under sp=2, else in one process, packed.
 
     With dp=2 (4 processes) each SP group trains its data shard: its half of every mini-batch, as the trainer's
-    `shard_prompts` deals them."""
+    `shard_prompts` deals them. On CUDA (tests/test_ulysses_gpu.py) matmuls stay fp32 and attention runs in the
+    bf16 varlen kernel, in both the reference and the SP run."""
+    from polyrl.training import packing
     from polyrl.distributed.data import shard_prompts
     from polyrl.distributed.parallelize import parallelize, param_groups
     from polyrl.distributed.weights import full_state_dict
@@ -81,13 +83,13 @@ def compute_all(env=None) -> dict:
 
     dp_rank, dp_size = (env.dp_rank, env.dp_size) if env else (0, 1)
     rows = shard_prompts(8, _settings().mini_batch_size, dp_rank, dp_size)
-    batch = select(_batch(), torch.tensor(rows))
+    batch = {k: v.to(device) for k, v in select(_batch(), torch.tensor(rows)).items()}
     settings = dataclasses.replace(_settings(), mini_batch_size=_settings().mini_batch_size // dp_size)
     out = {"rows": rows}
     for name in ARCHS:
         fwd = ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7, fused_head=FUSED_HEAD[name],
-                              sp=env.sp if env else None)
-        model = _model(name)
+                              compute_dtype="float32", sp=env.sp if env else None)
+        model = _model(name).to(device)
         with torch.no_grad():
             logp, ent = logprobs_and_entropy(model, batch, 0.7, True, fwd)
         out[name] = dict(logp=logp, ent=ent,
@@ -96,13 +98,20 @@ def compute_all(env=None) -> dict:
         if env is not None:  # each rank holds its partial gradient (its rows, tokens, heads): the sum is the gradient
             for g in out[name]["grads"].values():
                 torch.distributed.all_reduce(g)
-            parallelize(model, env.mesh, FSDPConfig(), env.device)
+            parallelize(model, env.mesh, FSDPConfig(dtype="float32"), env.device)
         opt = torch.optim.SGD(param_groups(model), lr=1.0)
         sched = make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant", min_lr_ratio=0.0, num_cycles=0.5)
         actor = Actor(model, opt, sched, dp=env, fwd=dataclasses.replace(fwd, sp=None))  # Actor sets sp from env
         out[name]["metrics"] = actor.update(batch, settings)
         out[name]["weights"] = full_state_dict(model)
-    return out
+    out["cuda_varlen_kernel"] = device == "cuda" and packing._VARLEN is not None and not packing._VARLEN_BROKEN
+    return {k: _to_cpu(v) for k, v in out.items()}
+
+
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces
@@ -224,11 +233,12 @@ def test_sp2_actor_update_equals_one_process(jobs, name, world):
         torch.testing.assert_close(got["weights"][n], w, rtol=0, atol=1e-5, msg=n)
 
 
-if __name__ == "__main__":  # one rank of an sp=2 job
+if __name__ == "__main__":  # one rank of an sp=2 job: OUT_DIR [cpu|cuda]
     from polyrl.distributed import DistEnv
 
     torch.set_num_threads(1)
-    dist_env = DistEnv.setup("cpu", sp_size=2)
-    result = compute_all(dist_env)
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    dist_env = DistEnv.setup(device, sp_size=2)
+    result = compute_all(dist_env, device)
     torch.save(result, Path(sys.argv[1]) / f"rank{dist_env.rank}.pt")
     dist_env.close()

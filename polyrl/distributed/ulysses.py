@@ -128,6 +128,7 @@ def repeat_kv_for(x_nHD: torch.Tensor, sp: int) -> torch.Tensor:
     return x_nHD.repeat_interleave(sp // H, dim=1) if H < sp else x_nHD
 
 
+@torch.compiler.disable  # compile_layers: keep the collectives and the kernel eager (a graph break), not traced
 def ulysses_attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SeqParallel) -> torch.Tensor:
     """`attend(q, k, v) -> out` on all tokens and 1/sp of the heads, from and back to this rank's tokens.
 
