@@ -106,7 +106,7 @@ class ActorConfig:
     skip_zero_adv: bool = True
     """Skip samples whose advantage is exactly 0 (zero-std groups): same loss gradient, less compute."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 with several processes: reshard_after_forward, fsdp_size, offload, mixed_precision.reduce_dtype (compute runs in model.dtype)."""
+    """FSDP2 with several processes: reshard_after_forward, fsdp_size, CPU offload, mixed_precision.reduce_dtype."""
 
 
 @dataclass
