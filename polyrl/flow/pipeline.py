@@ -1,13 +1,16 @@
 """Flow models behind one interface: `FlowPolicy.velocity(x, sigma_B, prompts)` plus prompt cache, decode and grid.
 
-One class serves the quickstart's tiny transformer and a real `QwenImagePipeline` loaded with
-`from_pretrained(local_dir)`; what differs (prompt encoder, decoder, sigma grid) is passed in as functions.
+One class serves the quickstart's tiny transformer and diffusers pipelines loaded with `from_pretrained(local_dir)`
+(`QwenImagePipeline`, `StableDiffusion3Pipeline`, `FluxPipeline`); what differs per family (how the transformer is
+called, how CFG combines, prompt encoder, decoder, sigma grid) lives in a small adapter in `polyrl/flow/adapters/`,
+registered by the pipeline's `_class_name`.
 
 - Prompt embeddings are computed once per distinct prompt and cached on the policy's device (the text encoder never
   runs again; for real pipelines it can then be freed).
-- CFG: with `true_cfg_scale > 1` one forward runs the batch [negative; positive] and combines
-  v = v_u + g (v_c - v_u), then Qwen-Image's per-token norm rescale v *= |v_c| / |v|. Gradients flow through both
-  branches (flow_grpo Qwen-Image and verl-omni; flow_grpo SD3 detaches the unconditional one).
+- CFG: with `true_cfg_scale > 1` one forward runs the batch [positive; negative] and the adapter combines
+  v = v_u + g (v_c - v_u) (Qwen-Image then rescales per token, v *= |v_c| / |v|). Gradients flow through both
+  branches (flow_grpo Qwen-Image and verl-omni; flow_grpo SD3 detaches the unconditional one). FLUX.1-dev's guidance
+  embedding is not CFG: `rollout.pipeline.guidance_scale` goes into every call.
 - The reference policy is the same module with LoRA adapters disabled, or a frozen copy for full fine-tuning.
 - `decode` (the VAE) runs only to score rewards, never inside the sampling loop.
 """
