@@ -86,6 +86,9 @@ def compute_all(env=None, device: str = "cpu") -> dict:
     batch = {k: v.to(device) for k, v in select(_batch(), torch.tensor(rows)).items()}
     settings = dataclasses.replace(_settings(), mini_batch_size=_settings().mini_batch_size // dp_size)
     out = {"rows": rows}
+    if env is not None:  # the trainer-facing pieces of DistEnv: the data-parallel view, sharing within an SP group
+        out["data_view"] = (env.data.rank, env.data.world_size, env.data.all_gather_object(env.rank))
+        out["shared"] = env.share_with_sp_group({"rank": torch.tensor([env.rank], device=device), "t": ("x", env.rank)})
     for name in ARCHS:
         fwd = ForwardSettings(pack_on_cpu=True, logprob_chunk_size=7, fused_head=FUSED_HEAD[name],
                               compute_dtype="float32", sp=env.sp if env else None)
@@ -198,6 +201,16 @@ def jobs(tmp_path_factory):
         log, _ = job.communicate(timeout=300)
         assert job.returncode == 0, log[-3000:]
     return one, {w: [torch.load(outs[w] / f"rank{r}.pt") for r in range(w)] for w in WORLDS}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_data_view_and_sharing_within_the_sp_group(jobs, world):
+    _, runs = jobs
+    for rank, got in enumerate(runs[world]):
+        leader = rank - rank % 2  # SP groups are consecutive ranks
+        assert got["data_view"] == (rank // 2, world // 2, list(range(rank % 2, world, 2)))
+        assert got["shared"]["rank"].tolist() == [leader] and got["shared"]["t"] == ("x", leader)
+        assert got["rows"] == runs[world][leader]["rows"]  # an SP group trains one data shard
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -10,7 +10,9 @@ Backend: nccl on CUDA, gloo on CPU. The data-parallel mesh is 1-D (`dp_shard`: p
 Ulysses sequence parallelism (`sp_size > 1`, distributed/ulysses.py) views the world as `dp x sp`: `sp_size`
 consecutive ranks (one node's NVLink neighbours) form an SP group that trains the same rows, split by tokens, so the
 *data* is sharded over `dp_size = world_size / sp_size` groups (`dp_rank`, `dp_size`), while FSDP still shards the
-model over the whole world (`mesh`). With `sp_size == 1`, `dp_rank == rank` and `dp_size == world_size`.
+model over the whole world (`mesh`). `env.data` is the data-parallel view: a `DistEnv` whose rank, world size and
+collectives are those of the data shards (one rank per SP group), for whatever deals out or counts rows (prompt
+sharding, batch balancing, loss normalisers, metric sums). With `sp_size == 1`, `env.data` is `env` itself.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class DistEnv:
     """ProcessGroup of this rank's SP group (None when sp_size == 1)."""
     dp_group: Any = None
     """ProcessGroup of the ranks with this rank's sp_rank, one per data shard (None: the whole world)."""
+    group: Any = None
+    """ProcessGroup this object's collectives run over (None: the whole world; `data` views set it)."""
 
     @property
     def sp_rank(self) -> int:
@@ -63,6 +67,15 @@ class DistEnv:
     def dp_size(self) -> int:
         """Number of data shards: processes that train different rows."""
         return self.world_size // self.sp_size
+
+    @property
+    def data(self) -> "DistEnv":
+        """The data-parallel view: `rank`/`world_size` are `dp_rank`/`dp_size` and collectives run over the data
+        shards (one rank per SP group), so rows an SP group shares are dealt, gathered and counted once."""
+        if self.sp_size == 1:
+            return self
+        return DistEnv(rank=self.dp_rank, world_size=self.dp_size, local_rank=self.local_rank, device=self.device,
+                       group=self.dp_group)
 
     @property
     def sp(self):
@@ -109,40 +122,57 @@ class DistEnv:
                    dp_group=dp_group)
 
     # ------------------------------------------------------------------------------------------------ collectives
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, over: str = "world") -> torch.Tensor:
-        """Reduced copy of `t` over all ranks, or with `over="dp"` over the data shards only (one rank per SP group,
-        so rows shared by an SP group count once); `t` itself when there is nothing to reduce over."""
-        if over not in ("world", "dp"):
-            raise ValueError(f"over={over!r}; use 'world' or 'dp'.")
-        size = self.world_size if over == "world" else self.dp_size
-        if size == 1:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduced copy of `t` over this env's ranks (`t` itself when single-process)."""
+        if not self.is_distributed:
             return t
         out = t.detach().clone()
         dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
-                        group=self.dp_group if over == "dp" else None)
+                        group=self.group)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.is_distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` (of this env's ranks) on every rank."""
         if not self.is_distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
+
+    def share_with_sp_group(self, obj: Any) -> Any:
+        """The SP group's first rank's `obj` on every rank of the group: the ranks of a group must train identical
+        rows, and rollouts sampled on two GPUs need not be bit-identical even with one seed. Tensors (in dicts,
+        lists, tuples) travel through the CPU and come back on this rank's device."""
+        if self.sp_size == 1:
+            return obj
+        box = [_map_tensors(obj, lambda t: t.cpu())]
+        dist.broadcast_object_list(box, group=self.sp_group, group_src=0)
+        return _map_tensors(box[0], lambda t: t.to(self.device))
 
     def barrier(self) -> None:
         if self.is_distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
-        if self.is_distributed and dist.is_initialized():
+        if self.group is None and self.is_distributed and dist.is_initialized():  # views own no process group
             dist.destroy_process_group()
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def _pick_device(name: str, local_rank: int) -> torch.device:

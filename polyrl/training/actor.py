@@ -336,7 +336,7 @@ class Actor:
 
     @property
     def _num_data_shards(self) -> int:
-        return self.dp.dp_size if self.dp is not None else 1
+        return self.dp.data.world_size if self.dp is not None else 1
 
     @property
     def _sp_size(self) -> int:
@@ -345,8 +345,8 @@ class Actor:
     def _global_counts(self, num_tokens: torch.Tensor, num_seqs: int):
         if self._num_data_shards == 1:
             return num_tokens, num_seqs
-        both = self.dp.all_reduce(torch.stack([num_tokens.float(), torch.tensor(float(num_seqs),
-                                                                                device=num_tokens.device)]), over="dp")
+        both = self.dp.data.all_reduce(torch.stack([num_tokens.float(), torch.tensor(float(num_seqs),
+                                                                                     device=num_tokens.device)]))
         return both[0], int(both[1])
 
     def _reduce_metric_sums(self, sums: dict, counts: dict) -> None:
@@ -358,6 +358,6 @@ class Actor:
         dev = next(iter(sums.values())).device if sums else torch.device("cpu")
         packed = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=dev).reshape(())
                               for k in keys for x in (sums[k], counts[k])])
-        packed = self.dp.all_reduce(packed, over="dp")
+        packed = self.dp.data.all_reduce(packed)
         for i, k in enumerate(keys):
             sums[k], counts[k] = packed[2 * i], float(packed[2 * i + 1])
