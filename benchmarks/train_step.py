@@ -87,15 +87,11 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps, master=False,
-               profile=None, fused_head=True):
-    from polyrl.training.master_weights import MasterWeights
-
+def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps, profile=None,
+               fused_head=True):
     model = build_model(cfg, grad_ckpt=grad_ckpt)
-    mw = MasterWeights(model) if master else None
-    opt, sched = optimizer_for(mw.master if mw else model.parameters())
-    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers, fused_head=fused_head),
-                  master=mw)
+    opt, sched = optimizer_for(model.parameters())
+    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers, fused_head=fused_head))
     s = settings(batch["responses"].shape[0], max_token_len)
     torch.cuda.reset_peak_memory_stats()
     t_compile = time.perf_counter()
@@ -226,7 +222,7 @@ def main(argv=None):
                 times, mem, last, first = run_polyrl(cfg, batch, grad_ckpt=v.startswith("packed_ckpt"),
                                                      max_token_len=args.max_token_len,
                                                      compile_layers="compiled" in v, warmup=args.warmup,
-                                                     steps=args.steps, master="master" in v,
+                                                     steps=args.steps,
                                                      fused_head="unfused" not in v,
                                                      profile=v if args.profile else None)
                 extra = f"warmup+compile {first:.1f}s; update's own perf/mfu/actor {last.get('perf/mfu/actor', 0):.1%}"

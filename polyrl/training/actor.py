@@ -206,7 +206,7 @@ class UpdateSettings:
 
 
 class Actor:
-    def __init__(self, model, optimizer, scheduler, dp=None, fwd: ForwardSettings | None = None, master=None):
+    def __init__(self, model, optimizer, scheduler, dp=None, fwd: ForwardSettings | None = None):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -220,8 +220,7 @@ class Actor:
             check_heads(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                         or cfg.num_attention_heads, dp.sp_size)
             self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
-        self.master = master  # training.master_weights.MasterWeights: bf16 module, fp32 masters in the optimizer
-        self.params = master.master if master is not None else [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
         if self.fwd.compile_layers:
             compile_decoder_layers(model)
 
@@ -295,8 +294,6 @@ class Actor:
                 grad_norm = clip_grad_norm_(self.params, s.grad_clip)  # plain, FSDP-sharded or mixed parameters
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
-                    if self.master is not None:
-                        self.master.copy_to_model()
                 else:  # a NaN/Inf update would poison the weights: skip it, keep the weights, count it
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
