@@ -88,10 +88,11 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
 
 
 def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps, profile=None,
-               fused_head=True):
+               fused_head=True, offload=False):
     model = build_model(cfg, grad_ckpt=grad_ckpt)
     opt, sched = optimizer_for(model.parameters())
-    actor = Actor(model, opt, sched, fwd=ForwardSettings(compile_layers=compile_layers, fused_head=fused_head))
+    fwd = ForwardSettings(compile_layers=compile_layers, fused_head=fused_head, activation_offload=offload)
+    actor = Actor(model, opt, sched, fwd=fwd)
     s = settings(batch["responses"].shape[0], max_token_len)
     torch.cuda.reset_peak_memory_stats()
     t_compile = time.perf_counter()
@@ -199,7 +200,8 @@ def main(argv=None):
     ap.add_argument("--max-token-len", type=int, default=16384)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--variants", default="packed,packed_ckpt,hf,compiled")
+    ap.add_argument("--variants", default="packed,packed_ckpt,hf,compiled",
+                    help="comma list: hf, or packed/compiled plus any of _ckpt, _offload, _unfused")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--profile", action="store_true", help="print GPU time by kernel family per variant")
     args = ap.parse_args(argv)
@@ -219,11 +221,11 @@ def main(argv=None):
                 times, mem = run_hf(cfg, batch, micro_rows=4, warmup=args.warmup, steps=args.steps)
                 extra = ""
             else:
-                times, mem, last, first = run_polyrl(cfg, batch, grad_ckpt=v.startswith("packed_ckpt"),
+                times, mem, last, first = run_polyrl(cfg, batch, grad_ckpt="ckpt" in v,
                                                      max_token_len=args.max_token_len,
                                                      compile_layers="compiled" in v, warmup=args.warmup,
                                                      steps=args.steps,
-                                                     fused_head="unfused" not in v,
+                                                     fused_head="unfused" not in v, offload="offload" in v,
                                                      profile=v if args.profile else None)
                 extra = f"warmup+compile {first:.1f}s; update's own perf/mfu/actor {last.get('perf/mfu/actor', 0):.1%}"
         except Exception as e:  # one variant failing (OOM, compile) must not lose the others
