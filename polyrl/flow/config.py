@@ -105,6 +105,8 @@ class ActorConfig:
     """mean: exact Gaussian KL on the step means; velocity: squared velocity difference (flow_grpo#198)."""
     skip_zero_adv: bool = True
     """Skip samples whose advantage is exactly 0 (zero-std groups): same loss gradient, less compute."""
+    use_torch_compile: bool = False
+    """torch.compile each transformer block (fuses the DiT's modulation/norm/RoPE elementwise ops; GPU)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 with several processes: reshard_after_forward, fsdp_size, CPU offload, mixed_precision.reduce_dtype."""
 

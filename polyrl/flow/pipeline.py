@@ -140,6 +140,16 @@ class FlowPolicy:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
+    def compile_blocks(self) -> None:
+        """`torch.compile` each transformer block in place (names unchanged; LoRA and checkpointing still apply).
+
+        Per block, as for the LLM (training/actor.py): identical blocks share one graph, and the attention kernel and
+        the sampler loop stay outside it. Call after `add_lora` so the adapters are inside the compiled blocks."""
+        from polyrl.distributed.parallelize import transformer_blocks
+
+        for block in transformer_blocks(self.transformer):
+            block.compile(dynamic=True)
+
 
 class _AdaptersOff(torch.nn.Module):
     """Calls the wrapped diffusers model with its LoRA adapters disabled (the reference policy)."""
