@@ -246,10 +246,49 @@ def test_sp2_actor_update_equals_one_process(jobs, name, world):
         torch.testing.assert_close(got["weights"][n], w, rtol=0, atol=1e-5, msg=n)
 
 
-if __name__ == "__main__":  # one rank of an sp=2 job: OUT_DIR [cpu|cuda]
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+def test_trainer_with_sp2_matches_one_process(tiny_model_dir, synth_data_dir, tmp_path):
+    """2 GRPO steps of PPOTrainer with sp=2 on 2 processes (one data shard) == 1 process (the tiny Llama has 2 query
+    heads and 1 KV head, repeated)."""
+    import inspect
+
+    from polyrl.distributed.launch import torchrun_command
+    from polyrl.trainer import ppo
+    from test_distributed_on_cpu import _args, _steps, _train
+
+    if "sp_size=" not in inspect.getsource(ppo.PPOTrainer.__init__):
+        pytest.skip("trainer/ppo.py does not build its DistEnv with sp_size yet (docs/multi_gpu.md, Ulysses)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    sp = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
+    job = subprocess.Popen(torchrun_command(2, [__file__, "train", *_args(tiny_model_dir, synth_data_dir,
+                                                                          tmp_path / "sp2", 2, sp)]),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(tiny_model_dir, synth_data_dir, tmp_path / "one", 2))
+    log, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, log[-3000:]
+    ref, got = _steps(tmp_path / "one"), _steps(tmp_path / "sp2")
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(ref, got):
+        for key in ("critic/score/mean", "response_length/mean"):  # the same rollouts
+            assert a[key] == b[key], key
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+
+
+if __name__ == "__main__":  # one rank of an sp=2 job: OUT_DIR [cpu|cuda], or `train KEY=VALUE...` (the trainer)
     from polyrl.distributed import DistEnv
 
     torch.set_num_threads(1)
+    if sys.argv[1] == "train":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from test_distributed_on_cpu import _train
+
+        _train(sys.argv[2:])
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(0)
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     dist_env = DistEnv.setup(device, sp_size=2)
     result = compute_all(dist_env, device)
