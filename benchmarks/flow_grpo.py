@@ -12,6 +12,11 @@ equivalents x ~16 TFLOP = ~580 TFLOP, i.e. ~1.36 img/s at 790 TFLOP/s dense bf16
 
     python benchmarks/flow_grpo.py                  # GPU, real size
     python benchmarks/flow_grpo.py --tiny --steps 2 # CPU smoke test of the same code path
+    torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py   # data parallel: FSDP2, same work per GPU
+
+Under torchrun every rank builds the same random transformer on its GPU, the trainer shards it with FSDP2 per block,
+and `--prompts` stays per GPU (the global batch is `--prompts` x processes), so img/GPU/s compares directly with the
+1-GPU row. With FSDP2 the LoRA adapters compute in bf16 like the base (fp32 in one process); see polyrl.flow.parallel.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
     ap.add_argument("--steps", type=int, default=3, help="timed RL steps (after one warm-up step)")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per step (x group 16 images)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step per GPU (x group 16 images)")
     ap.add_argument("--micro", type=int, default=8, help="images per forward/backward")
     ap.add_argument("--no-cfg", action="store_true", help="true_cfg_scale 1 (the non-CFG variant)")
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
@@ -48,8 +53,12 @@ def main() -> None:
 
     from diffusers import QwenImageTransformer2DModel
 
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    from polyrl.distributed import DistEnv
+
+    dist = DistEnv.setup("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = dist.device if dist.is_distributed else ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    on_gpu = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     size, text_dim, text_len = (512, 3584, 128) if not args.tiny else (64, 32, 16)
     kw = {} if not args.tiny else dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                        axes_dims_rope=(8, 4, 4))  # fmt: skip
@@ -81,8 +90,9 @@ def main() -> None:
     ro.n, ro.pipeline.num_inference_steps = 16, 10
     ro.pipeline.true_cfg_scale = 1.0 if args.no_cfg else 4.0
     ro.algo.noise_level, ro.algo.sde_window_size, ro.algo.sde_window_range = 1.2, 2, [0, 5]
-    cfg.data.train_batch_size = args.prompts
-    actor.ppo_mini_batch_size = max(1, args.prompts // 2)  # two optimizer steps per batch, as the recipe
+    cfg.data.train_batch_size = args.prompts * dist.world_size
+    # two optimizer steps per batch, as the recipe (with several processes: a multiple of the process count)
+    actor.ppo_mini_batch_size = max(1, args.prompts // 2) * dist.world_size
     actor.ppo_micro_batch_size_per_gpu = args.micro
     actor.optim.lr = 3e-4 if not args.full else 3e-5
     actor.diffusion_loss.clip_ratio = 1e-5
@@ -100,34 +110,38 @@ def main() -> None:
         return -latents.float().flatten(1).abs().mean(1).cpu()
 
     prompts = [(f"prompt {i}", {}) for i in range(64)]
-    trainer = FlowGRPOTrainer(cfg, policy, latent_reward, prompts, prompts[:2])
+    trainer = FlowGRPOTrainer(cfg, policy, latent_reward, prompts, prompts[:2], dist=dist)
     trainer.step()  # warm-up (allocator, kernels)
-    if device == "cuda":
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rows = [trainer.step() for _ in range(args.steps)]
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
-    images = args.prompts * ro.n
-    img_s = images / timing["timing_s/step"]
+    images = args.prompts * ro.n  # per GPU
+    img_s = images / timing["timing_s/step"]  # the slowest rank's step time (merged metrics)
     cfg_mult = 1 if args.no_cfg else 2
     fwd = forward_tflop(num_params, grid * grid + text_len, transformer.config.num_layers, transformer.inner_dim)
     tflop_per_image = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * 4)
     limit = PEAK_TFLOPS / tflop_per_image
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "processes": dist.world_size,
         "params_B": num_params / 1e9, "build_s": build_s, "images_per_step": images,
         "img_per_gpu_s": img_s, "peer_img_per_gpu_s": PEER_IMG_PER_GPU_S, "limit_img_per_gpu_s": limit,
         "tflop_per_image": tflop_per_image, "achieved_tflops": img_s * tflop_per_image, **timing,
-        "max_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+        "max_memory_gb": rows[-1].get("perf/max_memory_allocated_gb", 0.0),
         "ratio_mean": rows[-1].get("actor/ratio_mean"), "grad_norm": rows[-1].get("actor/grad_norm"),
     }  # fmt: skip
+    dist.close()
+    if not dist.is_rank0:
+        return
     print(json.dumps(result, indent=1))
     if args.record and not args.tiny:
         from benchmarks._record import append_row
 
         shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
                  f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, "
-                 f"{images} img/step, micro {args.micro}, grad ckpt; random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
+                 f"{dist.world_size} process(es) (FSDP2 when > 1), "
+                 f"{images} img/step/GPU, micro {args.micro}, grad ckpt; random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
                    f"{img_s / limit:.2f}")  # fmt: skip

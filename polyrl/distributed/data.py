@@ -55,6 +55,14 @@ def shard_evenly(num_items: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
+def padded_share(num_items: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """`shard_evenly`'s slice padded (repeating its last item) to the same length on every rank, for work whose
+    passes are collectives (an FSDP-sharded model's forwards); returns (indices, how many leading ones are real)."""
+    share = list(shard_evenly(num_items, rank, world_size))
+    longest = -(-num_items // world_size)
+    return share + [share[-1] if share else 0] * (longest - len(share)), len(share)
+
+
 def merge_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from every rank -> the job's: extremes of `/max` and `/min`, the slowest rank's timings,
     summed token counts, and the mean of everything else (ranks hold equal numbers of sequences, so the mean of

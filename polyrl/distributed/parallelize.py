@@ -10,13 +10,16 @@ matmuls gain nothing from bf16), CPU offload (`param_offload`, `optimizer_offloa
 parameters, gradients and hence optimizer state on the CPU, all three together) and `fsdp_size` (the mesh, built by
 `DistEnv`).
 
-Which module is the FSDP root: the *decoder* (`model.get_decoder()`), not the whole causal LM, because the actor's
-forward path runs the decoder and then reads `lm_head.weight` directly for chunked log-probs (no `[tokens, vocab]`
-logits tensor). A parameter read outside its FSDP unit's forward would still be a shard, so the parameters outside
-the blocks (embeddings, final norm, LM head; tied or not) stay plain replicated tensors, and a gradient hook
-all-reduces their gradient contribution on every backward, averaging like FSDP does. Cost: those weights and their
-Adam state are replicated on every rank (~2.8 GB fp32 with Adam for Qwen2.5-1.5B's tied 151936x1536 embedding); the
-blocks, which hold the rest, are sharded.
+Blocks and root of a diffusers DiT (the FlowGRPO trainer): its `*transformer_blocks` lists, and the transformer itself;
+the patch/text/time embeddings and output projection outside the blocks are replicated like an LM's embeddings.
+
+Which module is the FSDP root of a causal LM: the *decoder* (`model.get_decoder()`), not the whole causal LM,
+because the actor's forward path runs the decoder and then reads `lm_head.weight` directly for chunked log-probs (no
+`[tokens, vocab]` logits tensor). A parameter read outside its FSDP unit's forward would still be a shard, so the
+parameters outside the blocks (embeddings, final norm, LM head; tied or not) stay plain replicated tensors, and a
+gradient hook all-reduces their gradient contribution on every backward, averaging like FSDP does. Cost: those
+weights and their Adam state are replicated on every rank (~2.8 GB fp32 with Adam for Qwen2.5-1.5B's tied
+151936x1536 embedding); the blocks, which hold the rest, are sharded.
 """
 
 from __future__ import annotations
@@ -28,15 +31,14 @@ from polyrl.utils.device import to_dtype
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder layers of an HF causal LM (also under a peft wrapper): the `ModuleList` with most params."""
-    best, best_size = None, -1
-    for _, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            size = sum(p.numel() for p in mod.parameters())
-            if size > best_size:
-                best, best_size = mod, size
-    assert best is not None, "model has no ModuleList of blocks to shard"
-    return list(best)
+    """The repeated blocks: a diffusers DiT's `*transformer_blocks` lists (FLUX has two: double- and single-stream),
+    else the `ModuleList` with most params (an HF causal LM's decoder layers, also under a peft wrapper)."""
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod) > 0]
+    dit = [mod for name, mod in lists if name.rsplit(".", 1)[-1].endswith("transformer_blocks")]
+    if dit:
+        return [block for mod in dit for block in mod]
+    assert lists, "model has no ModuleList of blocks to shard"
+    return list(max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[1])
 
 
 def mixed_precision_policy(cfg, device: torch.device):
@@ -67,7 +69,7 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
         # the last block's weights are needed again first in backward: keeping them saves one all-gather
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **kw)
-    decoder = _base(model).get_decoder()
+    decoder = _fsdp_root(model)
     fully_shard(decoder, reshard_after_forward=cfg.reshard_after_forward,
                 ignored_params={p for p in decoder.parameters() if id(p) not in block_params}, **kw)
     _all_reduce_grads_of(replicated)
@@ -76,6 +78,12 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
 
 def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _fsdp_root(model: nn.Module) -> nn.Module:
+    """An HF causal LM's decoder (see the module docstring); a diffusers transformer is its own root."""
+    base = _base(model)
+    return base.get_decoder() if hasattr(base, "get_decoder") else base
 
 
 def _all_reduce_grads_of(params: list[nn.Parameter]) -> None:

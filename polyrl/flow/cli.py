@@ -3,6 +3,10 @@
 `train` with `actor_rollout_ref.model.path` unset trains the quickstart's tiny digit model with the given keys;
 with a path it loads that diffusers pipeline, reads prompts from `data.train_files` / `data.val_files` (one prompt per
 line, or parquet with a `prompt` column and optional `ground_truth`) and scores them with `reward.*`.
+
+Several processes: `trainer.n_gpus_per_node=N` makes `train` check the config once and relaunch itself under torchrun
+(`torchrun --nproc_per_node=N -m polyrl flow train ...`, which also works typed by hand); each rank then loads the
+pipeline onto its own GPU and the trainer shards the transformer (polyrl.flow.parallel).
 """
 
 from __future__ import annotations
@@ -45,9 +49,17 @@ def train(argv: list[str]) -> int:
     from polyrl.utils.tracking import Tracker
 
     cfg = build_config(FlowConfig(), argv)
+    code = _maybe_launch(cfg, argv)
+    if code is not None:
+        return code
     if cfg.actor_rollout_ref.model.path is None:
         return 0 if quickstart.run(argv) else 1
-    device = pick_device(cfg.trainer.device)
+    if cfg.data.train_files is None:
+        raise ConfigError("data.train_files is required with actor_rollout_ref.model.path; pass a prompt file.")
+    from polyrl.distributed import DistEnv
+
+    dist = DistEnv.setup(cfg.trainer.device, fsdp_size=cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size)
+    device = dist.device if dist.is_distributed else pick_device(cfg.trainer.device)
     p, m = cfg.actor_rollout_ref.rollout.pipeline, cfg.actor_rollout_ref.model
     policy = load_pipeline_policy(m.path, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,
                                   negative_prompt=p.negative_prompt, max_sequence_length=p.max_sequence_length,
@@ -56,16 +68,15 @@ def train(argv: list[str]) -> int:
         policy.add_lora(m.lora_rank, m.lora_alpha, m.target_modules, m.lora_init)
     if m.enable_gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
-    if cfg.data.train_files is None:
-        raise ConfigError("data.train_files is required with actor_rollout_ref.model.path; pass a prompt file.")
     train_prompts = load_prompts(cfg.data.train_files)
     val_prompts = load_prompts(cfg.data.val_files) if cfg.data.val_files else train_prompts[: cfg.data.val_batch_size]
     r = cfg.reward
     reward_fns = r.reward_fns or ({} if r.custom_reward_function.path else {"ocr": 1.0})
     reward_fn = rewards.build_reward(reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
     run_dir = Path(cfg.trainer.default_local_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    tracker = Tracker(cfg.trainer.logger, str(run_dir), project_name=cfg.trainer.project_name,
+    if dist.is_rank0:
+        save_config(cfg, run_dir / "config.yaml")
+    tracker = Tracker(cfg.trainer.logger if dist.is_rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     scorer = None
     if r.async_reward:
@@ -73,16 +84,41 @@ def train(argv: list[str]) -> int:
 
         scorer = AsyncRewardScorer(rewards.build_reward, (reward_fns, r.custom_reward_function.path,
                                                           r.custom_reward_function.name), r.num_workers)  # fmt: skip
-    trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, tracker=tracker, async_scorer=scorer)
+    trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, tracker=tracker, async_scorer=scorer,
+                              dist=dist)  # fmt: skip
     try:
         history = trainer.fit()
     finally:
         tracker.close()
         if scorer is not None:
             scorer.close()
-    if history["val"]:
+        dist.close()
+    if history["val"] and dist.is_rank0:
         print(f"validation reward: {history['val'][0]:.4f} -> {history['val'][-1]:.4f}")
     return 0
+
+
+def _maybe_launch(cfg, argv: list[str]) -> int | None:
+    """The torchrun job's exit status when the config asks for more processes than this one, else None."""
+    from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
+    from polyrl.flow.trainer import check_batches
+
+    if under_torchrun() or processes_wanted(cfg) == 1:
+        return None
+    if cfg.trainer.nnodes > 1:
+        raise ConfigError(
+            f"trainer.nnodes={cfg.trainer.nnodes}: `polyrl flow train` starts processes on one node only; run "
+            "`torchrun --nnodes=... --nproc_per_node=... -m polyrl flow train ...` on each node instead."
+        )
+    if cfg.actor_rollout_ref.model.path is None:  # the quickstart, with its own defaults
+        from polyrl.config import build_config
+        from polyrl.flow import quickstart
+
+        check_batches(build_config(quickstart.default_config(), argv), processes_wanted(cfg))
+        quickstart.build(quickstart.BuildSettings())  # once here: the ranks would all build the same cache
+    else:
+        check_batches(cfg, processes_wanted(cfg))  # a config error as one sentence here, not once per rank
+    return maybe_launch(cfg, ["flow", "train", *argv], module="polyrl")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,12 @@
             --update_actor--> per mini-batch: for each micro-batch and each trained step, forward + clipped loss
                               (+ beta KL to the reference) + backward; then grad clip and one AdamW step
 
+Data parallel (torchrun, or `trainer.n_gpus_per_node > 1`): every rank draws the same global prompt batch and keeps
+whole prompt groups of every mini-batch (`polyrl.distributed.data.shard_prompts`), samples and scores them, and trains
+the transformer sharded with FSDP2 per block (`polyrl.flow.parallel`). Each sample's noise is seeded by (seed, step,
+global sample index), the rewards are all-gathered before the advantages, and loss normalisers count the global
+mini-batch, so N processes compute the 1-process step up to float summation order (tested).
+
 Deviations from the papers/upstream, on purpose:
 - old log-probs are the rollout's (flow_grpo); verl-omni recomputes them with the actor (~20% of a step). Rollout and
   training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested).
@@ -24,7 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrl.flow import algos, sampler
+from polyrl.distributed import DistEnv
+from polyrl.distributed import data as dp_data
+from polyrl.distributed.grads import clip_grad_norm_
+from polyrl.distributed.parallelize import param_groups
+from polyrl.flow import algos, parallel, sampler
 from polyrl.flow import sde as sde_lib
 from polyrl.flow.config import FlowConfig
 from polyrl.flow.pipeline import FlowPolicy
@@ -33,13 +43,34 @@ from polyrl.utils.timing import StepTimer
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 
 
+def check_batches(cfg: FlowConfig, world_size: int) -> None:
+    """Batch arithmetic the trainer needs, at `world_size` processes (the CLI checks it once before launching)."""
+    from polyrl.errors import ConfigError
+
+    d, a, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is not a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one."
+        )
+    if n < 2:
+        raise ConfigError(f"actor_rollout_ref.rollout.n={n}: GRPO needs at least 2 images per prompt.")
+    if a.ppo_mini_batch_size % world_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts cannot be split over "
+            f"{world_size} processes by whole prompt groups; make it a multiple of {world_size}."
+        )
+
+
 @dataclass
 class Rollout:
-    """One RL step's samples: prompts (B = prompts x n), group ids, trajectories and final latents."""
+    """One RL step's samples on this rank: prompts (B = prompts x n), group ids, trajectories and final latents."""
 
     prompts: list[str]
     metadata: list[dict]
     group_ids: list[int]
+    sample_ids: list[int]
+    """Index of each sample in the global batch (prompt index x n + j): its noise seed and its row in gathers."""
     traj: sampler.Trajectory
     sigmas: torch.Tensor
 
@@ -49,21 +80,29 @@ class FlowGRPOTrainer:
 
     def __init__(self, cfg: FlowConfig, policy: FlowPolicy, reward_fn: RewardFn, train_prompts: list[tuple[str, dict]],
                  val_prompts: list[tuple[str, dict]], *, tracker=None, timer: StepTimer | None = None,
-                 async_scorer=None):  # fmt: skip
+                 async_scorer=None, dist: DistEnv | None = None):  # fmt: skip
         self.cfg, self.policy, self.reward_fn = cfg, policy, reward_fn
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         from polyrl.utils.profiler import Profiler
 
         self.profiler = Profiler(cfg.global_profiler)  # no-op unless global_profiler.tool is set
-        self.tracker, self.timer = tracker, timer or StepTimer()
+        actor = cfg.actor_rollout_ref.actor
+        # one process per GPU under torchrun; a single process is a DistEnv of size 1 (every collective a no-op)
+        self.dist = dist or DistEnv.setup(next(policy.transformer.parameters()).device.type,
+                                          fsdp_size=actor.fsdp_config.fsdp_size)  # fmt: skip
+        self.tracker = tracker if self.dist.is_rank0 else None  # rank 0 alone logs
+        self.timer = timer or StepTimer()
         self.timer.hooks.append(self.profiler)
         self.async_scorer = async_scorer
-        actor = cfg.actor_rollout_ref.actor
         sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
-        self._check_batches()
-        if actor.use_kl_loss:
+        check_batches(cfg, self.dist.world_size)
+        if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
-        params = policy.trainable_parameters()
+        parallel.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
+        # sharded (DTensor) and replicated parameters in separate groups: foreach AdamW refuses a mix
+        params = param_groups(policy.transformer)
+        if params and isinstance(params[0], dict):
+            params = [g for g in params if g["params"]]
         # fp32 optimizer state even for bf16 weights is what full fine-tuning needs; AdamW keeps state in the
         # parameter dtype, so low-precision weights are trained through fp32 master copies only when the
         # model is loaded in fp32 (the default here).
@@ -75,20 +114,6 @@ class FlowGRPOTrainer:
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
         self._order: list[int] = []
-
-    def _check_batches(self) -> None:
-        from polyrl.errors import ConfigError
-
-        d, a = self.cfg.data, self.cfg.actor_rollout_ref.actor
-        if d.train_batch_size % a.ppo_mini_batch_size:
-            raise ConfigError(
-                f"data.train_batch_size={d.train_batch_size} is not a multiple of "
-                f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it one."
-            )
-        if self.cfg.actor_rollout_ref.rollout.n < 2:
-            raise ConfigError(
-                f"actor_rollout_ref.rollout.n={self.cfg.actor_rollout_ref.rollout.n}: GRPO needs at least 2 images per prompt."
-            )
 
     # ------------------------------------------------------------------ data
 
@@ -102,13 +127,18 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ stages
 
-    def generate(self, batch: list[tuple[str, dict]]) -> Rollout:
-        """Sample rollout.n images per prompt in micro-batch chunks; one SDE window for the whole batch."""
+    def generate(self, batch: list[tuple[str, dict]], prompt_ids: list[int] | None = None) -> Rollout:
+        """Sample rollout.n images per prompt in micro-batch chunks; one SDE window for the whole batch.
+
+        `prompt_ids`: each prompt's index in the global batch (default 0..len-1); it seeds the samples' noise."""
         ro = self.cfg.actor_rollout_ref.rollout
         n, chunk = ro.n, self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        prompt_ids = list(range(len(batch))) if prompt_ids is None else prompt_ids
         prompts = [p for p, _ in batch for _ in range(n)]
         metadata = [m for _, m in batch for _ in range(n)]
-        group_ids = [i for i in range(len(batch)) for _ in range(n)]
+        group_ids = [i for i in prompt_ids for _ in range(n)]
+        sample_ids = [i * n + j for i in prompt_ids for j in range(n)]
+        # the window comes from the generator every rank advances identically: all ranks train the same steps
         sigmas = self.policy.sigmas(ro.pipeline.num_inference_steps)
         train_steps = sde_lib.sde_steps(ro.pipeline.num_inference_steps, sde_window_size=ro.algo.sde_window_size,
                                         sde_window_range=ro.algo.sde_window_range,
@@ -116,8 +146,9 @@ class FlowGRPOTrainer:
         parts = []
         for lo in range(0, len(prompts), chunk):
             chunk_prompts = prompts[lo : lo + chunk]
-            noise = self.policy.noise(len(chunk_prompts), self._noise_gen)
-            parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level))
+            gens = sampler.sample_generators(ro.seed, self.global_step, sample_ids[lo : lo + chunk])
+            noise = torch.cat([self.policy.noise(1, g) for g in gens])
+            parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level, gens))
             if self.async_scorer is not None:  # score this chunk in the worker while the next one is generated
                 self.async_scorer.submit(lo, self.policy.decode(parts[-1].final_B).cpu(), chunk_prompts,
                                          metadata[lo : lo + chunk])  # fmt: skip
@@ -128,16 +159,16 @@ class FlowGRPOTrainer:
             step_indices=parts[0].step_indices,
             final_B=torch.cat([p.final_B for p in parts]),
         )
-        return Rollout(prompts, metadata, group_ids, traj, sigmas)
+        return Rollout(prompts, metadata, group_ids, sample_ids, traj, sigmas)
 
-    def _sample(self, noise, prompts, sigmas, train_steps, noise_level) -> sampler.Trajectory:
+    def _sample(self, noise, prompts, sigmas, train_steps, noise_level, generators) -> sampler.Trajectory:
         ro = self.cfg.actor_rollout_ref.rollout
 
         def velocity(x, sigma_B):
             return self.policy.velocity(x, sigma_B, prompts)
 
         return sampler.sample(velocity, noise, sigmas, sde_type=ro.algo.sde_type, noise_level=noise_level,
-                              train_steps=train_steps, generator=self._noise_gen)  # fmt: skip
+                              train_steps=train_steps, generators=generators)  # fmt: skip
 
     def score(self, rollout: Rollout) -> torch.Tensor:
         if self.async_scorer is not None:
@@ -146,52 +177,40 @@ class FlowGRPOTrainer:
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
     def update_actor(self, rollout: Rollout, adv_B: torch.Tensor) -> dict[str, float]:
-        """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated)."""
+        """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated).
+
+        With several processes each rank holds its slice of every mini-batch: the loss normaliser counts the global
+        mini-batch and each rank's loss is scaled by the process count (FSDP averages gradients over ranks), so the
+        update is the 1-process one. FSDP's collectives also need the same number of passes on every rank: a rank
+        with fewer non-skipped samples than another runs zero-weight passes."""
         cfg = self.cfg.actor_rollout_ref
-        actor, algo = cfg.actor, cfg.rollout.algo
-        traj, sigmas = rollout.traj, rollout.sigmas
-        n = cfg.rollout.n
-        mini = actor.ppo_mini_batch_size * n
+        actor = cfg.actor
+        traj = rollout.traj
+        world = self.dist.world_size
+        mini = actor.ppo_mini_batch_size * cfg.rollout.n // world  # this rank's share of a mini-batch
         micro = actor.ppo_micro_batch_size_per_gpu
-        sigma_max = float(sigmas[1])
         totals: dict[str, float] = {}
         num_terms_all, grad_norms = 0, []
+        # the optimizer's: FSDP2 leaves a block's *unsharded* parameters registered on the module between a forward
+        # without reshard (the last block's) and the next backward, so the module's list is not always these
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.policy.transformer.train()
         for _ in range(actor.ppo_epochs):
             for lo in range(0, len(rollout.prompts), mini):
                 idx = torch.arange(lo, min(lo + mini, len(rollout.prompts)))
                 if actor.skip_zero_adv:
                     idx = idx[adv_B[idx] != 0]
-                if len(idx) == 0:
+                counts = self.dist.all_gather_object(len(idx))
+                if sum(counts) == 0:
                     continue
-                num_terms = len(idx) * len(traj.step_indices)
+                num_terms = sum(counts) * len(traj.step_indices)
                 metric_sums: dict[str, torch.Tensor] = {}
-                for mlo in range(0, len(idx), micro):
-                    mb = idx[mlo : mlo + micro]
-                    prompts = [rollout.prompts[i] for i in mb.tolist()]
-                    for k, i in enumerate(traj.step_indices):
-                        x = traj.latents_KB[k, mb]
-                        sigma_B = sigmas[i].expand(len(mb)).to(x.device)
-                        v = self.policy.velocity(x, sigma_B, prompts)
-                        out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
-                                           sigma_max=sigma_max, x_next=traj.next_latents_KB[k, mb])  # fmt: skip
-                        kl_B = None
-                        if actor.use_kl_loss:
-                            v_ref = self.policy.velocity(x, sigma_B, prompts, reference=True)
-                            ref = sde_lib.step(algo.sde_type, x, v_ref, sigmas[i], sigmas[i + 1],
-                                               noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
-                            kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
-                                                     v=v, ref_v=v_ref)  # fmt: skip
-                        loss, m = algos.clipped_loss(
-                            out.log_prob_B, traj.log_probs_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
-                            clip_ratio=actor.diffusion_loss.clip_ratio, num_terms=num_terms, kl_B=kl_B,
-                            kl_coef=actor.kl_loss_coef,
-                        )  # fmt: skip
-                        loss.backward()
-                        for key, val in m.items():
-                            metric_sums[key] = metric_sums.get(key, 0) + val
-                params = self.policy.trainable_parameters()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
+                for k in range(max(math.ceil(c / micro) for c in counts)):
+                    mb, weight = idx[k * micro : (k + 1) * micro], 1.0
+                    if len(mb) == 0:  # padding pass: keeps this rank's collectives in step with the others
+                        mb, weight = torch.arange(lo, lo + 1), 0.0
+                    self._micro_batch_backward(rollout, adv_B, mb, num_terms, weight * world, metric_sums)
+                grad_norm = clip_grad_norm_(params, actor.grad_clip)  # the global norm on every rank
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 self.lr_scheduler.step()
@@ -201,6 +220,7 @@ class FlowGRPOTrainer:
                     totals[key] = totals.get(key, 0.0) + float(val)
                 num_terms_all += num_terms
         self.policy.transformer.eval()
+        totals = self._sum_over_ranks(totals)
         metrics = {k: v / max(num_terms_all, 1) for k, v in totals.items()}
         if metrics:
             metrics["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_higher"] + metrics["actor/pg_clipfrac_lower"]
@@ -209,6 +229,46 @@ class FlowGRPOTrainer:
         metrics["actor/num_trained_samples"] = num_terms_all / max(len(traj.step_indices), 1)
         return metrics
 
+    def _micro_batch_backward(self, rollout: Rollout, adv_B, mb, num_terms: int, scale: float, metric_sums) -> None:
+        """Forward + loss (normalised by the mini-batch's `num_terms`) + backward of `loss * scale` for each trained
+        step of samples `mb`; its metric sums are added to `metric_sums` (zeros when `scale` is 0: a padding pass)."""
+        cfg = self.cfg.actor_rollout_ref
+        actor, algo = cfg.actor, cfg.rollout.algo
+        traj, sigmas = rollout.traj, rollout.sigmas
+        sigma_max = float(sigmas[1])
+        prompts = [rollout.prompts[i] for i in mb.tolist()]
+        for k, i in enumerate(traj.step_indices):
+            x = traj.latents_KB[k, mb]
+            sigma_B = sigmas[i].expand(len(mb)).to(x.device)
+            v = self.policy.velocity(x, sigma_B, prompts)
+            out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
+                               sigma_max=sigma_max, x_next=traj.next_latents_KB[k, mb])  # fmt: skip
+            kl_B = None
+            if actor.use_kl_loss:
+                v_ref = self.policy.velocity(x, sigma_B, prompts, reference=True)
+                ref = sde_lib.step(algo.sde_type, x, v_ref, sigmas[i], sigmas[i + 1],
+                                   noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
+                kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
+                                         v=v, ref_v=v_ref)  # fmt: skip
+            loss, m = algos.clipped_loss(
+                out.log_prob_B, traj.log_probs_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
+                clip_ratio=actor.diffusion_loss.clip_ratio, num_terms=num_terms, kl_B=kl_B,
+                kl_coef=actor.kl_loss_coef,
+            )  # fmt: skip
+            (loss * scale).backward()
+            keep = 1.0 if scale else 0.0  # padding passes add zeros: every rank ends up with the same metric keys
+            for key, val in m.items():
+                metric_sums[key] = metric_sums.get(key, 0) + val * keep
+
+    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
+        """Per-rank metric sums -> the job's (every rank trained the same mini-batches, so the keys agree)."""
+        if not self.dist.is_distributed or not totals:
+            return totals
+        keys = sorted(totals)
+        packed = self.dist.all_reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64,
+                                                   device=self.dist.device))  # fmt: skip
+        return dict(zip(keys, packed.tolist()))
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> dict[str, float]:
@@ -216,65 +276,82 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         self.profiler.step_start(self.global_step + 1)
         with self.timer.stage("step"):
-            batch = self._next_prompts()
+            batch = self._next_prompts()  # the global batch, the same on every rank
+            mine = dp_data.shard_prompts(len(batch), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                                         self.dist.rank, self.dist.world_size)  # fmt: skip
             with self.timer.stage("gen"):
-                rollout = self.generate(batch)
+                rollout = self.generate([batch[i] for i in mine], mine)
             with self.timer.stage("reward"):
                 scores_B = self.score(rollout)
             with self.timer.stage("adv"):
+                # the whole batch's rewards on every rank (small): global_std and every metric below are then
+                # computed exactly as in one process, and each rank takes its samples' advantages
+                num_samples = len(batch) * ro.n
+                all_scores = parallel.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
+                all_groups = [i // ro.n for i in range(num_samples)]
                 a = self.cfg.algorithm
-                adv_B = algos.flow_grpo_advantages(
-                    scores_B, rollout.group_ids, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+                all_adv = algos.flow_grpo_advantages(
+                    all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
                     global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
                 )  # fmt: skip
+                adv_B = all_adv[torch.tensor(rollout.sample_ids)]
             with self.timer.stage("update_actor"):
                 metrics = self.update_actor(rollout, adv_B)
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0
-        group_std = torch.stack([scores_B[torch.tensor(rollout.group_ids) == g].std()
-                                 for g in sorted(set(rollout.group_ids))])  # fmt: skip
+        group_std = all_scores.view(len(batch), ro.n).std(dim=1)
         metrics.update({
-            "critic/rewards/mean": float(scores_B.mean()),
-            "critic/rewards/std": float(scores_B.std()),
-            "critic/rewards/max": float(scores_B.max()),
-            "critic/rewards/min": float(scores_B.min()),
+            "critic/rewards/mean": float(all_scores.mean()),
+            "critic/rewards/std": float(all_scores.std()),
+            "critic/rewards/max": float(all_scores.max()),
+            "critic/rewards/min": float(all_scores.min()),
             "critic/rewards/std_mean": float(group_std.mean()),
-            "critic/rewards/zero_std_ratio": algos.zero_std_ratio(scores_B, rollout.group_ids),
+            "critic/rewards/zero_std_ratio": algos.zero_std_ratio(all_scores, all_groups),
             "critic/rewards/group_size": float(ro.n),
-            "critic/advantages/mean": float(adv_B.mean()),
-            "critic/advantages/max": float(adv_B.max()),
-            "critic/advantages/min": float(adv_B.min()),
-            "perf/throughput": len(rollout.prompts) / dt / _world_size(),
+            "critic/advantages/mean": float(all_adv.mean()),
+            "critic/advantages/max": float(all_adv.max()),
+            "critic/advantages/min": float(all_adv.min()),
+            "perf/throughput": len(rollout.prompts) / dt,  # this rank's images: images/s/GPU
             "perf/time_per_step": dt,
             "training/global_step": float(self.global_step),
         })  # fmt: skip
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(self.timer.pop())
+        if self.dist.is_distributed:  # slowest rank's timings, extremes kept, the rest averaged
+            metrics = dp_data.merge_step_metrics(self.dist.all_gather_object(metrics))
         return metrics
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """ODE sampling (val_kwargs) with fixed noise on the held-out prompts; one image per prompt."""
+        """ODE sampling (val_kwargs) with fixed noise on the held-out prompts; one image per prompt.
+
+        With several processes each rank samples a slice (padded to equal lengths: the passes are collectives) and
+        the scores are gathered, so every rank returns the 1-process mean."""
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        gen = torch.Generator().manual_seed(vk.seed)
         sigmas = self.policy.sigmas(vk.num_inference_steps)
-        scores = []
+        share, num_real = dp_data.padded_share(len(self.val_prompts), self.dist.rank, self.dist.world_size)
+        # every rank draws the whole set's starting noise (small) and keeps its rows: the same draws as one process
+        noise_all = self.policy.noise(len(self.val_prompts), torch.Generator().manual_seed(vk.seed))
+        scores = [torch.zeros(0)]
         chunk = self.cfg.data.val_batch_size
         with self.timer.stage("testing"):
-            for lo in range(0, len(self.val_prompts), chunk):
-                part = self.val_prompts[lo : lo + chunk]
-                prompts, metadata = [p for p, _ in part], [m for _, m in part]
-                noise = self.policy.noise(len(part), gen)
+            for lo in range(0, len(share), chunk):
+                ids = share[lo : lo + chunk]
+                prompts, metadata = [self.val_prompts[i][0] for i in ids], [self.val_prompts[i][1] for i in ids]
+                gens = sampler.sample_generators(vk.seed, 0, ids)  # SDE noise, when val_kwargs.noise_level > 0
+                noise = noise_all[torch.tensor(ids, device=noise_all.device)]
                 traj = sampler.sample(lambda x, s: self.policy.velocity(x, s, prompts), noise, sigmas,
                                       sde_type=self.cfg.actor_rollout_ref.rollout.algo.sde_type,
-                                      noise_level=vk.noise_level, train_steps=[], generator=gen)  # fmt: skip
+                                      noise_level=vk.noise_level, train_steps=[], generators=gens)  # fmt: skip
                 images = self.policy.decode(traj.final_B)
                 if lo == 0 and self.tracker is not None:  # a grid of validation samples for the run report
                     self._log_samples(images[:16])
-                scores.append(torch.as_tensor(self.reward_fn(images, prompts, metadata), dtype=torch.float32))
-        mean = float(torch.cat(scores).mean()) if scores else math.nan
+                scores.append(torch.as_tensor(self.reward_fn(images, prompts, metadata), dtype=torch.float32).cpu())
+        mine = torch.cat(scores)[:num_real]
+        every = torch.cat(self.dist.all_gather_object(mine))  # rank order is prompt order
+        mean = float(every.mean()) if every.numel() else math.nan
         return {f"val-core/{self.cfg.data.data_source}/reward/mean@1": mean}
 
     def _log_samples(self, images_BCHW: torch.Tensor) -> None:
@@ -285,24 +362,27 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.policy.transformer.named_parameters() if p.requires_grad}
-
     def save_checkpoint(self, root: str) -> None:
-        """Trainable weights (LoRA or all), optimizer, step and RNG streams, atomically (polyrl.utils.checkpoint)."""
+        """Trainable weights (LoRA or all) with their AdamW state as full tensors, scheduler, step and RNG streams;
+        gathered to rank 0, which writes them atomically (polyrl.utils.checkpoint). Loads at any process count."""
         from polyrl.utils.checkpoint import CheckpointManager
 
         with self.timer.stage("save_checkpoint"):
-            CheckpointManager(root).save(self.global_step, {
-                "model": self._trainable_state(),
-                "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "trainer": {"global_step": self.global_step, "noise_rng": self._noise_gen.get_state(),
-                            "data_rng": self._data_gen.get_state(), "order": list(self._order)},
-            })  # fmt: skip
+            weights, optim = parallel.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist)
+            if self.dist.is_rank0:
+                CheckpointManager(root).save(self.global_step, {
+                    "model": weights,
+                    "optimizer": optim,
+                    "lr_scheduler": self.lr_scheduler.state_dict(),
+                    "trainer": {"global_step": self.global_step, "noise_rng": self._noise_gen.get_state(),
+                                "data_rng": self._data_gen.get_state(), "order": list(self._order),
+                                "lr": self.optimizer.param_groups[0]["lr"]},
+                })  # fmt: skip
+            self.dist.barrier()  # nobody looks for "latest" before rank 0 has renamed the folder
 
     def load_checkpoint(self, root: str) -> bool:
         """Resume from the latest complete checkpoint under `root`; False when there is none."""
+        from polyrl.distributed.checkpoint import regroup_scheduler_state
         from polyrl.utils.checkpoint import CheckpointManager
 
         mgr = CheckpointManager(root)
@@ -310,13 +390,13 @@ class FlowGRPOTrainer:
         if step is None:
             return False
         state = mgr.load(step)
-        params = dict(self.policy.transformer.named_parameters())
-        with torch.no_grad():
-            for name, value in state["model"].items():
-                params[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        parallel.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"])
+        # one optimizer group per process, two (sharded, replicated) with several: the schedule is shared
+        groups = self.optimizer.param_groups
+        self.lr_scheduler.load_state_dict(regroup_scheduler_state(state["lr_scheduler"], len(groups)))
         t = state["trainer"]
+        for g in groups:
+            g["lr"] = t["lr"]
         self.global_step = int(t["global_step"])
         self._noise_gen.set_state(t["noise_rng"])
         self._data_gen.set_state(t["data_rng"])
@@ -339,7 +419,7 @@ class FlowGRPOTrainer:
             m = run_val()
             if self.tracker:
                 self.tracker.log(m, step=0)
-        show = t.progress_bar if progress is None else progress
+        show = (t.progress_bar if progress is None else progress) and self.dist.is_rank0
         bar = None
         if show:
             from tqdm.auto import tqdm
@@ -367,8 +447,3 @@ class FlowGRPOTrainer:
         self.profiler.close()
         return history
 
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
