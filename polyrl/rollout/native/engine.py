@@ -400,12 +400,10 @@ class NativeEngine:
             if self.blocks.blocks_for(len(ids) + longest) + n > self.num_blocks - 1:
                 raise ValueError(f"prompt {p} needs more KV blocks than the cache has ({self.num_blocks - 1}); "
                                  "raise gpu_memory_utilization (or num_kv_tokens on CPU).")
-        if self.use_graphs and self.graphs is None:
+        if self.use_graphs and self.graphs is None:  # sizes are captured on first use (cuda_graph.py)
             from polyrl.rollout.native.cuda_graph import DecodeGraphs, default_batch_sizes
 
-            t0 = time.perf_counter()
             self.graphs = DecodeGraphs(self._decode_forward, default_batch_sizes(self.max_num_seqs))
-            self.stats["graph_capture_s"] = time.perf_counter() - t0
 
         seed = sampling.seed if sampling.seed is not None else self.seed + self.num_calls
         self.num_calls += 1
@@ -428,6 +426,7 @@ class NativeEngine:
 
         sched.drain = drain
         num_steps = num_decode = max_batch = prefill_tokens = 0
+        capture_before = self.graphs.capture_s if self.graphs is not None else 0.0
         while sched.has_work() or inflight:
             step = sched.schedule() if sched.has_work() else None
             if step is None:
@@ -446,7 +445,8 @@ class NativeEngine:
         assert self.blocks.all_free(), "KV blocks leaked"
         self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
                           prefill_tokens=prefill_tokens,
-                          num_preempted=sched.num_preempted)
+                          num_preempted=sched.num_preempted,
+                          graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
         rows = [all_seqs[r] for r in range(num_rows)]
         return Rollout(
             prompt_index=[r // n for r in range(num_rows)],
