@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="images per forward/backward")
     ap.add_argument("--no-cfg", action="store_true", help="true_cfg_scale 1 (the non-CFG variant)")
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    ap.add_argument("--keep-gathered", action="store_true",
+                    help="FSDP2 reshard_after_forward=False: gather each block once per rollout, not per step")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -96,6 +98,7 @@ def main() -> None:
     actor.ppo_micro_batch_size_per_gpu = args.micro
     actor.optim.lr = 3e-4 if not args.full else 3e-5
     actor.diffusion_loss.clip_ratio = 1e-5
+    actor.fsdp_config.reshard_after_forward = not args.keep_gathered
     cfg.trainer.progress_bar = False
     policy = FlowPolicy(transformer, encode_fn=encode, decode_fn=lambda z: z.float(), sigmas_fn=sigmas,
                         latent=LatentShape(grid, grid, transformer.config.in_channels),
@@ -138,9 +141,10 @@ def main() -> None:
     if args.record and not args.tiny:
         from benchmarks._record import append_row
 
+        procs = f"{dist.world_size} process(es)" + (" (FSDP2, blocks kept gathered)" if args.keep_gathered else
+                                                     " (FSDP2)" if dist.is_distributed else "")
         shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
-                 f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, "
-                 f"{dist.world_size} process(es) (FSDP2 when > 1), "
+                 f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, {procs}, "
                  f"{images} img/step/GPU, micro {args.micro}, grad ckpt; random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
