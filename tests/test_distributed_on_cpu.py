@@ -142,6 +142,7 @@ def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, syn
     assert [r["step"] for r in got] == [1, 2]  # rank 0 alone logs, once per step
     for a, b in zip(ref[:2], got):
         assert a["critic/score/mean"] == b["critic/score/mean"]  # same rollouts, same rewards
+        assert a["perf/total_num_tokens"] == b["perf/total_num_tokens"]  # a job total, counted once
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     assert any(k.startswith("val-core/") for k in got[-1])  # validation gathered over both ranks

@@ -65,8 +65,9 @@ def padded_share(num_items: int, rank: int, world_size: int) -> tuple[list[int],
 
 def merge_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from every rank -> the job's: extremes of `/max` and `/min`, the slowest rank's timings,
-    summed token counts, and the mean of everything else (ranks hold equal numbers of sequences, so the mean of
-    per-rank sequence means is the global mean; token-weighted means are averaged with equal rank weights)."""
+    and the mean of everything else (ranks hold equal numbers of sequences, so the mean of per-rank sequence means is
+    the global mean; token-weighted means are averaged with equal rank weights). Counts that must be job totals
+    (perf/total_num_tokens) are all-reduced by the trainer before this, so they arrive equal on every rank."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     out: dict[str, float] = {}
@@ -76,8 +77,6 @@ def merge_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             out[key] = max(vals)
         elif key.endswith("/min"):
             out[key] = min(vals)
-        elif key.startswith("perf/total_num_tokens"):
-            out[key] = sum(vals)
         else:
             out[key] = sum(vals) / len(vals)
     return out

@@ -28,7 +28,7 @@ def world_size(cfg) -> int:
 
 def check_batch_sizes(cfg) -> None:
     d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    ws = world_size(cfg)
+    ws = world_size(cfg) // max(1, a.ulysses_sequence_parallel_size)  # data shards (Ulysses groups share data)
     if d.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be at least 1.")
     if r.n < 1:

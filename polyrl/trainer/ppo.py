@@ -73,9 +73,10 @@ class PPOTrainer:
         self.cfg = cfg
         arr, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
-        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, timeout_s=arr.nccl_timeout)
-        dp_data.check_data_parallel(cfg, self.dist.world_size)
-        arr.rollout.seed += self.dist.rank  # each rank samples its own stream
+        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size,
+                                  sp_size=arr.actor.ulysses_sequence_parallel_size, timeout_s=arr.nccl_timeout)
+        dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
+        arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
@@ -216,7 +217,8 @@ class PPOTrainer:
         self.profiler.step_start(self.global_step + 1)
         t_step = time.perf_counter()
         with timer.stage("step"):
-            samples, batch, index, gen_metrics = self._collect_batch(timer)
+            # with Ulysses SP, the first rank of each SP group shares its rollouts (engines need not agree bitwise)
+            samples, batch, index, gen_metrics = self.dist.share_with_sp_group(self._collect_batch(timer))
             metrics.update(gen_metrics)
             s = self._update_settings(batch)
             if not s.old_from_current:
@@ -238,9 +240,9 @@ class PPOTrainer:
             with timer.stage("adv"):
                 metrics.update(self._advantages(batch, index))
             rollout_batch = batch  # as generated on this rank: its groups match `index` (for data metrics)
-            if self.dist.is_distributed and cfg.trainer.balance_batch:
+            if self.dist.data.is_distributed and cfg.trainer.balance_batch:
                 with timer.stage("balance_batch"):  # equal tokens per rank within each mini-batch
-                    batch, balance_metrics = balance_across_ranks(batch, s.mini_batch_size, self.dist)
+                    batch, balance_metrics = balance_across_ranks(batch, s.mini_batch_size, self.dist.data)
                 metrics.update(balance_metrics)
             if self.critic is not None:
                 with timer.stage("update_critic"):
@@ -264,7 +266,7 @@ class PPOTrainer:
         n_gpus = max(1, torch.cuda.device_count()) if self.device.type == "cuda" else 1
         if self.dist.is_distributed:  # per-rank numbers -> the job's (counts summed, extremes kept, rest averaged)
             n_gpus = self.dist.world_size
-            num_tokens = int(self.dist.all_reduce(torch.tensor(num_tokens, device=self.device)))
+            num_tokens = int(self.dist.data.all_reduce(torch.tensor(num_tokens, device=self.device)))
             step_time = float(self.dist.all_reduce(torch.tensor(step_time, device=self.device), op="max"))
         metrics["perf/total_num_tokens"] = num_tokens
         metrics["perf/time_per_step"] = step_time
@@ -286,9 +288,9 @@ class PPOTrainer:
         num_gen = 0
         while True:
             prompts = self.sampler.next_batch()
-            if self.dist.is_distributed:  # this rank's whole prompt groups (see polyrl.distributed.data)
+            if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
                 keep = dp_data.shard_prompts(len(prompts), cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
-                                             self.dist.rank, self.dist.world_size)
+                                             self.dist.data.rank, self.dist.data.world_size)
                 prompts = [prompts[i] for i in keep]
             num_gen += 1
             with timer.stage("gen"):
@@ -364,7 +366,7 @@ class PPOTrainer:
     def _update_settings(self, batch) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
-        mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.world_size)  # this rank's share of a mini-batch
+        mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.data.world_size)  # this shard's part of a mini-batch
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or mini
         knobs = LossKnobs(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                           clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
