@@ -63,7 +63,7 @@ def train(argv: list[str]) -> int:
     p, m = cfg.actor_rollout_ref.rollout.pipeline, cfg.actor_rollout_ref.model
     policy = load_pipeline_policy(m.path, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,
                                   negative_prompt=p.negative_prompt, max_sequence_length=p.max_sequence_length,
-                                  dtype=m.dtype, device=device)  # fmt: skip
+                                  guidance_scale=p.guidance_scale, dtype=m.dtype, device=device)  # fmt: skip
     if m.lora_rank > 0:
         policy.add_lora(m.lora_rank, m.lora_alpha, m.target_modules, m.lora_init)
     if m.enable_gradient_checkpointing:

@@ -9,6 +9,7 @@ held-out set of (prompt, noise seed) pairs that training never samples (0-100 sc
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,8 +171,10 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
     policy = make_policy(cfg, transformer, encoder)
     run_dir = Path(cfg.trainer.default_local_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    tracker = Tracker(cfg.trainer.logger, str(run_dir), project_name=cfg.trainer.project_name,
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun (trainer.n_gpus_per_node > 1) rank 0 alone writes
+    if rank0:
+        save_config(cfg, run_dir / "config.yaml")
+    tracker = Tracker(cfg.trainer.logger if rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     from polyrl.flow.trainer import FlowGRPOTrainer
 
@@ -191,6 +194,6 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
             scorer.close()
     before, after = 100 * history["val"][0], 100 * history["val"][-1]
     seconds = time.perf_counter() - t0
-    log(f"held-out reward (P[asked digit], 0-100): before {before:.1f} -> after {after:.1f} "
+    (log if rank0 else (lambda _: None))(f"held-out reward (P[asked digit], 0-100): before {before:.1f} -> after {after:.1f} "
         f"({after - before:+.1f}) in {seconds:.0f}s; metrics in {run_dir / 'metrics.jsonl'}")  # fmt: skip
     return {"before": before, "after": after, "seconds": seconds, "run_dir": str(run_dir)}

@@ -98,6 +98,8 @@ class FlowGRPOTrainer:
         check_batches(cfg, self.dist.world_size)
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
+        if actor.use_torch_compile:  # per block, before FSDP2 wraps the blocks (torchtitan's order)
+            policy.compile_blocks()
         parallel.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
         # sharded (DTensor) and replicated parameters in separate groups: foreach AdamW refuses a mix
         params = param_groups(policy.transformer)
