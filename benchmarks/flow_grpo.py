@@ -7,8 +7,13 @@ replaced by cached random prompt embeddings (T=128, dim 3584: what the cache hol
 the VAE by a latent-space reward, both reported in the output row; the trainer code is the real one.
 
 Prints images/GPU/s and the timing_s/* breakdown next to VeRL-Omni's 0.305 img/GPU/s (4xH800, LoRA, CFG 4) and the
-compute limit: per image 10x2 rollout forwards + 2x2 trained steps x (fwd + recompute + 2x bwd) = 36 forward
-equivalents x ~16 TFLOP = ~580 TFLOP, i.e. ~1.36 img/s at 790 TFLOP/s dense bf16.
+compute limit. FLOPs: Qwen-Image is a dual-stream MMDiT, so a token passes through its own stream's weights only
+(6.8B for image tokens, 6.8B for text tokens; the 6.8B of `*_mod` modulation weights run once per sample, not per
+token): one forward of one sample = 2 (6.82B x 1024 + 6.81B x 128) + 4 L T^2 D = ~16.7 TFLOP. Per image, useful work
+is 10 x 2 rollout forwards + 2 x 2 trained steps x (fwd + input-grad bwd; LoRA needs no weight grads of the base) =
+28 forwards = ~468 TFLOP (the issue's convention, with recompute and full weight grads, says ~600), i.e. ~1.7 img/s
+at 790 TFLOP/s dense bf16. (Rows recorded before 2026-11-21 11:00 used 2 x 20.4B x tokens per forward, 2.8x too
+many FLOPs, so their "limit" column, 0.46, was wrong; the measured img/s were right.)
 
     python benchmarks/flow_grpo.py                  # GPU, real size
     python benchmarks/flow_grpo.py --tiny --steps 2 # CPU smoke test of the same code path
@@ -35,9 +40,29 @@ PEER_IMG_PER_GPU_S = 0.305  # VeRL-Omni run_qwen_image_ocr_lora.sh, 4xH800
 PEAK_TFLOPS = 790.0
 
 
-def forward_tflop(num_params: float, tokens: int, layers: int, hidden: int) -> float:
-    """Dense matmul FLOPs (2 N tokens) + joint attention (4 L T^2 D) of one forward, in TFLOP."""
-    return (2 * num_params * tokens + 4 * layers * tokens**2 * hidden) / 1e12
+def stream_params(transformer) -> tuple[int, int, int]:
+    """(image-stream, text-stream, per-sample) parameter counts of a dual-stream DiT, by parameter name."""
+    img = txt = per_sample = 0
+    text_keys = ("txt_", ".add_q_proj", ".add_k_proj", ".add_v_proj", "to_add_out", "norm_added")
+    for name, p in transformer.named_parameters():
+        if "lora_" in name:
+            continue
+        if "_mod" in name or "time_text_embed" in name:
+            per_sample += p.numel()
+        elif any(k in name for k in text_keys):
+            txt += p.numel()
+        else:
+            img += p.numel()
+    return img, txt, per_sample
+
+
+def forward_tflop(transformer, img_tokens: int, txt_tokens: int) -> float:
+    """One sample's forward in TFLOP: 2 x params each token passes through + joint attention 4 L T^2 D."""
+    img, txt, per_sample = stream_params(transformer)
+    c = transformer.config
+    T = img_tokens + txt_tokens
+    dense = 2 * (img * img_tokens + txt * txt_tokens + per_sample)
+    return (dense + 4 * c.num_layers * T**2 * c.num_attention_heads * c.attention_head_dim) / 1e12
 
 
 def main() -> None:
@@ -50,6 +75,9 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     ap.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 reshard_after_forward=False: gather each block once per rollout, not per step")
+    ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
+    ap.add_argument("--compile", action="store_true", help="actor.use_torch_compile: torch.compile each block")
+    ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -107,7 +135,11 @@ def main() -> None:
         policy.add_lora(64, 128, cfg.actor_rollout_ref.model.target_modules)
         for p in policy.trainable_parameters():  # LoRA weights in fp32 (the base stays bf16)
             p.data = p.data.float()
-    transformer.enable_gradient_checkpointing()
+    if not args.no_ckpt:
+        transformer.enable_gradient_checkpointing()
+    actor.use_torch_compile = args.compile
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
     def latent_reward(latents, prompts, metadata):  # stands in for VAE + OCR; depends on the sample, so groups vary
         return -latents.float().flatten(1).abs().mean(1).cpu()
@@ -123,8 +155,9 @@ def main() -> None:
     images = args.prompts * ro.n  # per GPU
     img_s = images / timing["timing_s/step"]  # the slowest rank's step time (merged metrics)
     cfg_mult = 1 if args.no_cfg else 2
-    fwd = forward_tflop(num_params, grid * grid + text_len, transformer.config.num_layers, transformer.inner_dim)
-    tflop_per_image = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * 4)
+    fwd = forward_tflop(transformer, grid * grid, text_len)
+    trained = 3 if args.full else 2  # forward + input-grad backward (+ weight-grad backward when full FT)
+    tflop_per_image = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * trained)
     limit = PEAK_TFLOPS / tflop_per_image
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "processes": dist.world_size,
@@ -145,7 +178,9 @@ def main() -> None:
                                                      " (FSDP2)" if dist.is_distributed else "")
         shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
                  f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, {procs}, "
-                 f"{images} img/step/GPU, micro {args.micro}, grad ckpt; random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
+                 f"{images} img/step/GPU, micro {args.micro}, {'no ckpt' if args.no_ckpt else 'grad ckpt'}"
+                 f"{', compiled blocks' if args.compile else ''}{', TF32 LoRA matmuls' if args.tf32 else ''}; "
+                 "random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
                    f"{img_s / limit:.2f}")  # fmt: skip
