@@ -29,7 +29,8 @@ def main() -> int:
           f"{r['after']:.1f} ({gain:+.1f}; acceptance >= +15)")
     from _record import append_row
 
-    append_row(device, "flow_quickstart_cpu", "tiny flow transformer on rendered digits, FlowGRPO 50 steps, "
+    steps = quickstart.default_config().trainer.total_training_steps
+    append_row(device, "flow_quickstart_cpu", f"tiny flow transformer on rendered digits, FlowGRPO {steps} steps, "
                "classifier reward (0-100)", f"{r['seconds']:.0f} s, reward {r['before']:.1f} -> {r['after']:.1f} "
                f"({gain:+.1f})", limit="300 s budget", ratio_limit=f"{r['seconds'] / 300:.2f} of budget")
     return 0 if gain >= 15 and r["seconds"] <= 300 else 1
