@@ -84,11 +84,12 @@ def _trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def gather_trainable_state(module, optimizer, env: DistEnv) -> tuple[dict, dict]:
+def gather_trainable_state(module, optimizer, env: DistEnv, named=None) -> tuple[dict, dict]:
     """Collective. Full CPU copies of the trainable weights and of their optimizer state ("name/key" -> tensor),
-    on rank 0 (empty dicts elsewhere)."""
+    on rank 0 (empty dicts elsewhere). `named`: (name, parameter) pairs the optimizer steps, when they are not the
+    module's own (fp32 masters, training/master_weights.py)."""
     weights, optim = {}, {}
-    for name, p in _trainable(module):
+    for name, p in named or _trainable(module):
         full = full_tensor(p.detach())
         if env.is_rank0:
             weights[name] = full.to("cpu", copy=True)
@@ -99,7 +100,7 @@ def gather_trainable_state(module, optimizer, env: DistEnv) -> tuple[dict, dict]
     return weights, optim
 
 
-def load_trainable_state(module, optimizer, weights: dict, optim: dict) -> None:
+def load_trainable_state(module, optimizer, weights: dict, optim: dict, named=None) -> None:
     """Copy full tensors (from `gather_trainable_state`, any process count) into this rank's (sharded) parameters
     and optimizer state. Collective when the module is sharded (each sharded tensor is scattered)."""
     per_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -107,7 +108,7 @@ def load_trainable_state(module, optimizer, weights: dict, optim: dict) -> None:
         name, k = key.rsplit("/", 1)
         per_param.setdefault(name, {})[k] = t
     with torch.no_grad():
-        for name, p in _trainable(module):
+        for name, p in named or _trainable(module):
             p.copy_(_like(p, weights[name]))
             if name in per_param:
                 optimizer.state[p] = {k: t.clone() if t.ndim == 0 else _like(p, t) for k, t in per_param[name].items()}

@@ -33,10 +33,12 @@ import torch
 from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
 from polyrl.distributed.grads import clip_grad_norm_
+from polyrl.training.master_weights import MasterWeights
 from polyrl.distributed.parallelize import param_groups
 from polyrl.flow import algos, parallel, sampler
 from polyrl.flow import sde as sde_lib
 from polyrl.flow.config import FlowConfig
+from polyrl.flow.parallel import weight_dtype
 from polyrl.flow.pipeline import FlowPolicy
 from polyrl.utils.timing import StepTimer
 
@@ -101,8 +103,14 @@ class FlowGRPOTrainer:
         if actor.use_torch_compile:  # per block, before FSDP2 wraps the blocks (torchtitan's order)
             policy.compile_blocks()
         parallel.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
+        # fp32 trainable weights (LoRA) over a bf16/fp16 base: compute them in the base's dtype and keep fp32
+        # masters in the optimizer; an fp32 LoRA matmul would cast every activation to fp32 (FSDP2 does the same
+        # thing with several processes through its param_dtype)
+        self.master = None
+        if not self.dist.is_distributed and _mixed_precision_trainables(policy.transformer):
+            self.master = MasterWeights(policy.transformer, compute_dtype=weight_dtype(policy.transformer))
         # sharded (DTensor) and replicated parameters in separate groups: foreach AdamW refuses a mix
-        params = param_groups(policy.transformer)
+        params = self.master.master if self.master else param_groups(policy.transformer)
         if params and isinstance(params[0], dict):
             params = [g for g in params if g["params"]]
         # fp32 optimizer state even for bf16 weights is what full fine-tuning needs; AdamW keeps state in the
@@ -215,6 +223,8 @@ class FlowGRPOTrainer:
                 grad_norm = clip_grad_norm_(params, actor.grad_clip)  # the global norm on every rank
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    if self.master is not None:
+                        self.master.copy_to_model()
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(float(grad_norm))
@@ -364,13 +374,17 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _master_named(self):
+        return list(zip(self.master.names, self.master.master)) if self.master is not None else None
+
     def save_checkpoint(self, root: str) -> None:
         """Trainable weights (LoRA or all) with their AdamW state as full tensors, scheduler, step and RNG streams;
         gathered to rank 0, which writes them atomically (polyrl.utils.checkpoint). Loads at any process count."""
         from polyrl.utils.checkpoint import CheckpointManager
 
         with self.timer.stage("save_checkpoint"):
-            weights, optim = parallel.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist)
+            weights, optim = parallel.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist,
+                                                             named=self._master_named())
             if self.dist.is_rank0:
                 CheckpointManager(root).save(self.global_step, {
                     "model": weights,
@@ -392,7 +406,10 @@ class FlowGRPOTrainer:
         if step is None:
             return False
         state = mgr.load(step)
-        parallel.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"])
+        parallel.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"],
+                                      named=self._master_named())
+        if self.master is not None:
+            self.master.copy_to_model()
         # one optimizer group per process, two (sharded, replicated) with several: the schedule is shared
         groups = self.optimizer.param_groups
         self.lr_scheduler.load_state_dict(regroup_scheduler_state(state["lr_scheduler"], len(groups)))
@@ -449,3 +466,10 @@ class FlowGRPOTrainer:
         self.profiler.close()
         return history
 
+
+def _mixed_precision_trainables(module: torch.nn.Module) -> bool:
+    """True when the trainable weights are fp32 and the frozen base is in a lower precision (LoRA on a bf16 DiT)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    return bool(trainable and frozen) and all(p.dtype == torch.float32 for p in trainable) and \
+        weight_dtype(module) in (torch.bfloat16, torch.float16)
