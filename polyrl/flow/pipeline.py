@@ -141,14 +141,24 @@ class FlowPolicy:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def compile_blocks(self) -> None:
-        """`torch.compile` each transformer block in place (names unchanged; LoRA and checkpointing still apply).
+        """`torch.compile` each transformer block for the training passes; no-grad passes (rollout, reference,
+        validation) stay eager.
 
-        Per block, as for the LLM (training/actor.py): identical blocks share one graph, and the attention kernel and
-        the sampler loop stay outside it. Call after `add_lora` so the adapters are inside the compiled blocks."""
+        Per block, as for the LLM (training/actor.py): identical blocks share one graph and parameter names do not
+        change. Measured on an H200 (Qwen-Image 20B, LoRA, CFG): the update ran 27% faster compiled, but the no-grad
+        rollout forward ran 46% slower compiled than eager, so the compiled call is used only with grad enabled.
+        Call after `add_lora` so the adapters are inside the compiled blocks."""
         from polyrl.distributed.parallelize import transformer_blocks
 
         for block in transformer_blocks(self.transformer):
-            block.compile(dynamic=True)
+            block.forward = _grad_mode_switch(torch.compile(block.forward, dynamic=True), block.forward)
+
+
+def _grad_mode_switch(compiled, eager):
+    def forward(*args, **kwargs):
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+
+    return forward
 
 
 class _AdaptersOff(torch.nn.Module):
