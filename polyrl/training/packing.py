@@ -155,11 +155,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     max_len = int(kwargs["max_length_q"])
     sp = kwargs.get("polyrl_sp")
     if sp is None:
-        return _varlen(q, k, v, cu, max_len, scaling).unsqueeze(0), None
-    from polyrl.distributed.ulysses import ulysses_attention
+        out = _varlen(q, k, v, cu, max_len, scaling)
+    else:
+        from polyrl.distributed.ulysses import ulysses_attention
 
-    attend = lambda q_, k_, v_: _varlen(q_, k_, v_, cu, max_len, scaling)  # noqa: E731
-    return ulysses_attention(attend, q, k, v, sp).unsqueeze(0), None
+        attend = lambda q_, k_, v_: _varlen(q_, k_, v_, cu, max_len, scaling)  # noqa: E731
+        out = ulysses_attention(attend, q, k, v, sp)
+    # outside autocast, an fp32 model's next projection needs fp32 back from the bf16 kernel
+    if not torch.is_autocast_enabled(out.device.type):
+        out = out.to(query.dtype)
+    return out.unsqueeze(0), None
 
 
 def _cuda_kernel_usable(q) -> bool:
