@@ -93,6 +93,9 @@ def _args(model_dir, data_dir, out_dir, steps, *extra):
         "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=6",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        # the update cuts micro-batches by tokens (ranks agree on the count, padding passes where needed); the
+        # old-log-prob and reference passes keep fixed micro-batches: both paths run on 2 processes
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4", "trainer.device=cpu",
         f"trainer.run_dir={out_dir / 'run'}", f"trainer.default_local_dir={out_dir / 'ckpt'}",

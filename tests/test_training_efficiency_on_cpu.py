@@ -225,3 +225,52 @@ def test_concat_rows_pads_prompts_left_and_responses_right():
     assert m["position_ids"][1, 2:].tolist() == [0, 1, 2, 3]
     for i, src in enumerate((a, b)):  # the packed view of each row is unchanged by the padding
         assert pack(select(m, torch.tensor([i]))).input_ids.tolist() == pack(src).input_ids.tolist()
+
+
+def test_token_budget_micro_batches_follow_the_largest_count_of_any_rank():
+    """Several processes: every rank runs as many micro-batches as the busiest one (empty ones are padding passes)."""
+    from polyrl.training.actor import _padding_pass, micro_batches
+
+    class OtherRankNeedsFive:  # a DistEnv stand-in whose all_reduce(max) sees 5 micro-batches on another rank
+        world_size = 2
+
+        def all_reduce(self, t, op="sum"):
+            assert op == "max"
+            return torch.maximum(t, torch.tensor(5))
+
+    batch, _, _ = _batch(3, seed=1)
+    longest = int(batch["attention_mask"].sum(1).max())
+    alone = micro_batches(batch, 1, 3 * longest)
+    assert len(alone) == 1
+    groups = micro_batches(batch, 1, 3 * longest, OtherRankNeedsFive())
+    assert len(groups) == 5 and sorted(int(r) for g in groups for r in g) == [0, 1, 2]
+    empties = [g for g in groups if len(g) == 0]
+    assert len(empties) == 2 and _padding_pass(empties[0])[1] == 0.0 and _padding_pass(groups[0])[1] in (0.0, 1.0)
+
+
+def test_padding_micro_batches_change_nothing(tiny_model_dir, monkeypatch):
+    """A rank's empty micro-batch runs row 0 at loss weight 0: weights and metrics equal the run without it."""
+    from polyrl.training import actor as actor_mod
+
+    base = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _batch(6, seed=4)
+    batch["old_log_probs"] = compute_logprobs(base, batch, temperature=1.0, micro_batch_size=6) + 0.05
+    batch["ref_log_probs"] = batch["old_log_probs"] - 0.1
+    plain = actor_mod.micro_batches
+    runs = []
+    for extra in (0, 2):
+        def with_padding(*args, _extra=extra, **kwargs):
+            empty = torch.zeros(0, dtype=torch.long)
+            return [torch.arange(s.start, s.stop) if isinstance(s, slice) else s for s in plain(*args, **kwargs)] \
+                + [empty] * _extra
+        monkeypatch.setattr(actor_mod, "micro_batches", with_padding)
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        actor = Actor(model, opt, make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant",
+                                                 min_lr_ratio=0.0, num_cycles=0.5))
+        m = actor.update(batch, _settings(mini_batch_size=6, micro_batch_size=3))
+        runs.append((m, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (m0, w0), (m2, w2) = runs
+    torch.testing.assert_close(w2, w0, rtol=0, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/grad_norm"):
+        assert m2[k] == pytest.approx(m0[k], abs=1e-6), k

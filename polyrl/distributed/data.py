@@ -28,10 +28,6 @@ def check_data_parallel(cfg, world_size: int) -> None:
         raise ConfigError(
             "algorithm.filter_groups.enable=True (DAPO dynamic sampling) is single-process only in polyrl: ranks "
             "would keep different numbers of groups; run with one process or disable filter_groups.")
-    if a.use_dynamic_bsz or cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz:
-        raise ConfigError(
-            "use_dynamic_bsz=True with several processes: ranks would run different numbers of micro-batches and "
-            "FSDP's per-micro-batch collectives would hang; use ppo_micro_batch_size_per_gpu instead.")
     if cfg.critic.enable:
         raise ConfigError("A critic (algorithm.adv_estimator=gae) is single-process only in polyrl so far; run "
                           "with one process or use a critic-free estimator such as grpo.")

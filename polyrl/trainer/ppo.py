@@ -228,7 +228,7 @@ class PPOTrainer:
                         self.model, batch, temperature=s.temperature,
                         micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
                         max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                        fwd=self.actor.fwd)
+                        fwd=self.actor.fwd, dp=self.dist)
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if self.ref_model is not None:
@@ -386,7 +386,7 @@ class PPOTrainer:
         ref = self.cfg.actor_rollout_ref.ref
         kw = dict(temperature=s.temperature, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
                   max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
-                  fwd=self.actor.fwd)
+                  fwd=self.actor.fwd, dp=self.dist)
         if self.ref_model == "disable_adapter":
             with self.model.disable_adapter():
                 return compute_logprobs(self.model, batch, **kw)

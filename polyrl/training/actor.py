@@ -136,14 +136,29 @@ def compile_decoder_layers(model) -> None:
         layer.compile(dynamic=True)
 
 
-def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None) -> list:
-    """Row groups of a (mini-)batch: fixed `micro_batch_size` rows, or balanced under a token budget."""
+def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None, dp=None) -> list:
+    """Row groups of a (mini-)batch: fixed `micro_batch_size` rows, or balanced under a token budget.
+
+    With a token budget and several processes (`dp`), every rank takes the largest micro-batch count of any rank
+    (FSDP2's per-forward collectives must pair up); a rank may then get empty groups, run as padding passes."""
     num_rows = batch["responses"].shape[0]
     if not max_token_len:
         return list(split_rows(num_rows, micro_batch_size))
     lengths = batch["attention_mask"].sum(1).tolist()
     device = batch["responses"].device
-    return [torch.tensor(g, device=device) for g in balanced_micro_batches(lengths, max_token_len)]
+    groups = balanced_micro_batches(lengths, max_token_len)
+    if dp is not None and dp.world_size > 1:
+        count = int(dp.all_reduce(torch.tensor(len(groups), device=device), op="max"))
+        if count > len(groups):
+            groups = balanced_micro_batches(lengths, max_token_len, min_groups=count)
+    return [torch.tensor(g, device=device, dtype=torch.long) for g in groups]
+
+
+def _padding_pass(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """An empty micro-batch becomes row 0 with loss weight 0: same collectives as the other ranks, no gradient."""
+    if isinstance(rows, slice) or len(rows):  # fixed-size micro-batches are slices and never empty
+        return rows, 1.0
+    return torch.zeros(1, dtype=torch.long, device=rows.device), 0.0
 
 
 def _flops(model, mb: Batch) -> float:
@@ -154,17 +169,19 @@ def _flops(model, mb: Batch) -> float:
 
 @torch.no_grad()
 def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_size: int,
-                     max_token_len: int | None = None, fwd: ForwardSettings | None = None) -> torch.Tensor:
+                     max_token_len: int | None = None, fwd: ForwardSettings | None = None, dp=None) -> torch.Tensor:
     """Per-token log-probs of the responses, [B, T], in micro-batches of `micro_batch_size` rows (or by token
-    budget `max_token_len`: verl's log_prob_use_dynamic_bsz)."""
+    budget `max_token_len`: verl's log_prob_use_dynamic_bsz; `dp`: the job's DistEnv, see `micro_batches`)."""
     was_training = model.training
     model.eval()
     B, T = batch["responses"].shape
     out = torch.zeros((B, T), device=batch["responses"].device)
-    for rows in micro_batches(batch, micro_batch_size, max_token_len):
+    for rows in micro_batches(batch, micro_batch_size, max_token_len, dp):
+        rows, weight = _padding_pass(rows)
         mb = trim_columns(select(batch, rows))
         logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False, fwd=fwd)
-        out[rows, : logp.shape[1]] = logp
+        if weight:
+            out[rows, : logp.shape[1]] = logp
     model.train(was_training)
     return out
 
@@ -254,15 +271,16 @@ class Actor:
                 num_tokens, num_seqs = self._global_counts(num_tokens, num_seqs)
                 self.optimizer.zero_grad(set_to_none=True)
                 first_pass = not counts.get("_mini")
-                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len):
+                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len, self.dp):
+                    rows, w = _padding_pass(rows)  # w = 0: an empty micro-batch kept in step with other ranks
                     mb = trim_columns(select(mini, rows))
-                    frac = mb["response_mask"].sum() / num_tokens.clamp_min(1)
+                    frac = mb["response_mask"].sum() / num_tokens.clamp_min(1) * w
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
                     with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
                         logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy, self.fwd)
                     flops += _flops(self.model, mb) / self._sp_size  # the SP group shares this micro-batch's work
                     mask = mb["response_mask"]
-                    if first_pass and s.old_from_current and "rollout_log_probs" in mb:
+                    if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
                         gap = (logp.detach().exp() - mb["rollout_log_probs"].exp()).abs() * mask
                         key = "training/rollout_probs_diff_mean"
@@ -278,17 +296,17 @@ class Actor:
                     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=s.knobs.loss_scale_factor)
                     if ent is not None:
                         ent_loss = agg_loss(ent, mask, s.loss_agg_mode, **agg)
-                        add("actor/entropy", ent_loss)
+                        add("actor/entropy", ent_loss * w)
                         if s.entropy_coeff != 0:
                             loss = loss - s.entropy_coeff * ent_loss
                     if s.use_kl_loss:
                         kl = kl_penalty(s.kl_loss_type, logp, mb["ref_log_probs"])
                         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, **agg)
                         loss = loss + s.kl_loss_coef * kl_loss
-                        add("actor/kl_loss", kl_loss)
+                        add("actor/kl_loss", kl_loss * w)
                         add("actor/kl_coef", torch.tensor(s.kl_loss_coef), 0.0)
-                    (loss * self._loss_scale).backward()
-                    add("actor/pg_loss", pg_loss)
+                    (loss * (self._loss_scale * w)).backward()
+                    add("actor/pg_loss", pg_loss * w)
                     for k, v in pg_metrics.items():
                         add(k, v, frac)
                 grad_norm = clip_grad_norm_(self.params, s.grad_clip)  # plain, FSDP-sharded or mixed parameters

@@ -14,16 +14,18 @@ import heapq
 import math
 
 
-def balanced_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Partition row indices into the fewest balanced groups whose token sums are each <= `max_tokens`."""
+def balanced_micro_batches(lengths: list[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:
+    """Partition row indices into the fewest balanced groups (at least `min_groups`) whose token sums are each
+    <= `max_tokens`. With `min_groups` above the row count some groups are empty: data-parallel ranks must run the
+    same number of micro-batches (FSDP's collectives), so a rank with fewer rows runs empty (padding) ones."""
     if not lengths:
-        return []
+        return [[] for _ in range(min_groups)] if min_groups > 1 else []
     longest = max(lengths)
     if longest > max_tokens:
         raise ValueError(f"A sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens}; raise "
                          "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu to at least the longest "
                          "prompt+response (verl's rule of thumb: 2x (max_prompt_length + max_response_length)).")
-    k = max(1, math.ceil(sum(lengths) / max_tokens))
+    k = max(1, min_groups, math.ceil(sum(lengths) / max_tokens))
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     while True:
         heap = [(0, j) for j in range(k)]
@@ -33,7 +35,7 @@ def balanced_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int
             groups[j].append(i)
             heapq.heappush(heap, (load + lengths[i], j))
         if max(load for load, _ in heap) <= max_tokens:
-            return [sorted(g) for g in groups if g]
+            return [sorted(g) for g in groups if g or min_groups > 1]
         k += 1
 
 
