@@ -130,6 +130,9 @@ class FlowPolicy:
         self.transformer.requires_grad_(False)
         init_w = True if init in (True, "true", "kaiming") else init
         self.transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=found, init_lora_weights=init_w))
+        for p in self.transformer.parameters():  # adapters train in fp32 (diffusers' cast_training_params); on a
+            if p.requires_grad:  # bf16 base the trainer computes them in bf16 from fp32 masters (master_weights.py)
+                p.data = p.data.float()
         self.is_lora = True
 
     def make_reference(self) -> None:
