@@ -10,12 +10,18 @@ prompts x n=8 per step, every prompt exactly 128 tokens after the chat template,
 checkpointing, on-policy single pass (no separate old-log-prob pass). TRL: bf16=True, gradient_checkpointing=True,
 beta=0, one optimizer step per 256 completions (16 x 16 accumulation). Throughput = (prompt + response tokens) /
 step time, verl's `perf/throughput`; the first step of each run is a warm-up and is not reported.
+
+Several GPUs (issue 8, whole-step scaling): `torchrun --standalone --nproc_per_node=N benchmarks/grpo_step.py
+--skip-trl ...` runs the same step data-parallel, `--prompts` per GPU (weak scaling: the global batch is N x
+--prompts), so perf/throughput (tokens/s/GPU) compares directly with the 1-GPU row. Rank 0 writes the model and data;
+TRL is single-process only here. `--shape tiny --device cpu` is a smoke test of the same path (gloo).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +41,8 @@ def digit_fraction(text: str) -> float:
     return sum(c.isdigit() for c in text) / max(1, len(text))
 
 
-def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, seed: int = 0):
+def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, seed: int = 0, shape: str = "1.5b",
+          device: str = "cuda"):
     """Save model (bf16 safetensors), tokenizer, parquet data and reward file under `work`."""
     from transformers import AutoModelForCausalLM
 
@@ -47,11 +54,15 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
     tok_dir, model_dir = work / "tokenizer", work / "model"
     tok.save_pretrained(tok_dir)  # separate dir: transformers forces Qwen2Tokenizer onto dirs whose config is qwen2
     cfg = qwen25_1_5b(init_std)
+    if shape == "tiny":  # CPU smoke runs: same code path, a 2-layer model
+        cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                        tie_word_embeddings=True, initializer_range=init_std)
     cfg.use_cache = True  # generate() in TRL reads it from the saved config; without it HF decodes with no KV cache
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     model.generation_config.bos_token_id = None
     model.save_pretrained(model_dir)
@@ -123,8 +134,10 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
     out = []
     for _ in range(steps):
         out.append(trainer.step())
+    trainer.dist.close()
     del trainer
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -177,7 +190,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="256,1024")
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--n", "--samples-per-prompt", dest="n", type=int, default=8)  # torchrun misreads --n
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--init-std", type=float, default=0.01)
     ap.add_argument("--max-token-len", type=int, default=16384)
@@ -186,13 +199,31 @@ def main(argv=None):
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides (e.g. profiler keys)")
+    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "tiny"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name()
-    model_dir, tok_dir, rows = setup(work, init_std=args.init_std, num_prompts=args.prompts * args.steps,
-                                     prompt_tokens=128)
-    rollout = rollout_name()
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:
+        args.skip_trl = True  # TRL's GRPOTrainer is compared in one process only
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    if world > 1:
+        device = f"{world}x {device}"
+    ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
+    if rank == 0:  # one writer; the other ranks wait for its files
+        model_dir, tok_dir, rows = setup(work, init_std=args.init_std, num_prompts=args.prompts * world * args.steps,
+                                         prompt_tokens=128, shape=args.shape, device=args.device)
+        ready.write_text("ok")
+    else:
+        while not ready.exists():
+            time.sleep(0.5)
+        model_dir, tok_dir, rows = work / "model", work / "tokenizer", None
+    args.prompts *= world  # the global batch: --prompts per GPU
+    if rank != 0:  # one report: rank 0 prints and records (the step metrics are already merged over ranks)
+        sys.stdout = open(os.devnull, "w")
+        args.rows_out = args.json_out = None
+    rollout = rollout_name() if args.device == "cuda" else "hf"
     report = {"device": device, "rollout": rollout, "init_std": args.init_std}
     for length in [int(x) for x in args.lengths.split(",")]:
         res = report.setdefault(str(length), {})
@@ -201,7 +232,7 @@ def main(argv=None):
             try:
                 ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
                                 steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                extra=args.extra)
+                                extra=args.extra, device=args.device)
             except Exception as e:  # noqa: BLE001
                 if rollout != "native":
                     raise
@@ -210,7 +241,7 @@ def main(argv=None):
                 rollout = res["rollout"] = "hf"
                 ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
                                 steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                extra=args.extra)
+                                extra=args.extra, device=args.device)
             m = ms[-1]
             res["polyrl"] = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/", "actor/grad_norm",
                                                                          "response_length/mean", "critic/score/mean",
