@@ -36,13 +36,14 @@ from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
+from polyrl.trainer.checkpointing import CheckpointingMixin
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
 from polyrl.utils.device import pick_device
-from polyrl.utils.checkpoint import CheckpointManager, rng_state, set_rng_state
+from polyrl.utils.checkpoint import CheckpointManager
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
 from polyrl.utils.tracking import Tracker
@@ -65,7 +66,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
 
 
-class PPOTrainer:
+class PPOTrainer(CheckpointingMixin):
     def __init__(self, cfg: PPOConfig):
         resolve_defaults(cfg)
         check_supported(cfg)
@@ -471,119 +472,6 @@ class PPOTrainer:
     @staticmethod
     def _binary_rewards(scores) -> bool:
         return all(s in (0.0, 1.0) for s in scores)
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict:
-        model_sd = {k: v for k, v in self.model.state_dict().items()}
-        return {
-            "model": model_sd,
-            "optimizer": self.actor.optimizer.state_dict(),
-            **({"critic": self.critic.model.state_dict(), "critic_optimizer": self.critic.optimizer.state_dict()}
-               if self.critic is not None else {}),
-            "extra": {
-                "global_step": self.global_step,
-                "scheduler": self.actor.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "rng": rng_state(),
-                "generator": self.generator.get_state(),
-                "engine_generator": self._engine_generator_state(),
-                "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
-            },
-        }
-
-    def _engine_generator_state(self):
-        """The engine's sampling-RNG position: a generator state (hf) or its call counter (native seeds per call)."""
-        gen = getattr(self.engine, "generator", None)
-        if gen is not None:
-            return {"generator": gen.get_state()}
-        return {"num_calls": int(getattr(self.engine, "num_calls", 0))}
-
-    def save_checkpoint(self, export_hf: bool = False) -> Path:
-        if self.dist.is_distributed:
-            return self._save_sharded(export_hf)
-        with self.timer.stage("save_checkpoint"):
-            writers = {"huggingface": self._export_hf} if export_hf else None
-            return self.ckpt.save(self.global_step, self._state(), writers=writers)
-
-    # sharded checkpoints (polyrl.distributed.checkpoint): every rank writes its own shards, rank 0 the rest
-    def _save_sharded(self, export_hf: bool) -> Path:
-        from polyrl.distributed.checkpoint import save_sharded
-
-        with self.timer.stage("save_checkpoint"):
-            extra = self._state()["extra"]
-            extra["engine_generator"] = self.dist.all_gather_object(extra["engine_generator"])  # one per rank
-            writers = {"huggingface": self._export_hf_sharded} if export_hf else None
-            return save_sharded(self.ckpt, self.global_step, self.model, self.actor.optimizer, extra, self.dist,
-                                writers=writers)
-
-    def _export_hf_sharded(self, out_dir: Path) -> None:
-        from polyrl.distributed.checkpoint import gather_full_state_dict, without_aliases
-
-        full = gather_full_state_dict(merged_state_dict(self.model).items(), self.dist)  # collective
-        if self.dist.is_rank0:  # the unsharded replica is the plain HF class: its config names the real architecture
-            full = without_aliases(full, self.rollout_replica)
-            self.rollout_replica.save_pretrained(out_dir, state_dict=full)
-            self.tokenizer.save_pretrained(out_dir)
-
-    def _load_sharded(self, state: dict) -> bool:
-        from polyrl.distributed.checkpoint import is_sharded, load_sharded, regroup_scheduler_state
-
-        if not is_sharded(state["_path"]):
-            return False
-        load_sharded(state["_path"], self.model, self.actor.optimizer)
-        state["extra"]["scheduler"] = regroup_scheduler_state(state["extra"]["scheduler"],
-                                                              len(self.actor.optimizer.param_groups))
-        gens = state["extra"].get("engine_generator")
-        if isinstance(gens, list):  # per-rank sampling streams; a different process count starts fresh ones
-            state["extra"]["engine_generator"] = gens[self.dist.rank] if len(gens) == self.dist.world_size else None
-        return True
-
-    def _export_hf(self, out_dir: Path) -> None:
-        from peft import PeftModel
-
-        model = self.model
-        if isinstance(model, PeftModel):  # export merged weights so no separate merge step is ever needed
-            model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(out_dir)
-        self.tokenizer.save_pretrained(out_dir)
-
-    def _maybe_resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        if t.resume_mode == "resume_path":
-            state = self.ckpt.load(t.resume_from_path)
-        else:
-            step = self.ckpt.latest_step()
-            if step is None:
-                return
-            state = self.ckpt.load(step)
-        sharded = self._load_sharded(state)  # DCP: model + optimizer, written at any process count
-        missing = None if sharded else self.model.load_state_dict(state["model"], strict=False)
-        if missing and missing.missing_keys and any("lora" not in k for k in missing.missing_keys):
-            raise ConfigError(f"Checkpoint '{state['_path']}' does not match this model (missing "
-                              f"{missing.missing_keys[:3]}); resume with the same model or set "
-                              "trainer.resume_mode=disable.")
-        if "optimizer" in state:
-            self.actor.optimizer.load_state_dict(state["optimizer"])
-        if self.critic is not None and "critic" in state:
-            self.critic.model.load_state_dict(state["critic"])
-            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
-        extra = state["extra"]
-        self.global_step = int(extra["global_step"])
-        self.actor.scheduler.load_state_dict(extra["scheduler"])
-        self.sampler.load_state_dict(extra["sampler"])
-        set_rng_state(extra["rng"])
-        self.generator.set_state(extra["generator"])
-        eng = extra.get("engine_generator") or {}
-        if "generator" in eng and getattr(self.engine, "generator", None) is not None:
-            self.engine.generator.set_state(eng["generator"])
-        if "num_calls" in eng and hasattr(self.engine, "num_calls"):
-            self.engine.num_calls = eng["num_calls"]
-        if self.kl_ctrl is not None and extra.get("kl_coef") is not None:
-            self.kl_ctrl.value = extra["kl_coef"]
-        self.engine.update_weights(self._weights_for_rollout())
-        print(f"polyrl: resumed from {state['_path']} at step {self.global_step}", flush=True)
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self, progress=None) -> dict[str, float]:
