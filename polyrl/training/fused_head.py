@@ -138,14 +138,17 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+_ADDMM_FP32_OUT = [True]  # set False the first time this torch refuses addmm(out_dtype=...): no retry per chunk
+
+
 def _accumulate_wgrad(acc_VD: torch.Tensor, gz_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
     """acc += gz^T h with fp32 accumulation; on CUDA one GEMM with an fp32 output when torch has it."""
-    if acc_VD.dtype != gz_CV.dtype and gz_CV.is_cuda:
+    if acc_VD.dtype != gz_CV.dtype and gz_CV.is_cuda and _ADDMM_FP32_OUT[0]:
         try:
             torch.addmm(acc_VD, gz_CV.t(), h_CD, out_dtype=torch.float32, out=acc_VD)
             return
         except (RuntimeError, TypeError):
-            pass
+            _ADDMM_FP32_OUT[0] = False
     acc_VD.add_(gz_CV.t() @ h_CD)
 
 
