@@ -2,10 +2,11 @@
 
 Used by the flow trainer for fp32 LoRA adapters on a bf16 DiT (one process; FSDP2 does the same with several).
 
-Why not autocast over fp32 parameters: an HF decoder under autocast keeps its whole residual stream in fp32 (the fp32
-embedding output, RMSNorm's `weight * x` with an fp32 weight, every residual add), so every elementwise op moves
-twice the bytes, and autocast re-casts all weights on every forward (and again in a checkpointed recompute). With the
-module's own parameters in bf16, activations stay bf16 end to end; RMSNorm and softmax still compute in fp32 inside.
+Why not leave the adapters in fp32: peft casts a LoRA layer's input to the adapter's dtype, so every adapted linear
+turned its [tokens, hidden] bf16 activation into fp32 and ran an fp32 matmul (on Qwen-Image 20B that was a third of
+the rollout time, benchmarks/NOTES_flow.md). Autocast over fp32 weights would avoid the fp32 matmuls but keeps fp32
+activations elsewhere (norms, residual adds) and re-casts weights on every forward. With the module's own trainable
+parameters in bf16, the forward is the base model's bf16 forward.
 
 What keeps the update exact in fp32:
 - each bf16 gradient is added into the fp32 master's `.grad` as soon as it is accumulated (a post-accumulate hook),
