@@ -78,7 +78,12 @@ def main() -> None:
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
     ap.add_argument("--compile", action="store_true", help="actor.use_torch_compile: torch.compile each block")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
+    ap.add_argument("--compile-rollout", choices=["static", "dynamic"],
+                    help="with --compile, also compile the no-grad (rollout) passes with this shape mode")
+    ap.add_argument("--rollout-micro", type=int, help="images per sampling forward (default: --micro)")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
+    ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
+    ap.add_argument("--note", default="", help="with --record: words added to the row's config column")
     args = ap.parse_args()
 
     from diffusers import QwenImageTransformer2DModel
@@ -124,6 +129,7 @@ def main() -> None:
     # two optimizer steps per batch, as the recipe (with several processes: a multiple of the process count)
     actor.ppo_mini_batch_size = max(1, args.prompts // 2) * dist.world_size
     actor.ppo_micro_batch_size_per_gpu = args.micro
+    ro.log_prob_micro_batch_size_per_gpu = args.rollout_micro
     actor.optim.lr = 3e-4 if not args.full else 3e-5
     actor.diffusion_loss.clip_ratio = 1e-5
     actor.fsdp_config.reshard_after_forward = not args.keep_gathered
@@ -137,7 +143,9 @@ def main() -> None:
             p.data = p.data.float()
     if not args.no_ckpt:
         transformer.enable_gradient_checkpointing()
-    actor.use_torch_compile = args.compile
+    actor.use_torch_compile = args.compile and not args.compile_rollout
+    if args.compile and args.compile_rollout:  # one process: nothing wraps the blocks after this
+        policy.compile_blocks(no_grad=args.compile_rollout)
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -165,7 +173,8 @@ def main() -> None:
         "img_per_gpu_s": img_s, "peer_img_per_gpu_s": PEER_IMG_PER_GPU_S, "limit_img_per_gpu_s": limit,
         "tflop_per_image": tflop_per_image, "achieved_tflops": img_s * tflop_per_image, **timing,
         "max_memory_gb": rows[-1].get("perf/max_memory_allocated_gb", 0.0),
-        "ratio_mean": rows[-1].get("actor/ratio_mean"), "grad_norm": rows[-1].get("actor/grad_norm"),
+        "ratio_mean": rows[-1].get("actor/ratio_mean"), "pg_clipfrac": rows[-1].get("actor/pg_clipfrac"),
+        "grad_norm": rows[-1].get("actor/grad_norm"),
     }  # fmt: skip
     dist.close()
     if not dist.is_rank0:
@@ -178,12 +187,17 @@ def main() -> None:
                                                      " (FSDP2)" if dist.is_distributed else "")
         shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
                  f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, {procs}, "
-                 f"{images} img/step/GPU, micro {args.micro}, {'no ckpt' if args.no_ckpt else 'grad ckpt'}"
-                 f"{', compiled blocks' if args.compile else ''}{', TF32 LoRA matmuls' if args.tf32 else ''}; "
-                 "random text embeds, latent reward (no VAE/OCR)")  # fmt: skip
+                 f"{images} img/step/GPU, micro {args.micro}"
+                 f"{f' (rollout {args.rollout_micro})' if args.rollout_micro else ''}, "
+                 f"{'no ckpt' if args.no_ckpt else 'grad ckpt'}"
+                 f"{', compiled blocks' if args.compile else ''}"
+                 f"{f' (rollout too, {args.compile_rollout} shapes)' if args.compile and args.compile_rollout else ''}"
+                 f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
+                 f"update {timing['timing_s/update_actor']:.1f}s, ratio_mean {result['ratio_mean']:.6f}; "
+                 f"random text embeds, latent reward (no VAE/OCR){'; ' + args.note if args.note else ''}")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
-                   f"{img_s / limit:.2f}")  # fmt: skip
+                   f"{img_s / limit:.2f}", path=args.rows_out)  # fmt: skip
 
 
 if __name__ == "__main__":

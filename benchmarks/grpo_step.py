@@ -1,4 +1,5 @@
 """A whole GRPO step on one GPU: polyrl's PPOTrainer vs TRL's GRPOTrainer (use_vllm=False), same model and data.
+(`--shape 7b` is the Qwen2.5-7B shape, for several GPUs.)
 
     PYTHONPATH=. python benchmarks/grpo_step.py --lengths 256,1024 --rows-out BENCHMARKS.md
 
@@ -54,6 +55,10 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
     tok_dir, model_dir = work / "tokenizer", work / "model"
     tok.save_pretrained(tok_dir)  # separate dir: transformers forces Qwen2Tokenizer onto dirs whose config is qwen2
     cfg = qwen25_1_5b(init_std)
+    if shape == "7b":  # Qwen2.5-7B's shape (untied 152k head); several GPUs only: it does not train on one
+        cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                        rope_theta=1e6, tie_word_embeddings=False, initializer_range=init_std)
     if shape == "tiny":  # CPU smoke runs: same code path, a 2-layer model
         cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -199,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides (e.g. profiler keys)")
-    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "tiny"])
+    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b", "tiny"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -297,7 +302,8 @@ def record(args, report, length, device):
         from _record import append_row
 
         tim = r["polyrl"]
-        shape = (f"GRPO step, Qwen2.5-1.5B shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
+        model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer"}[args.shape]
+        shape = (f"GRPO step, {model} shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
                  f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
                  f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s"
                  + (f"; {' '.join(args.extra)}" if args.extra else ""))

@@ -2,8 +2,9 @@
 
 `polyrl flow train KEY=VALUE ...` fills `FlowConfig` through `polyrl.config.build_config`. Batch semantics are
 verl's: `data.train_batch_size` and `actor.ppo_mini_batch_size` count prompts, each prompt yields `rollout.n`
-images, `ppo_micro_batch_size_per_gpu` counts images (and also sets the rollout's chunk size, because sampling and
-training must see the same batch shapes for the ratio to start at exactly 1).
+images, `ppo_micro_batch_size_per_gpu` counts images (and also sets the rollout's chunk size unless
+`rollout.log_prob_micro_batch_size_per_gpu` is set: sampling and training with the same batch shapes is what lets
+the ratio start at exactly 1).
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ class RolloutConfig:
     """Validation sampling."""
     seed: int = 42
     """Rollout noise seed."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Images per sampling forward (the sampler records log-probs as it goes); null: the actor's micro-batch.
+    Larger than the actor's when training needs a small micro-batch (no gradient checkpointing) but sampling,
+    which keeps no activations, runs faster on a larger one. Other batch shapes pick other GPU kernels, so the
+    ratio then starts near 1 rather than exactly at 1: watch actor/ratio_mean against the tiny clip_ratio."""
 
 
 @dataclass

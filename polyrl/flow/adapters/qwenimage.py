@@ -16,9 +16,15 @@ import torch
 from polyrl.flow.adapters.base import Cond, LatentShape, PipelineParts, register_family
 
 
-def pad_prompts(items: list[Cond]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad variable-length prompt embeddings to one [B, T, D] batch and its [B, T] mask."""
+def pad_prompts(items: list[Cond]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad variable-length prompt embeddings to one [B, T, D] batch and its [B, T] mask.
+
+    Each cached entry holds only its prompt's own tokens (`encode` below cuts the padding off), so when all have
+    one length nothing is padded and the mask is None: the transformer then runs unmasked attention (SDPA's flash
+    kernel instead of the masked memory-efficient one) with the same result."""
     t_max = max(e.shape[0] for e, _ in items)
+    if all(e.shape[0] == t_max for e, _ in items):
+        return torch.stack([e for e, _ in items]), None
     embeds = items[0][0].new_zeros(len(items), t_max, items[0][0].shape[-1])
     mask = torch.zeros(len(items), t_max, dtype=torch.long, device=embeds.device)
     for i, (e, m) in enumerate(items):
