@@ -5,6 +5,7 @@
 #   2: GRPO step 1.5B on 4 GPUs, 7B on 2 GPUs | Ray GPU tests (its wheel arrives in two calls: .ray1 in phase 1,
 #      .ray2 here; the machine must stay warm between them) | FlowGRPO data parallel on 2 GPUs (8)
 #   3: GRPO step 7B on 4 GPUs (8)
+#   4: FlowGRPO variants combining the phase-1 winners, one per GPU (6)
 # Every job writes its log and rows under $OUT (rows.md is appended to BENCHMARKS.md afterwards, by hand).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -60,6 +61,15 @@ case "${1:-}" in
 3)
   grpo 0,1,2,3 7b_4gpu --shape 7b --lengths 1024 --steps 2 --skip-trl --max-token-len 16384 --extra $MED
   ;;
+4)
+  flow 0 combo_r16 --compile --compile-rollout static --no-ckpt --micro 4 --rollout-micro 16 \
+    --note "rollout compiled (static), no ckpt, micro 4, rollout micro 16" &
+  flow 1 combo_r8 --compile --compile-rollout static --no-ckpt --micro 4 --rollout-micro 8 \
+    --note "rollout compiled (static), no ckpt, micro 4, rollout micro 8" &
+  flow 2 combo_r4 --compile --compile-rollout static --no-ckpt --micro 4 \
+    --note "rollout compiled (static), no ckpt, micro 4" &
+  flow 3 static_m16 --compile --compile-rollout static --micro 16 --note "rollout compiled (static), micro 16" &
+  wait ;;
 *) echo "usage: $0 1|2|3"; exit 2 ;;
 esac
 cat "$OUT/status" 2>/dev/null

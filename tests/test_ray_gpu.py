@@ -38,7 +38,8 @@ def test_two_node_recipe_on_gpus(ray_gpus, tiny_model_dir, synth_data_dir, tmp_p
                              f"trainer.n_gpus_per_node={per_node}") if a != "trainer.device=cpu"]  # fmt: skip
     argv += ["trainer.device=cuda", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "trainer.save_freq=2"]  # fmt: skip
-    os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parent.parent)  # the agents' children import polyrl (and carried wheels)
+    os.environ["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
     assert launch_on_ray(build_config(PPOConfig(), argv), argv, strategy="SPREAD") == 0
     shards = list((tmp_path / "ckpt" / "global_step_2" / "dcp").glob("*.distcp"))
     assert len(shards) == 2 * per_node  # every rank of both "nodes" wrote its shard
