@@ -76,10 +76,9 @@ def main() -> None:
     ap.add_argument("--keep-gathered", action="store_true",
                     help="FSDP2 reshard_after_forward=False: gather each block once per rollout, not per step")
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
-    ap.add_argument("--compile", action="store_true", help="actor.use_torch_compile: torch.compile each block")
+    ap.add_argument("--compile", action="store_true",
+                    help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
-    ap.add_argument("--compile-rollout", choices=["static", "dynamic"],
-                    help="with --compile, also compile the no-grad (rollout) passes with this shape mode")
     ap.add_argument("--rollout-micro", type=int, help="images per sampling forward (default: --micro)")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
@@ -143,9 +142,7 @@ def main() -> None:
             p.data = p.data.float()
     if not args.no_ckpt:
         transformer.enable_gradient_checkpointing()
-    actor.use_torch_compile = args.compile and not args.compile_rollout
-    if args.compile and args.compile_rollout:  # one process: nothing wraps the blocks after this
-        policy.compile_blocks(no_grad=args.compile_rollout)
+    actor.use_torch_compile = args.compile
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -190,8 +187,7 @@ def main() -> None:
                  f"{images} img/step/GPU, micro {args.micro}"
                  f"{f' (rollout {args.rollout_micro})' if args.rollout_micro else ''}, "
                  f"{'no ckpt' if args.no_ckpt else 'grad ckpt'}"
-                 f"{', compiled blocks' if args.compile else ''}"
-                 f"{f' (rollout too, {args.compile_rollout} shapes)' if args.compile and args.compile_rollout else ''}"
+                 f"{', compiled blocks (update dynamic, rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
                  f"update {timing['timing_s/update_actor']:.1f}s, ratio_mean {result['ratio_mean']:.6f}; "
                  f"random text embeds, latent reward (no VAE/OCR){'; ' + args.note if args.note else ''}")  # fmt: skip

@@ -56,6 +56,45 @@ def test_launch_relaunches_only_when_more_processes_are_wanted(monkeypatch):
     assert maybe_launch(cfg, ["a=1"]) is None and len(calls) == 1
 
 
+class _TwoRanks:
+    """`balance_across_ranks`'s view of a 2-process job, both ranks' batches held in one process."""
+
+    world_size = 2
+
+    def __init__(self, rank, batches):
+        self.rank, self.batches, self.gathers = rank, batches, 0
+
+    def all_gather_object(self, obj):
+        self.gathers += 1
+        if isinstance(obj, list):  # the token counts
+            return [b["attention_mask"].sum(1).tolist() for b in self.batches]
+        return [{k: v.clone() for k, v in b.items()} for b in self.batches]
+
+
+def _rows(lengths, tag):
+    mask = torch.zeros(len(lengths), 8, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    responses = torch.full((len(lengths), 4), tag) + torch.arange(len(lengths))[:, None]  # 4 prompt + 4 response
+    return {"input_ids": torch.cat([responses, responses], 1), "attention_mask": mask, "responses": responses}
+
+
+def test_balance_moves_rows_only_when_it_evens_the_load():
+    from polyrl.distributed.balance import balance_across_ranks
+
+    even = [_rows([5, 5], 0), _rows([5, 5], 10)]
+    env = _TwoRanks(0, even)
+    out, m = balance_across_ranks(even[0], 2, env)
+    assert out is even[0] and env.gathers == 1  # only the token counts travelled
+    assert m["perf/balance/max_over_mean_before"] == m["perf/balance/max_over_mean_after"] == 1.0
+
+    skewed = [_rows([8, 8], 0), _rows([1, 1], 10)]
+    outs = [balance_across_ranks(skewed[r], 2, _TwoRanks(r, skewed))[0] for r in range(2)]
+    tags = sorted(int(t) for o in outs for t in o["responses"][:, 0])
+    assert tags == [0, 1, 10, 11]  # every row kept, none twice
+    assert [int(o["attention_mask"].sum()) for o in outs] == [9, 9]  # 16 + 2 tokens -> 9 each
+
+
 # ------------------------------------------------------------------------------------------------ the trainer
 
 

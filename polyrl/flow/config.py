@@ -107,7 +107,8 @@ class ActorConfig:
     skip_zero_adv: bool = True
     """Skip samples whose advantage is exactly 0 (zero-std groups): same loss gradient, less compute."""
     use_torch_compile: bool = False
-    """torch.compile each transformer block (fuses the DiT's modulation/norm/RoPE elementwise ops; GPU)."""
+    """torch.compile each transformer block, for the update and the rollout (fuses the DiT's modulation, norm,
+    RoPE and LoRA elementwise work; GPU: on an H200 it took Qwen-Image's FlowGRPO step from 0.63 to 0.83 img/s)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 with several processes: reshard_after_forward, fsdp_size, CPU offload, mixed_precision.reduce_dtype."""
 
