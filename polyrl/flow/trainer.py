@@ -100,7 +100,7 @@ class FlowGRPOTrainer:
         check_batches(cfg, self.dist.world_size)
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
-        if actor.use_torch_compile:  # per block, before FSDP2 wraps the blocks (torchtitan's order)
+        if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
             policy.compile_blocks()
         parallel.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
         # fp32 trainable weights (LoRA) over a bf16/fp16 base: compute them in the base's dtype and keep fp32
