@@ -97,3 +97,38 @@ def test_cfg_combine_keeps_conditional_norm():
     torch.testing.assert_close(v.norm(dim=-1), v_c.norm(dim=-1))
     guided = v_u + 4.0 * (v_c - v_u)
     torch.testing.assert_close(v / v.norm(dim=-1, keepdim=True), guided / guided.norm(dim=-1, keepdim=True))
+
+
+def test_rollout_chunk_can_differ_from_the_training_micro_batch(pipe_dir):
+    """rollout.log_prob_micro_batch_size_per_gpu sets the sampling chunk; fp32 on CPU the ratio still starts at 1."""
+    torch.manual_seed(0)
+    cfg = _config(1.0, True, False)
+    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 1
+    cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 4
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    policy = load_pipeline_policy(pipe_dir, height=p.height, width=p.width, max_sequence_length=p.max_sequence_length)
+    policy.add_lora(4, 8, cfg.actor_rollout_ref.model.target_modules)
+    batches = []
+    policy.transformer.register_forward_pre_hook(
+        lambda mod, args, kw: batches.append((torch.is_grad_enabled(), kw["hidden_states"].shape[0])), with_kwargs=True)
+    prompts = [('a sign that reads "hi"', {}), ('a card that reads "ok"', {})]
+    metrics = FlowGRPOTrainer(cfg, policy, brightness, prompts, prompts[:1]).step()
+    assert {b for grad, b in batches if not grad} == {4}  # 2 prompts x n=2 sampled in one chunk
+    assert {b for grad, b in batches if grad} == {1}  # trained one image at a time
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_prompts_of_one_length_run_unmasked_with_the_same_velocity(pipe_dir):
+    from polyrl.flow.adapters.qwenimage import pad_prompts
+
+    policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=32)
+    e = torch.randn(5, 16)
+    embeds, mask = pad_prompts([(e, torch.ones(5, dtype=torch.long)), (e + 1, torch.ones(5, dtype=torch.long))])
+    assert mask is None and embeds.shape == (2, 5, 16)
+    _, mask = pad_prompts([(e, torch.ones(5, dtype=torch.long)), (e[:3], torch.ones(3, dtype=torch.long))])
+    assert mask.tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    x, sigma = policy.noise(2, torch.Generator().manual_seed(0)), torch.full((2,), 0.5)
+    with torch.no_grad():
+        unmasked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, None))
+        masked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, torch.ones(2, 5, dtype=torch.long)))
+    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
