@@ -251,6 +251,23 @@ def test_trainer_uses_the_ray_reward_worker(ray_local, tiny_model_dir, synth_dat
     assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and metrics["timing_s/reward"] > 0
 
 
+def test_reward_resource_pool_gives_the_ray_worker_gpus(monkeypatch, tiny_model_dir, synth_data_dir, tmp_path):
+    """reward_model.enable_resource_pool: each rank's reward actor asks for n_gpus_per_node / ranks per node."""
+    import polyrl.distributed.ray_cluster as rc
+    from polyrl.config import build_config
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    asked = []
+    monkeypatch.setattr(rc, "RemoteReward", lambda *a, num_gpus=0, **k: asked.append(num_gpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    keys = ["reward_model.launch_reward_fn_async=True", "reward_model.enable_resource_pool=True",
+            "reward_model.n_gpus_per_node=1"]  # fmt: skip
+    PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1, *keys)))
+    PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1, *keys[:1])))
+    assert asked == [0.5, 0]  # half of the node's reward GPU per rank; no pool: a CPU actor
+
+
 @pytest.mark.skipif(not os.environ.get("POLYRL_SLOW_TESTS"), reason="~40 s; set POLYRL_SLOW_TESTS=1")
 def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_dir, tmp_path):
     """trainer.nnodes=2 through Ray: two torchrun agents (SPREAD lets both bundles sit on this one machine)."""

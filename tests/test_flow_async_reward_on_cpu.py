@@ -42,3 +42,43 @@ def test_async_reward_overlaps_generation_and_keeps_order(tmp_path):
             scorer.collect(1)
     finally:
         scorer.close()
+
+
+def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path):
+    """The reward resource pool's scorer (a Ray actor; on CPU here, num_gpus=0) behaves like the process pool."""
+    ray = pytest.importorskip("ray")
+    from polyrl.distributed.ray_cluster import init_ray
+    from polyrl.flow.async_reward import RayRewardScorer
+
+    f = tmp_path / "slow_reward.py"
+    f.write_text(SLOW)
+    started_here = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    scorer = RayRewardScorer(rewards.build_reward, ({}, str(f), "score"), num_gpus=0)
+    try:
+        for i in (1, 0, 2):  # submitted out of order
+            scorer.submit(2 * i, torch.full((2, 1, 4, 4), float(i)), ["p", "p"], [{}, {}])
+        torch.testing.assert_close(scorer.collect(6), torch.tensor([0.0, 0, 1, 1, 2, 2]))
+        scorer.submit(0, torch.zeros(1, 1, 2, 2), ["boom"], [{}])
+        with pytest.raises(RewardError, match="boom"):
+            scorer.collect(1)
+    finally:
+        scorer.close()
+        if started_here:
+            ray.shutdown()
+
+
+def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused():
+    ray = pytest.importorskip("ray")
+    from polyrl.distributed.ray_cluster import init_ray
+    from polyrl.errors import ConfigError
+    from polyrl.flow.async_reward import RayRewardScorer
+
+    started_here = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    try:
+        with pytest.raises(ConfigError, match="n_gpus_per_node asks the Ray reward actor for 1 GPU"):
+            RayRewardScorer(rewards.build_reward, ({}, None, "score"), num_gpus=1)
+    finally:
+        if started_here:
+            ray.shutdown()

@@ -41,6 +41,15 @@ def init_ray(address: str | None = None, **kwargs) -> Any:
     return ray
 
 
+def require_gpus(ray, num_gpus: float, key: str) -> None:
+    """Refuse (instead of waiting forever for a placement) an actor that asks for more GPUs than the cluster has."""
+    have = ray.cluster_resources().get("GPU", 0)
+    if num_gpus > have:
+        raise ConfigError(f"{key} asks the Ray reward actor for {num_gpus:g} GPU(s) but the Ray cluster has {have:g}; "
+                          "start Ray with the reward GPUs visible (CUDA_VISIBLE_DEVICES=<gpu> ray start --head "
+                          "--num-gpus=1, then RAY_ADDRESS=auto) or set it to 0.")
+
+
 # ------------------------------------------------------------------------------------------------ reward worker
 class RewardWorker:
     """Builds the configured `RewardManager` inside the worker process and scores batches there."""
@@ -64,6 +73,7 @@ class RemoteReward:
     def __init__(self, custom_reward_function, overlong_buffer, max_response_length: int, *, num_cpus: float = 1,
                  num_gpus: float = 0, address: str | None = None):
         ray = init_ray(address)
+        require_gpus(ray, num_gpus, "reward_model.n_gpus_per_node")
         self._ray = ray
         self.actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardWorker).remote(
             custom_reward_function, overlong_buffer, max_response_length)

@@ -8,6 +8,10 @@ Workers are spawned processes that build their own reward fn from a picklable `f
 (rapidocr, a reward model on another GPU) load once per worker and never in the trainer process.
 When it pays: only when scoring is a large share of the step and runs on resources generation doesn't use (another
 GPU, an OCR engine on spare CPU cores). On a 2-core CPU both stages compete for the same cores.
+
+`RayRewardScorer` is the same interface over a Ray actor that holds GPUs of its own (VeRL-Omni's reward resource
+pool: `reward.reward_model.enable_resource_pool=True`): Ray sets the actor's CUDA_VISIBLE_DEVICES, so a reward model
+built with `device="cuda"` lands on the reward GPU, never on a trainer's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from collections.abc import Callable
 import torch
 
 from polyrl.errors import RewardError
+
+
+def _score(fn, images, prompts, metadata) -> torch.Tensor:
+    return torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1)
 
 
 def _worker(factory, args, inbox, outbox):
@@ -34,8 +42,7 @@ def _worker(factory, args, inbox, outbox):
             return
         offset, images, prompts, metadata = item
         try:
-            scores = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1)
-            outbox.put((offset, scores))
+            outbox.put((offset, _score(fn, images, prompts, metadata)))
         except Exception as e:
             outbox.put(("error", f"reward fn raised {type(e).__name__}: {e}"))
 
@@ -59,7 +66,7 @@ class AsyncRewardScorer:
 
     def collect(self, batch: int) -> torch.Tensor:
         """Scores for offsets 0..batch-1 once every submitted chunk is scored."""
-        parts = {}
+        parts: dict[int, torch.Tensor] = {}
         while self.pending:
             try:
                 offset, scores = self.outbox.get(timeout=self.timeout_s)
@@ -70,10 +77,7 @@ class AsyncRewardScorer:
                 raise RewardError(f"async reward worker: {scores}; fix the reward function.")
             parts[offset] = scores
             self.pending -= 1
-        out = torch.cat([parts[k] for k in sorted(parts)])
-        if out.numel() != batch:
-            raise RewardError(f"async reward returned {out.numel()} scores for {batch} images; return one per image.")
-        return out
+        return _in_order(parts, batch)
 
     def close(self) -> None:
         for _ in self.procs:
@@ -82,3 +86,54 @@ class AsyncRewardScorer:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+
+
+def _in_order(parts: dict[int, torch.Tensor], batch: int) -> torch.Tensor:
+    out = torch.cat([parts[k] for k in sorted(parts)])
+    if out.numel() != batch:
+        raise RewardError(f"async reward returned {out.numel()} scores for {batch} images; return one per image.")
+    return out
+
+
+class _RayRewardActor:
+    def __init__(self, factory, args):
+        self.fn = factory(*args)
+
+    def score(self, images, prompts, metadata):
+        return _score(self.fn, images, prompts, metadata)
+
+    def visible_devices(self):
+        import os
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+class RayRewardScorer:
+    """`AsyncRewardScorer`'s interface over one Ray actor with `num_gpus` GPUs (fractions share a GPU: each trainer
+    rank's actor asks for n_gpus_per_node / ranks per node, so the ranks of a node share the node's reward GPUs)."""
+
+    def __init__(self, factory: Callable, args: tuple = (), num_gpus: float = 1.0, num_cpus: float = 1.0,
+                 timeout_s: float = 600.0, address: str | None = None):  # fmt: skip
+        from polyrl.distributed.ray_cluster import init_ray, require_gpus
+
+        self.ray = init_ray(address)
+        require_gpus(self.ray, num_gpus, "reward.reward_model.n_gpus_per_node")
+        self.actor = self.ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_RayRewardActor).remote(factory, args)
+        self.timeout_s = timeout_s
+        self.refs: dict[int, object] = {}
+
+    def submit(self, offset: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
+        self.refs[offset] = self.actor.score.remote(images.detach().cpu(), list(prompts), list(metadata))
+
+    def collect(self, batch: int) -> torch.Tensor:
+        refs, self.refs = self.refs, {}
+        try:
+            parts = dict(zip(refs, self.ray.get(list(refs.values()), timeout=self.timeout_s)))
+        except self.ray.exceptions.GetTimeoutError as e:
+            raise RewardError(f"the Ray reward worker returned nothing for {self.timeout_s:.0f}s; check the reward fn.") from e
+        except self.ray.exceptions.RayError as e:  # the fn (or building it) raised inside the actor
+            raise RewardError(f"Ray reward worker: {str(e).strip().splitlines()[-1]}; fix the reward function.") from e
+        return _in_order(parts, batch)
+
+    def close(self) -> None:
+        self.ray.kill(self.actor)

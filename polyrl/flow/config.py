@@ -219,6 +219,18 @@ class CustomRewardConfig:
 
 
 @dataclass
+class RewardPoolConfig:
+    """VeRL-Omni's reward resource pool: scoring on GPUs of its own, apart from the trainer's."""
+
+    enable_resource_pool: bool = False
+    """Score in a Ray actor holding n_gpus_per_node GPUs (implies async scoring; needs Ray). Start Ray with only the
+    reward GPUs visible, e.g. `CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`, then train on the others with
+    RAY_ADDRESS=auto: Ray does not know which GPUs torchrun's ranks use."""
+    n_gpus_per_node: int = 1
+    """GPUs of the reward pool per node; each trainer rank's actor asks for n_gpus_per_node / ranks per node."""
+
+
+@dataclass
 class RewardConfig:
     """Reward functions and where they run."""
 
@@ -230,6 +242,8 @@ class RewardConfig:
     """Score each rollout chunk in a separate process while the next chunk is generated."""
     num_workers: int = 1
     """Reward worker processes when async_reward is on."""
+    reward_model: RewardPoolConfig = field(default_factory=RewardPoolConfig)
+    """Where scoring runs when it has GPUs of its own."""
 
 
 @dataclass

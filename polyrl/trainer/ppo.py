@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -131,7 +132,9 @@ class PPOTrainer(CheckpointingMixin):
         if rm.launch_reward_fn_async:  # scored by a Ray actor apart from the trainer (polyrl.distributed.ray_cluster)
             from polyrl.distributed.ray_cluster import RemoteReward
 
-            self.reward = RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length)
+            gpus = rm.n_gpus_per_node / int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rm.enable_resource_pool else 0
+            self.reward = RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length,
+                                       num_gpus=gpus)  # fmt: skip
         else:
             self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
                                         max_response_length=cfg.data.max_response_length)
