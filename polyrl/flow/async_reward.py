@@ -17,12 +17,13 @@ built with `device="cuda"` lands on the reward GPU, never on a trainer's.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_lib
 from collections.abc import Callable
 
 import torch
 
-from polyrl.errors import RewardError
+from polyrl.errors import ConfigError, RewardError
 
 
 def _score(fn, images, prompts, metadata) -> torch.Tensor:
@@ -103,8 +104,6 @@ class _RayRewardActor:
         return _score(self.fn, images, prompts, metadata)
 
     def visible_devices(self):
-        import os
-
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
@@ -137,3 +136,18 @@ class RayRewardScorer:
 
     def close(self) -> None:
         self.ray.kill(self.actor)
+
+
+def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
+    """The scorer `reward_cfg` (FlowConfig.reward) asks for: a Ray actor on the reward resource pool, a process pool
+    (`async_reward`), or None (scored in the trainer). `factory(*args)` builds the reward fn in the worker."""
+    pool = reward_cfg.reward_model
+    if pool.enable_resource_pool:
+        if pool.n_gpus_per_node < 0:
+            raise ConfigError(f"reward.reward_model.n_gpus_per_node={pool.n_gpus_per_node} must be >= 0 "
+                              "(0: the Ray reward actor runs on CPUs).")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's ranks share its reward GPUs
+        return RayRewardScorer(factory, args, num_gpus=pool.n_gpus_per_node / per_node)
+    if reward_cfg.async_reward:
+        return AsyncRewardScorer(factory, args, reward_cfg.num_workers)
+    return None

@@ -11,7 +11,6 @@ pipeline onto its own GPU and the trainer shards the transformer (polyrl.flow.pa
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -79,20 +78,10 @@ def train(argv: list[str]) -> int:
         save_config(cfg, run_dir / "config.yaml")
     tracker = Tracker(cfg.trainer.logger if dist.is_rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
-    scorer = None
-    reward_args = (reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
-    if r.reward_model.enable_resource_pool and r.reward_model.n_gpus_per_node < 0:
-        raise ConfigError(f"reward.reward_model.n_gpus_per_node={r.reward_model.n_gpus_per_node} must be >= 0 "
-                          "(0: the Ray reward actor runs on CPUs).")
-    if r.reward_model.enable_resource_pool:  # a Ray actor on the reward GPUs, shared by this node's ranks
-        from polyrl.flow.async_reward import RayRewardScorer
+    from polyrl.flow.async_reward import build_scorer
 
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        scorer = RayRewardScorer(rewards.build_reward, reward_args, num_gpus=r.reward_model.n_gpus_per_node / per_node)
-    elif r.async_reward:
-        from polyrl.flow.async_reward import AsyncRewardScorer
-
-        scorer = AsyncRewardScorer(rewards.build_reward, reward_args, r.num_workers)
+    scorer = build_scorer(r, rewards.build_reward, (reward_fns, r.custom_reward_function.path,
+                                                    r.custom_reward_function.name))  # fmt: skip
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, tracker=tracker, async_scorer=scorer,
                               dist=dist)  # fmt: skip
     try:

@@ -178,11 +178,9 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     from polyrl.flow.trainer import FlowGRPOTrainer
 
-    scorer = None
-    if cfg.reward.async_reward:
-        from polyrl.flow.async_reward import AsyncRewardScorer
+    from polyrl.flow.async_reward import build_scorer
 
-        scorer = AsyncRewardScorer(classifier_reward_from_state, (clf.state_dict(),), cfg.reward.num_workers)
+    scorer = build_scorer(cfg.reward, classifier_reward_from_state, (clf.state_dict(),))
     trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(val_per_digit),
                               tracker=tracker, async_scorer=scorer)  # fmt: skip
     cfg.trainer.val_before_train = True
