@@ -18,7 +18,7 @@ commands:
   flow quickstart|train ...   FlowGRPO for flow-matching image models
   data synth|gsm8k ...        write built-in synthetic tasks, or convert GSM8K jsonl, to verl's parquet schema
   report RUN_DIR              build the HTML run report from metrics.jsonl
-  keys [train|sft]            print every config key with type, default and help
+  keys [train|sft|flow] [PREFIX]  print the config keys (under PREFIX) with type, default and help
 """
 
 
@@ -74,13 +74,22 @@ def _sft(argv: list[str]) -> int:
 
 def _keys(argv: list[str]) -> int:
     from polyrl.config import key_table
+    from polyrl.errors import UserError
 
     which = argv[0] if argv else "train"
+    prefix = argv[1] if len(argv) > 1 else ""
     if which == "sft":
         from polyrl.trainer.sft import SFTConfig as C
-    else:
+    elif which == "flow":
+        from polyrl.flow.config import FlowConfig as C
+    elif which == "train":
         from polyrl.trainer.config import PPOConfig as C
-    for key, tp, default, help_ in key_table(C()):
+    else:
+        raise UserError(f"`polyrl keys {which}`: use train, sft or flow, optionally followed by a key prefix.")
+    rows = [r for r in key_table(C()) if r[0].startswith(prefix)]
+    if not rows:
+        raise UserError(f"No {which} key starts with {prefix!r}; run `polyrl keys {which}` for all of them.")
+    for key, tp, default, help_ in rows:
         print(f"{key}\t{tp}\t{default}\t{help_}")
     return 0
 
@@ -90,6 +99,11 @@ def dispatch(argv: list[str]) -> int:
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("train", "sft") and ("-h" in rest or "--help" in rest):
+        from polyrl.config import overrides_help
+
+        print(overrides_help(cmd, cmd))
+        return 0
     if cmd == "train":
         return _train(rest)
     if cmd == "sft":

@@ -232,6 +232,13 @@ def save_config(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def overrides_help(command: str, keys_of: str) -> str:
+    """What `polyrl <command> --help` prints: the override syntax and where every key is listed."""
+    return (f"usage: polyrl {command} [--config FILE.yaml] [KEY=VALUE ...]\n\n"
+            f"Every key, with type, default and help: `polyrl keys {keys_of} [PREFIX]` (for example "
+            f"`polyrl keys {keys_of} actor_rollout_ref.rollout`), or docs/config_keys.md.")
+
+
 def key_table(cfg: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key, type, default, help) for every leaf, from the dataclasses' field docstrings (see `field_docs`)."""
     rows = []

@@ -96,3 +96,19 @@ def test_bad_input(name, train, extra, words, workspace, tiny_model_dir, synth_d
     for w in words:
         assert w.lower() in last.lower(), (w, last)
     assert _hash_tree(workspace / "ckpt") == before
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["sft", "-h"], ["flow", "train", "--help"],
+                                  ["flow", "quickstart", "-h"]])  # fmt: skip
+def test_help_points_at_the_keys(argv, capsys):
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: polyrl {' '.join(argv[:-1])} ") and "polyrl keys" in out
+
+
+def test_keys_lists_one_trainer_under_a_prefix(capsys):
+    assert cli_main(["keys", "flow", "reward.reward_model."]) == 0
+    keys = [line.split("\t")[0] for line in capsys.readouterr().out.strip().splitlines()]
+    assert keys == ["reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node"]
+    assert cli_main(["keys", "train", "no.such.prefix"]) == 2
+    assert "No train key starts with 'no.such.prefix'" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("quickstart", "train") and ("-h" in rest or "--help" in rest):
+        from polyrl.config import overrides_help
+
+        print(overrides_help(f"flow {cmd}", "flow"))
+        return 0
     if cmd == "quickstart":
         from polyrl.flow import quickstart
 
