@@ -142,7 +142,8 @@ class FlowGRPOTrainer:
 
         `prompt_ids`: each prompt's index in the global batch (default 0..len-1); it seeds the samples' noise."""
         ro = self.cfg.actor_rollout_ref.rollout
-        n, chunk = ro.n, ro.log_prob_micro_batch_size_per_gpu or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        n = ro.n
+        chunk = ro.log_prob_micro_batch_size_per_gpu or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
         prompt_ids = list(range(len(batch))) if prompt_ids is None else prompt_ids
         prompts = [p for p, _ in batch for _ in range(n)]
         metadata = [m for _, m in batch for _ in range(n)]
