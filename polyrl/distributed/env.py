@@ -95,8 +95,13 @@ class DistEnv:
         return self.rank == 0
 
     @classmethod
-    def setup(cls, device: str = "auto", *, fsdp_size: int = -1, sp_size: int = 1, timeout_s: int = 600) -> "DistEnv":
-        """Join the torchrun job described by the environment (or stay single-process) and build the mesh."""
+    def setup(cls, device: str = "auto", *, fsdp_size: int = -1, sp_size: int = 1, timeout_s: int = 600,
+              cpu_offload: bool = False) -> "DistEnv":
+        """Join the torchrun job described by the environment (or stay single-process) and build the mesh.
+
+        `cpu_offload`: FSDP2's CPUOffloadPolicy keeps the shards (and their gradients) on the CPU, so the collectives
+        over them (gradient norm, weight sync, checkpoint gathers) need a CPU backend: gloo beside nccl, as
+        torchtitan does."""
         world = launched_world_size()
         if sp_size < 1 or world % sp_size:
             raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp_size} does not divide the "
@@ -108,7 +113,8 @@ class DistEnv:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+            backend = "gloo" if dev.type != "cuda" else "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+            dist.init_process_group(backend,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
         sp_group = dp_group = None

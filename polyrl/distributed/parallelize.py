@@ -59,8 +59,7 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
     """Shard `model` in place with FSDP2 per block and at the root; returns it (same object, same names)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    offload = CPUOffloadPolicy() if (cfg.param_offload or cfg.optimizer_offload or cfg.offload_policy) \
-        else OffloadPolicy()
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(cfg, device), offload_policy=offload)
     blocks = transformer_blocks(model)
     block_params = {id(p) for b in blocks for p in b.parameters()}

@@ -58,7 +58,8 @@ def train(argv: list[str]) -> int:
         raise ConfigError("data.train_files is required with actor_rollout_ref.model.path; pass a prompt file.")
     from polyrl.distributed import DistEnv
 
-    dist = DistEnv.setup(cfg.trainer.device, fsdp_size=cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size)
+    fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+    dist = DistEnv.setup(cfg.trainer.device, fsdp_size=fsdp.fsdp_size, cpu_offload=fsdp.cpu_offload)
     device = dist.device if dist.is_distributed else pick_device(cfg.trainer.device)
     p, m = cfg.actor_rollout_ref.rollout.pipeline, cfg.actor_rollout_ref.model
     policy = load_pipeline_policy(m.path, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,

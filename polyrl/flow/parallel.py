@@ -52,7 +52,7 @@ def shard_transformer(module: torch.nn.Module, env: DistEnv, fsdp_cfg) -> None:
             f"{key}={asked} differs from the transformer's {name} weights; the flow trainer computes in the weights' "
             "dtype, so set actor_rollout_ref.model.dtype instead and leave param_dtype unset."
         )
-    if (fsdp_cfg.param_offload or fsdp_cfg.optimizer_offload or fsdp_cfg.offload_policy) and env.device.type != "cuda":
+    if fsdp_cfg.cpu_offload and env.device.type != "cuda":
         raise ConfigError(
             "actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload/offload_policy move GPU memory to the "
             "CPU, but this run is on the CPU; turn them off."

@@ -91,7 +91,8 @@ class FlowGRPOTrainer:
         actor = cfg.actor_rollout_ref.actor
         # one process per GPU under torchrun; a single process is a DistEnv of size 1 (every collective a no-op)
         self.dist = dist or DistEnv.setup(next(policy.transformer.parameters()).device.type,
-                                          fsdp_size=actor.fsdp_config.fsdp_size)  # fmt: skip
+                                          fsdp_size=actor.fsdp_config.fsdp_size,
+                                          cpu_offload=actor.fsdp_config.cpu_offload)  # fmt: skip
         self.tracker = tracker if self.dist.is_rank0 else None  # rank 0 alone logs
         self.timer = timer or StepTimer()
         self.timer.hooks.append(self.profiler)

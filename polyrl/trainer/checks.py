@@ -121,7 +121,7 @@ def check_supported(cfg) -> None:
             "set it to 1.")
     check_sequence_parallel(cfg)
     for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config)):
-        if (fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy) and ngpu == 0:
+        if fsdp.cpu_offload and ngpu == 0:
             raise ConfigError(
                 f"actor_rollout_ref.{role}.fsdp_config.param_offload/optimizer_offload offload GPU memory to the CPU, "
                 "and there is no GPU here; set them to False on a CPU machine.")

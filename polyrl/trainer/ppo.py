@@ -75,7 +75,8 @@ class PPOTrainer(CheckpointingMixin):
         self.cfg = cfg
         arr, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
-        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size,
+        offload = arr.actor.fsdp_config.cpu_offload or arr.ref.fsdp_config.cpu_offload
+        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
                                   sp_size=arr.actor.ulysses_sequence_parallel_size, timeout_s=arr.nccl_timeout)
         dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
         arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream

@@ -66,6 +66,12 @@ class FSDPConfig:
     strategy: str | None = None
     """Alias of the role's strategy."""
 
+    @property
+    def cpu_offload(self) -> bool:
+        """Any of the three offload switches: FSDP2's CPUOffloadPolicy (it moves parameters, gradients and optimizer
+        state together)."""
+        return self.param_offload or self.optimizer_offload or self.offload_policy
+
 
 @dataclass
 class PolicyLossConfig:
