@@ -68,12 +68,17 @@ def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path):
             ray.shutdown()
 
 
-def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused():
+def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused(monkeypatch):
     ray = pytest.importorskip("ray")
     from polyrl.distributed.ray_cluster import init_ray
     from polyrl.errors import ConfigError
     from polyrl.flow.async_reward import RayRewardScorer
 
+    if not ray.is_initialized():  # no cluster to join: a local Ray would hand out the trainer's GPUs
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        with pytest.raises(ConfigError, match="needs a Ray cluster that knows them"):
+            RayRewardScorer(rewards.build_reward, ({}, None, "score"), num_gpus=1)
+        assert not ray.is_initialized()
     started_here = not ray.is_initialized()
     init_ray(num_cpus=2)
     try:

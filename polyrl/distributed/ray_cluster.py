@@ -9,7 +9,8 @@
 - `RewardWorker` / `RemoteReward`: the reward function in its own process (a Ray actor on CPUs, or a GPU for a
   model-based scorer), with `RewardManager.score`'s signature so the trainer cannot tell the difference. It is what
   `reward_model.launch_reward_fn_async=True` selects; `score_async` returns a future for overlapping the scoring
-  with other work.
+  with other work. With `reward_model.enable_resource_pool` the actor holds GPUs of its own; `reward_cluster`
+  refuses that without a cluster started with only those GPUs visible (a local Ray would hand out the trainer's).
 
 Ray is an optional extra (`pip install 'polyrl[ray]'`): nothing here is imported on a single-node run.
 """
@@ -41,13 +42,22 @@ def init_ray(address: str | None = None, **kwargs) -> Any:
     return ray
 
 
-def require_gpus(ray, num_gpus: float, key: str) -> None:
-    """Refuse (instead of waiting forever for a placement) an actor that asks for more GPUs than the cluster has."""
+def reward_cluster(num_gpus: float, key: str, address: str | None = None) -> Any:
+    """The Ray cluster for a reward actor that asks for `num_gpus` GPUs (`key` names the setting in errors).
+
+    Refused with one sentence, instead of a silent GPU clash or a placement that never comes: GPUs without a cluster
+    to join (a local Ray started here would hand out the trainer's own GPUs: torchrun's ranks are not Ray workers),
+    and more GPUs than the cluster has."""
+    start = "start Ray with only the reward GPUs visible (CUDA_VISIBLE_DEVICES=<gpu> ray start --head --num-gpus=1) "
+    if num_gpus > 0 and not _ray().is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
+        raise ConfigError(f"{key} gives the reward actor GPUs of its own, which needs a Ray cluster that knows them: "
+                          f"{start}and set RAY_ADDRESS=auto, or set it to 0.")
+    ray = init_ray(address)
     have = ray.cluster_resources().get("GPU", 0)
     if num_gpus > have:
         raise ConfigError(f"{key} asks the Ray reward actor for {num_gpus:g} GPU(s) but the Ray cluster has {have:g}; "
-                          "start Ray with the reward GPUs visible (CUDA_VISIBLE_DEVICES=<gpu> ray start --head "
-                          "--num-gpus=1, then RAY_ADDRESS=auto) or set it to 0.")
+                          f"{start}or set it to 0.")
+    return ray
 
 
 # ------------------------------------------------------------------------------------------------ reward worker
@@ -72,8 +82,7 @@ class RemoteReward:
 
     def __init__(self, custom_reward_function, overlong_buffer, max_response_length: int, *, num_cpus: float = 1,
                  num_gpus: float = 0, address: str | None = None):
-        ray = init_ray(address)
-        require_gpus(ray, num_gpus, "reward_model.n_gpus_per_node")
+        ray = reward_cluster(num_gpus, "reward_model.n_gpus_per_node", address)
         self._ray = ray
         self.actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardWorker).remote(
             custom_reward_function, overlong_buffer, max_response_length)

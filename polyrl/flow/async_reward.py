@@ -120,10 +120,9 @@ class RayRewardScorer:
 
     def __init__(self, factory: Callable, args: tuple = (), num_gpus: float = 1.0, num_cpus: float = 1.0,
                  timeout_s: float = 600.0, address: str | None = None):  # fmt: skip
-        from polyrl.distributed.ray_cluster import init_ray, require_gpus
+        from polyrl.distributed.ray_cluster import reward_cluster
 
-        self.ray = init_ray(address)
-        require_gpus(self.ray, num_gpus, "reward.reward_model.n_gpus_per_node")
+        self.ray = reward_cluster(num_gpus, "reward.reward_model.n_gpus_per_node", address)
         self.actor = self.ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_RayRewardActor).remote(factory, args)
         self.timeout_s = timeout_s
         self.refs: dict[int, object] = {}
