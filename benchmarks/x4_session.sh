@@ -6,6 +6,8 @@
 #      .ray2 here; the machine must stay warm between them) | FlowGRPO data parallel on 2 GPUs (8)
 #   3: GRPO step 7B on 4 GPUs (8)
 #   4: FlowGRPO variants combining the phase-1 winners, one per GPU (6)
+#   5: not yet run: FSDP2 CPU offload test, flow FSDP2 with the fast recipe, 4-GPU step with the cheaper
+#      balance_batch (8)
 # Every job writes its log and rows under $OUT (rows.md is appended to BENCHMARKS.md afterwards, by hand).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -70,6 +72,14 @@ case "${1:-}" in
     --note "rollout compiled (static), no ckpt, micro 4" &
   flow 3 static_m16 --compile --compile-rollout static --micro 16 --note "rollout compiled (static), micro 16" &
   wait ;;
+5)  # not yet run: what session 3 left unverified on GPUs
+  CUDA_VISIBLE_DEVICES=0,1 timeout 400 python3 -m pytest -q tests/test_offload_gpu.py -p no:cacheprovider \
+    > "$OUT/offload_gpu.log" 2>&1 &
+  flow 2,3 dp2_fast --compile --no-ckpt --micro 4 --rollout-micro 16 \
+    --note "FSDP2 data parallel, compiled rollout + update, no ckpt" &
+  wait
+  tail -3 "$OUT/offload_gpu.log"
+  grpo 0,1,2,3 4gpu_balanced --lengths 1024 --steps 3 --skip-trl --max-token-len 32768 --extra $FAST ;;
 *) echo "usage: $0 1|2|3"; exit 2 ;;
 esac
 cat "$OUT/status" 2>/dev/null
