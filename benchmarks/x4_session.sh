@@ -6,6 +6,8 @@
 #      .ray2 here; the machine must stay warm between them) | FlowGRPO data parallel on 2 GPUs (8)
 #   3: GRPO step 7B on 4 GPUs (8)
 #   4: FlowGRPO variants combining the phase-1 winners, one per GPU (6)
+#   (Phases 1-4 as run in session 3, except that `--compile` then compiled the update only and the rollout needed
+#   `--compile-rollout static`; `--compile` now compiles both, so the "update-only" rows are not reproduced.)
 #   5: not yet run: FSDP2 CPU offload test, flow FSDP2 with the fast recipe, 4-GPU step with the cheaper
 #      balance_batch (8)
 # Every job writes its log and rows under $OUT (rows.md is appended to BENCHMARKS.md afterwards, by hand).
@@ -51,7 +53,7 @@ case "${1:-}" in
   mkdir -p /tmp/raypart && cp .ray1/* /tmp/raypart/ && echo "ray part 1 stashed"
   grpo 0 1gpu --lengths 1024,256 --steps 3 --max-token-len 32768 --extra $FAST &
   (grpo 1,2 2gpu --lengths 1024 --steps 3 --skip-trl --max-token-len 32768 --extra $FAST
-   flow 1 static_rollout --compile --compile-rollout static --note "rollout compiled too (static shapes)") &
+   flow 1 static_rollout --compile --note "rollout compiled too (static shapes)") &
   (flow 3 nockpt_m4 --compile --no-ckpt --micro 4 --rollout-micro 16 --note "no ckpt, micro 4, rollout micro 16"
    flow 3 baseline_mask --compile --note "unmasked attention when prompts have one length") &
   wait ;;
@@ -64,13 +66,13 @@ case "${1:-}" in
   grpo 0,1,2,3 7b_4gpu --shape 7b --lengths 1024 --steps 2 --skip-trl --max-token-len 16384 --extra $MED
   ;;
 4)
-  flow 0 combo_r16 --compile --compile-rollout static --no-ckpt --micro 4 --rollout-micro 16 \
+  flow 0 combo_r16 --compile --no-ckpt --micro 4 --rollout-micro 16 \
     --note "rollout compiled (static), no ckpt, micro 4, rollout micro 16" &
-  flow 1 combo_r8 --compile --compile-rollout static --no-ckpt --micro 4 --rollout-micro 8 \
+  flow 1 combo_r8 --compile --no-ckpt --micro 4 --rollout-micro 8 \
     --note "rollout compiled (static), no ckpt, micro 4, rollout micro 8" &
-  flow 2 combo_r4 --compile --compile-rollout static --no-ckpt --micro 4 \
+  flow 2 combo_r4 --compile --no-ckpt --micro 4 \
     --note "rollout compiled (static), no ckpt, micro 4" &
-  flow 3 static_m16 --compile --compile-rollout static --micro 16 --note "rollout compiled (static), micro 16" &
+  flow 3 static_m16 --compile --micro 16 --note "rollout compiled (static), micro 16" &
   wait ;;
 5)  # not yet run: what session 3 left unverified on GPUs
   CUDA_VISIBLE_DEVICES=0,1 timeout 400 python3 -m pytest -q tests/test_offload_gpu.py -p no:cacheprovider \
@@ -80,7 +82,7 @@ case "${1:-}" in
   wait
   tail -3 "$OUT/offload_gpu.log"
   grpo 0,1,2,3 4gpu_balanced --lengths 1024 --steps 3 --skip-trl --max-token-len 32768 --extra $FAST ;;
-*) echo "usage: $0 1|2|3"; exit 2 ;;
+*) echo "usage: $0 1|2|3|4|5"; exit 2 ;;
 esac
 cat "$OUT/status" 2>/dev/null
 true
