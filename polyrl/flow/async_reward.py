@@ -110,9 +110,6 @@ class _RayRewardActor:
     def score(self, images, prompts, metadata):
         return _score(self.fn, images, prompts, metadata).numpy()
 
-    def visible_devices(self):
-        return os.environ.get("CUDA_VISIBLE_DEVICES")
-
 
 class RayRewardScorer:
     """`AsyncRewardScorer`'s interface over one Ray actor with `num_gpus` GPUs (fractions share a GPU: each trainer
