@@ -263,9 +263,10 @@ def test_reward_resource_pool_gives_the_ray_worker_gpus(monkeypatch, tiny_model_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     keys = ["reward_model.launch_reward_fn_async=True", "reward_model.enable_resource_pool=True",
             "reward_model.n_gpus_per_node=1"]  # fmt: skip
-    PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1, *keys)))
-    PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1, *keys[:1])))
-    assert asked == [0.5, 0]  # half of the node's reward GPU per rank; no pool: a CPU actor
+    for chosen in (keys, keys[:1], keys[1:]):
+        PPOTrainer(build_config(PPOConfig(), _args(tiny_model_dir, synth_data_dir, tmp_path, 1, *chosen)))
+    assert asked == [0.5, 0, 0.5]  # half of the node's reward GPU per rank; no pool: a CPU actor; the pool alone
+    # implies the Ray worker
 
 
 @pytest.mark.skipif(not os.environ.get("POLYRL_SLOW_TESTS"), reason="~40 s; set POLYRL_SLOW_TESTS=1")

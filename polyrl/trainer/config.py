@@ -165,8 +165,8 @@ class RewardModelConfig:
     launch_reward_fn_async: bool = False
     """Score in a Ray actor apart from the trainer (polyrl.distributed.ray_cluster.RemoteReward)."""
     enable_resource_pool: bool = False
-    """With launch_reward_fn_async: give the reward actor n_gpus_per_node GPUs of its own (a reward model on its own
-    GPU). Start Ray with only those GPUs visible (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train
+    """Score in a Ray actor (as launch_reward_fn_async) holding n_gpus_per_node GPUs of its own (a reward model on
+    its own GPU). Start Ray with only those GPUs visible (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train
     on the others with RAY_ADDRESS=auto."""
     n_gpus_per_node: int = 0
     """GPUs of the reward resource pool per node; each trainer rank's actor asks for this / ranks per node."""

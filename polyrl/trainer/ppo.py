@@ -130,7 +130,7 @@ class PPOTrainer(CheckpointingMixin):
         if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
             for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
                 setattr(overlong, k, v)
-        if rm.launch_reward_fn_async:  # scored by a Ray actor apart from the trainer (polyrl.distributed.ray_cluster)
+        if rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (ray_cluster)
             from polyrl.distributed.ray_cluster import RemoteReward
 
             gpus = rm.n_gpus_per_node / int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rm.enable_resource_pool else 0
