@@ -251,6 +251,16 @@ def test_trainer_uses_the_ray_reward_worker(ray_local, tiny_model_dir, synth_dat
     assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and metrics["timing_s/reward"] > 0
 
 
+def test_reward_gpus_are_shared_by_a_nodes_ranks(monkeypatch):
+    from polyrl.distributed.ray_cluster import reward_gpus_per_rank
+    from polyrl.errors import ConfigError
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert reward_gpus_per_rank(2, "k") == 0.5 and reward_gpus_per_rank(0, "k") == 0.0
+    with pytest.raises(ConfigError, match="reward_model.n_gpus_per_node=-1 must be >= 0"):
+        reward_gpus_per_rank(-1, "reward_model.n_gpus_per_node")
+
+
 def test_reward_resource_pool_gives_the_ray_worker_gpus(monkeypatch, tiny_model_dir, synth_data_dir, tmp_path):
     """reward_model.enable_resource_pool: each rank's reward actor asks for n_gpus_per_node / ranks per node."""
     import polyrl.distributed.ray_cluster as rc

@@ -42,6 +42,13 @@ def init_ray(address: str | None = None, **kwargs) -> Any:
     return ray
 
 
+def reward_gpus_per_rank(n_gpus_per_node: int, key: str) -> float:
+    """This rank's share of its node's reward GPUs: the node's ranks each ask Ray for a fraction of them."""
+    if n_gpus_per_node < 0:
+        raise ConfigError(f"{key}={n_gpus_per_node} must be >= 0 (0: the Ray reward actor runs on CPUs).")
+    return n_gpus_per_node / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def reward_cluster(num_gpus: float, key: str, address: str | None = None) -> Any:
     """The Ray cluster for a reward actor that asks for `num_gpus` GPUs (`key` names the setting in errors).
 

@@ -17,13 +17,12 @@ built with `device="cuda"` lands on the reward GPU, never on a trainer's.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue as queue_lib
 from collections.abc import Callable
 
 import torch
 
-from polyrl.errors import ConfigError, RewardError
+from polyrl.errors import RewardError
 
 
 def _portable(images: torch.Tensor):
@@ -147,11 +146,10 @@ def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
     (`async_reward`), or None (scored in the trainer). `factory(*args)` builds the reward fn in the worker."""
     pool = reward_cfg.reward_model
     if pool.enable_resource_pool:
-        if pool.n_gpus_per_node < 0:
-            raise ConfigError(f"reward.reward_model.n_gpus_per_node={pool.n_gpus_per_node} must be >= 0 "
-                              "(0: the Ray reward actor runs on CPUs).")
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's ranks share its reward GPUs
-        return RayRewardScorer(factory, args, num_gpus=pool.n_gpus_per_node / per_node)
+        from polyrl.distributed.ray_cluster import reward_gpus_per_rank
+
+        gpus = reward_gpus_per_rank(pool.n_gpus_per_node, "reward.reward_model.n_gpus_per_node")
+        return RayRewardScorer(factory, args, num_gpus=gpus)
     if reward_cfg.async_reward:
         return AsyncRewardScorer(factory, args, reward_cfg.num_workers)
     return None

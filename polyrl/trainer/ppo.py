@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from pathlib import Path
 
@@ -131,9 +130,11 @@ class PPOTrainer(CheckpointingMixin):
             for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
                 setattr(overlong, k, v)
         if rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (ray_cluster)
-            from polyrl.distributed.ray_cluster import RemoteReward
+            from polyrl.distributed.ray_cluster import RemoteReward, reward_gpus_per_rank
 
-            gpus = rm.n_gpus_per_node / int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rm.enable_resource_pool else 0
+            gpus = 0.0
+            if rm.enable_resource_pool:  # GPUs of its own, shared by this node's ranks
+                gpus = reward_gpus_per_rank(rm.n_gpus_per_node, "reward_model.n_gpus_per_node")
             self.reward = RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length,
                                        num_gpus=gpus)  # fmt: skip
         else:
