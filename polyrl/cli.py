@@ -37,6 +37,7 @@ def _train(argv: list[str]) -> int:
     maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
     trainer = PPOTrainer(cfg)
     trainer.fit()
+    trainer.dist.finish()
     if os.environ.get("RANK", "0") == "0":
         print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint "
               f"{getattr(trainer, 'final_checkpoint', '-')}")

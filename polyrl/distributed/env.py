@@ -170,6 +170,13 @@ class DistEnv:
         if self.group is None and self.is_distributed and dist.is_initialized():  # views own no process group
             dist.destroy_process_group()
 
+    def finish(self) -> None:
+        """The end of a successful run: wait for every rank (rank 0 may still be writing files after the last
+        collective), then tear the process group down instead of leaving it to interpreter exit."""
+        if self.group is None and self.is_distributed and dist.is_initialized():
+            dist.barrier()
+        self.close()
+
 
 def _map_tensors(obj: Any, fn) -> Any:
     if isinstance(obj, torch.Tensor):
