@@ -55,10 +55,11 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
     tok_dir, model_dir = work / "tokenizer", work / "model"
     tok.save_pretrained(tok_dir)  # separate dir: transformers forces Qwen2Tokenizer onto dirs whose config is qwen2
     cfg = qwen25_1_5b(init_std)
-    if shape == "7b":  # Qwen2.5-7B's shape (untied 152k head); several GPUs only: it does not train on one
-        cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                        rope_theta=1e6, tie_word_embeddings=False, initializer_range=init_std)
+    if shape == "7b":  # multi_gpu.py's Qwen2.5-7B dims (untied head) with the 1.5B's vocab, as the rows were measured;
+        from multi_gpu import SHAPES  # several GPUs only: it does not train on one
+
+        cfg = type(cfg)(**{**SHAPES["7b"], "vocab_size": cfg.vocab_size}, max_position_embeddings=32768,
+                        rope_theta=1e6, initializer_range=init_std)
     if shape == "tiny":  # CPU smoke runs: same code path, a 2-layer model
         cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
