@@ -4,7 +4,8 @@ Decode is bound by reading K/V, so the kernel's job is to read each cached byte 
 (sequence, kv head, split) and loads TILE tokens of K and V at a time through the block table; the GQA group's q heads
 (padded to 16 rows for `tl.dot`) share that read. Split-K (flash-decoding) keeps the GPU busy when few sequences
 remain (the long tail): each split writes a normalised partial output and its log-sum-exp, combined in torch.
-Zero-length rows (CUDA-graph padding) write zeros.
+Zero-length rows (CUDA-graph padding) write zeros. With one split the kernel writes the final output in the
+activation dtype itself (no fp32 buffer, no cast kernel: one launch fewer per layer).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def _paged_decode_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     s = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -66,8 +68,10 @@ def _paged_decode_kernel(
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
     gm = g < G
-    tl.store(O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=gm[:, None])
-    tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
+    o_ptr = O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=gm[:, None])
+    if SPLITS > 1:
+        tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
 
 
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
@@ -80,8 +84,12 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     kvh = k_cache.shape[2]
     G = H // kvh
     splits = meta.num_splits
-    o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
-    lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
+    if splits == 1:  # final output straight from the kernel, in the activation dtype
+        o = torch.empty(T, H, 1, D, device=q_THD.device, dtype=q_THD.dtype)
+        lse = o  # not written
+    else:
+        o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
+        lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
     common = (q_THD, k_cache, v_cache, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
               q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
@@ -89,7 +97,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
                  num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
-        return o[:, :, 0].to(q_THD.dtype)
+        return o[:, :, 0]
     w = torch.softmax(lse, dim=-1)  # exact merge of the splits' normalised outputs
     return (o * w[..., None]).sum(2).to(q_THD.dtype)
 
