@@ -83,6 +83,47 @@ def attention(copy_bw: float) -> None:
         run("head-major BS64 tile 64 warps 4 stages 4", bs=64, head_major=True, num_stages=4)
 
 
+def sweep(copy_bw: float) -> None:
+    """Kernel time against batch and context, so the fixed cost per call (intercept) and the per-wave cost show."""
+    from polyrl.rollout.native import paged_decode as pd
+    from polyrl.rollout.native.attention import AttnMeta
+
+    committed = dict(pd.CONFIG)
+    cfgs = [(64, 4, 3), (32, 4, 3), (32, 4, 2), (64, 4, 2), (32, 2, 3), (16, 2, 4)]
+    print(f"\n== attention sweep (us); configs (tile, warps, stages): {cfgs}; splits s2/s4 with the committed config; "
+          "comb = the torch combine of 2 splits alone")
+    for b in (128, 256):
+        for ctx in (256, 768, 1280):
+            nb, bs = b * ctx // 16, 16
+            k = torch.randn(nb + 1, bs, KVH, D, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn_like(k)
+            bt = (torch.randperm(nb, device="cuda") + 1).view(b, ctx // bs).to(torch.int32)
+            q = torch.randn(b, H, D, dtype=torch.bfloat16, device="cuda")
+            floor = 2 * b * ctx * KVH * D * 2 / copy_bw * 1e6
+            times = []
+
+            def one(splits, **cfg):
+                meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(b, device="cuda"),
+                                block_tables=bt, context_lens=torch.full((b,), ctx, device="cuda"),
+                                num_splits=splits, use_kernel=True)
+                pd.CONFIG.update(committed, **cfg)
+                try:
+                    return bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5)) * 1e6
+                except Exception:
+                    return float("nan")
+                finally:
+                    pd.CONFIG.update(committed)
+
+            for tile, warps, stages in cfgs:
+                times.append(one(1, tile=tile, num_warps=warps, num_stages=stages))
+            times += [one(2), one(4)]
+            o = torch.randn(b, H, 2, D, device="cuda")
+            lse = torch.randn(b, H, 2, device="cuda")
+            comb = bench(lambda: (o * torch.softmax(lse, -1)[..., None]).sum(2).to(torch.bfloat16)) * 1e6
+            print(f"  B={b:3d} ctx={ctx:4d} floor {floor:5.1f}: " + " ".join(f"{t:5.1f}" for t in times)
+                  + f" | comb {comb:.1f}")
+
+
 def gemm() -> None:
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
@@ -117,13 +158,16 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--autotune", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
-    everything = not (a.attention or a.gemm or a.autotune)
+    everything = not (a.attention or a.gemm or a.autotune or a.sweep)
     copy, read = bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read+write), "
           f"read (sum) {read / 1e12:.2f} TB/s")
     if a.attention or everything:
         attention(copy)
+    if a.sweep or everything:
+        sweep(copy)
     if a.gemm or everything:
         gemm()
     if a.autotune or everything:
