@@ -84,15 +84,15 @@ def attention(copy_bw: float) -> None:
 
 
 def sweep(copy_bw: float) -> None:
-    """Kernel time against batch and context, so the fixed cost per call (intercept) and the per-wave cost show."""
+    """Kernel time (with the split merge) against batch, context and split count: the fixed cost per call, and
+    where splitting the context pays (`choose_num_splits`)."""
     from polyrl.rollout.native import paged_decode as pd
     from polyrl.rollout.native.attention import AttnMeta
 
-    committed = dict(pd.CONFIG)
-    cfgs = [(64, 4, 3), (32, 4, 3), (32, 4, 2), (64, 4, 2), (32, 2, 3), (16, 2, 4)]
-    print(f"\n== attention sweep (us); configs (tile, warps, stages): {cfgs}; splits s2/s4 with the committed config; "
-          "comb = the torch combine of 2 splits alone")
-    for b in (128, 256):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits_list = (1, 2, 4, 8)
+    print(f"\n== attention sweep (us), committed config {pd.CONFIG}, splits {splits_list}; * = choose_num_splits")
+    for b in (16, 32, 64, 128, 256):
         for ctx in (256, 768, 1280):
             nb, bs = b * ctx // 16, 16
             k = torch.randn(nb + 1, bs, KVH, D, dtype=torch.bfloat16, device="cuda")
@@ -100,28 +100,15 @@ def sweep(copy_bw: float) -> None:
             bt = (torch.randperm(nb, device="cuda") + 1).view(b, ctx // bs).to(torch.int32)
             q = torch.randn(b, H, D, dtype=torch.bfloat16, device="cuda")
             floor = 2 * b * ctx * KVH * D * 2 / copy_bw * 1e6
-            times = []
-
-            def one(splits, **cfg):
+            chosen = pd.choose_num_splits(b, KVH, sms)
+            cells = []
+            for splits in splits_list:
                 meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(b, device="cuda"),
                                 block_tables=bt, context_lens=torch.full((b,), ctx, device="cuda"),
                                 num_splits=splits, use_kernel=True)
-                pd.CONFIG.update(committed, **cfg)
-                try:
-                    return bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5)) * 1e6
-                except Exception:
-                    return float("nan")
-                finally:
-                    pd.CONFIG.update(committed)
-
-            for tile, warps, stages in cfgs:
-                times.append(one(1, tile=tile, num_warps=warps, num_stages=stages))
-            times += [one(2), one(4)]
-            o = torch.randn(b, H, 2, D, device="cuda")
-            lse = torch.randn(b, H, 2, device="cuda")
-            comb = bench(lambda: (o * torch.softmax(lse, -1)[..., None]).sum(2).to(torch.bfloat16)) * 1e6
-            print(f"  B={b:3d} ctx={ctx:4d} floor {floor:5.1f}: " + " ".join(f"{t:5.1f}" for t in times)
-                  + f" | comb {comb:.1f}")
+                t = bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5)) * 1e6
+                cells.append(f"{t:5.1f}{'*' if splits == chosen else ' '}")
+            print(f"  B={b:3d} ctx={ctx:4d} floor {floor:5.1f}: " + " ".join(cells))
 
 
 def gemm() -> None:

@@ -3,7 +3,8 @@
 Decode is bound by reading K/V, so the kernel's job is to read each cached byte once: a program owns one
 (sequence, kv head, split) and loads TILE tokens of K and V at a time through the block table; the GQA group's q heads
 (padded to 16 rows for `tl.dot`) share that read. Split-K (flash-decoding) keeps the GPU busy when few sequences
-remain (the long tail): each split writes a normalised partial output and its log-sum-exp, combined in torch.
+remain (the long tail): each split writes a normalised partial output and its log-sum-exp, and `_combine_kernel`
+merges them exactly (one launch; the same merge in torch was 4 kernels and ~16 us per layer on an H200).
 Zero-length rows (CUDA-graph padding) write zeros. With one split the kernel writes the final output in the
 activation dtype itself (no fp32 buffer, no cast kernel: one launch fewer per layer).
 """
@@ -74,6 +75,19 @@ def _paged_decode_kernel(
         tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
 
 
+@triton.jit
+def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+    # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits (empty splits have lse -1e30)
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    lse = tl.load(LSE + r * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    o = tl.load(O + (r * SPLITS + sp[:, None]) * D + d[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
+    tl.store(OUT + r * D + d, tl.sum(o * w[:, None], 0).to(OUT.dtype.element_ty))
+
+
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
@@ -98,8 +112,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
         return o[:, :, 0]
-    w = torch.softmax(lse, dim=-1)  # exact merge of the splits' normalised outputs
-    return (o * w[..., None]).sum(2).to(q_THD.dtype)
+    out = torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype)
+    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
+    return out
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
