@@ -348,10 +348,10 @@ class PPOTrainer(CheckpointingMixin):
         baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
         extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
         batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        rl = torch.zeros_like(batch["response_mask"])
-        for i, lp in enumerate(logps):
-            rl[i, : len(lp)] = torch.tensor(lp, device=self.device)
-        batch["rollout_log_probs"] = rl
+        rl = torch.zeros(batch["response_mask"].shape, dtype=batch["response_mask"].dtype)  # filled on the host,
+        for i, lp in enumerate(logps):  # then one copy (a device copy per row cost a sync each)
+            rl[i, : len(lp)] = torch.tensor(lp, dtype=rl.dtype)
+        batch["rollout_log_probs"] = rl.to(self.device)
         tls = torch.zeros_like(batch["response_mask"])
         last = (batch["response_lengths"] - 1).clamp(min=0)
         tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
