@@ -10,6 +10,7 @@
 #   `--compile-rollout static`; `--compile` now compiles both, so the "update-only" rows are not reproduced.)
 #   5: not yet run: FSDP2 CPU offload test, flow FSDP2 with the fast recipe, 4-GPU step with the cheaper
 #      balance_batch (8)
+#   6: phase 5's jobs one after another on a 2x H200 host (the 4-GPU step left out)
 # Every job writes its log and rows under $OUT (rows.md is appended to BENCHMARKS.md afterwards, by hand).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -82,7 +83,14 @@ case "${1:-}" in
   wait
   tail -3 "$OUT/offload_gpu.log"
   grpo 0,1,2,3 4gpu_balanced --lengths 1024 --steps 3 --skip-trl --max-token-len 32768 --extra $FAST ;;
-*) echo "usage: $0 1|2|3|4|5"; exit 2 ;;
+6)  # phase 5 on a 2x H200 host (no 4x host was lent in session 4): offload test, 2-GPU step, flow FSDP2 fast recipe
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q tests/test_offload_gpu.py -p no:cacheprovider \
+    > "$OUT/offload_gpu.log" 2>&1
+  tail -3 "$OUT/offload_gpu.log"
+  grpo 0,1 2gpu_balanced --lengths 1024 --steps 3 --skip-trl --max-token-len 32768 --extra $FAST
+  flow 0,1 dp2_fast --compile --no-ckpt --micro 4 --rollout-micro 16 \
+    --note "FSDP2 data parallel, compiled rollout + update, no ckpt" ;;
+*) echo "usage: $0 1|2|3|4|5|6"; exit 2 ;;
 esac
 cat "$OUT/status" 2>/dev/null
 true
