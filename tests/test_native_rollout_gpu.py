@@ -136,49 +136,6 @@ def test_paged_decode_kernel_matches_gather_path(dtype, splits):
         assert ((out[i] - ref).norm() / ref.norm()).item() < tol, (i, dtype, splits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_with_rope_in_the_kernel_equals_rope_kv_then_attention(dtype, norm, splits):
-    import numpy as np
-
-    from polyrl.rollout.native.attention import AttnMeta
-    from polyrl.rollout.native.fused import rope_kv
-    from polyrl.rollout.native.paged_decode import paged_decode, paged_decode_rope
-
-    torch.manual_seed(0)
-    H, KVH, D, BS, NB = 12, 2, 128, 16, 200
-    ctx = np.array([1, 17, 1000, 0, 300, 129])  # 0: a CUDA-graph padding row
-    B = len(ctx)
-    kc = torch.randn(NB, BS, KVH, D, dtype=dtype, device="cuda")
-    vc = torch.randn_like(kc)
-    bt = np.zeros((B, 70), dtype=np.int64)
-    perm, c = np.random.default_rng(0).permutation(np.arange(1, NB)), 0
-    for i in range(B):
-        nb = -(-ctx[i] // BS)
-        bt[i, :nb] = perm[c : c + nb]
-        c += nb
-    last = np.maximum(ctx - 1, 0)
-    pos = torch.tensor(last, device="cuda")
-    slot = torch.tensor(bt[np.arange(B), last // BS] * BS + last % BS, device="cuda")
-    qkv = torch.randn(B, (H + 2 * KVH) * D, dtype=dtype, device="cuda")
-    freqs = torch.arange(2048, dtype=torch.float32)[:, None] * (1e4 ** -(torch.arange(0, D, 2) / D))[None, :]
-    emb = torch.cat((freqs, freqs), -1).cuda()
-    qw, kw = ((torch.rand(D, device="cuda") + 0.5).to(dtype) for _ in range(2)) if norm else (None, None)
-    meta = AttnMeta(slot_mapping=slot, decode=True, seq_slots=torch.arange(B, device="cuda"),
-                    block_tables=torch.tensor(bt, dtype=torch.int32, device="cuda"),
-                    context_lens=torch.tensor(ctx, device="cuda"), num_splits=splits, use_kernel=True)
-    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    q = rope_kv(qkv, pos, emb.cos(), emb.sin(), k1, v1, slot, H, KVH, D, qw, kw, 1e-6)
-    ref = paged_decode(q, k1, v1, meta, D**-0.5).float()
-    out = paged_decode_rope(qkv, pos, emb.cos(), emb.sin(), k2, v2, meta, D**-0.5, H, qw, kw, 1e-6).float()
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the same K/V bytes reach the cache
-    assert out[ctx == 0].abs().max() == 0
-    live = torch.tensor(ctx > 0, device="cuda")
-    rel = ((out[live] - ref[live]).norm() / ref[live].norm()).item()
-    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_fused_kernels_match_torch_path_in_bf16(kind):
     from polyrl.rollout.native import NativeEngine

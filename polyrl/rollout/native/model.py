@@ -128,14 +128,7 @@ class Attention(nn.Module):
         T = x_TD.shape[0]
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        qkv = self.qkv(x_TD)
-        if meta.use_kernel:  # decode: RoPE, the K/V write and attention in one kernel
-            from polyrl.rollout.native.paged_decode import paged_decode_rope
-
-            o = paged_decode_rope(qkv, positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta,
-                                  self.head_dim**-0.5, self.num_heads, qn, kn, eps)
-            return self.o(o.reshape(T, self.q_size))
-        q = rope_kv(qkv, positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
+        q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
                     self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
         return self.o(o.reshape(T, self.q_size))
