@@ -166,15 +166,19 @@ class DistEnv:
         if self.is_distributed:
             dist.barrier(group=self.group)
 
+    @property
+    def _owns_process_group(self) -> bool:
+        return self.group is None and self.is_distributed and dist.is_initialized()  # views own no process group
+
     def close(self) -> None:
-        if self.group is None and self.is_distributed and dist.is_initialized():  # views own no process group
+        if self._owns_process_group:
             dist.destroy_process_group()
 
     def finish(self) -> None:
         """The end of a successful run: wait for every rank (rank 0 may still be writing files after the last
         collective), then tear the process group down instead of leaving it to interpreter exit."""
-        if self.group is None and self.is_distributed and dist.is_initialized():
-            dist.barrier()
+        if self._owns_process_group:
+            self.barrier()
         self.close()
 
 
