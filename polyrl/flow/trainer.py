@@ -33,13 +33,13 @@ import torch
 from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
 from polyrl.distributed.grads import clip_grad_norm_
-from polyrl.training.master_weights import MasterWeights
 from polyrl.distributed.parallelize import param_groups
 from polyrl.flow import algos, parallel, sampler
 from polyrl.flow import sde as sde_lib
 from polyrl.flow.config import FlowConfig
 from polyrl.flow.parallel import weight_dtype
 from polyrl.flow.pipeline import FlowPolicy
+from polyrl.training.master_weights import MasterWeights
 from polyrl.utils.timing import StepTimer
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
