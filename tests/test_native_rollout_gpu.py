@@ -150,7 +150,7 @@ def test_splitk_partials_sum_to_the_product(m, silu):
     ref = act.float() @ w.float().T
     for cfg in (None, dict(splitk.CONFIG, splits=1), dict(splitk.CONFIG, bn=128, bk=64, splits=5)):
         p = splitk.matmul_partials(a, w, silu_gate_up=silu, cfg=cfg)
-        assert ((p.sum(0) - ref).norm() / ref.norm()).item() < 1e-5, (m, silu, cfg)
+        assert ((p.sum(0) - ref).norm() / ref.norm()).item() < 1e-4, (m, silu, cfg)
     # add_rmsnorm sums the partials and rounds like a bf16 GEMM output
     r = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
     g = torch.rand(n, dtype=torch.bfloat16, device="cuda")

@@ -55,7 +55,7 @@ def _splitk_kernel(A, W, P, M, N, K, stride_am, stride_wn, k_per_split,
 
 # launch knobs, picked on an H100/H200 by `benchmarks/decode_kernels.py --splitk` (see benchmarks/NOTES_rollout.md)
 # (enabled=False sends every projection to cuBLAS: the A/B switch of benchmarks/rollout.py --no-splitk)
-CONFIG = dict(enabled=True, bn=64, bk=128, num_warps=4, num_stages=4, programs_per_sm=2)
+CONFIG = dict(enabled=True, bn=64, bk=64, num_warps=4, num_stages=3, programs_per_sm=1)
 
 
 def applies(x: torch.Tensor) -> bool:
