@@ -10,9 +10,6 @@ MLP 8960). Prints what it measured next to the bandwidth or compute limit; it re
   config; plus the device's read and copy bandwidth.
 - gemm: the decode projections through cuBLAS and cuBLASLt.
 - autotune: the same projections through Inductor's max-autotune (Triton templates vs ATen), printing its table.
-- splitk: the o and down projections as the engine runs them (splitk.py: split-K partials summed by the next
-  add_rmsnorm; down with silu(gate) * up in its prologue) against cuBLAS + silu_mul + add_rmsnorm, over launch
-  configs, timed inside CUDA graphs (a Python launch costs about as much as these kernels).
 """
 
 from __future__ import annotations
@@ -143,62 +140,13 @@ def autotune() -> None:
         torch._dynamo.reset()
 
 
-def splitk_sweep(shapes: str) -> None:
-    import itertools
-
-    from polyrl.rollout.native import splitk
-    from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
-
-    graph_bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") / 1e3
-    peak = 989e12
-    dims = {"1.5b": (1536, 1536, 8960), "7b": (3584, 3584, 18944), "0.5b": (896, 896, 4864)}
-    grid = [dict(bn=bn, bk=bk, num_warps=nw, num_stages=st, programs_per_sm=pps)
-            for bn, bk, nw, st, pps in itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (1, 2, 3))]
-    for shape in shapes.split(","):
-        hid, q, inter = dims[shape]
-        for name, k, silu in (("o", q, False), ("down", inter, True)):
-            w = (torch.randn(hid, k, device="cuda") * k**-0.5).to(torch.bfloat16)
-            g = torch.ones(hid, dtype=torch.bfloat16, device="cuda")
-            print(f"\n== {shape} {name}: [M x {k}] @ [{k} x {hid}]{' with silu*up prologue' if silu else ''} "
-                  "+ add_rmsnorm; us in a CUDA graph")
-            best_256 = None
-            for m in (256, 128, 64, 16, 1):
-                a = torch.randn(m, 2 * k if silu else k, dtype=torch.bfloat16, device="cuda")
-                r = torch.randn(m, hid, dtype=torch.bfloat16, device="cuda")
-                base = graph_bench(lambda: add_rmsnorm(F.linear(silu_mul(a) if silu else a, w), r, g, 1e-6))
-                cfgs = grid if m == 256 else [c for c, _ in best_256[:4]] + [splitk.CONFIG]
-                timed = []
-                for c in cfgs:
-                    try:
-                        timed.append((c, graph_bench(lambda: add_rmsnorm(
-                            splitk.matmul_partials(a, w, silu_gate_up=silu, cfg=c), r, g, 1e-6))))
-                    except Exception as e:  # e.g. out of shared memory for a large tile
-                        print(f"   skip {c}: {type(e).__name__}")
-                timed.sort(key=lambda x: x[1])
-                if m == 256:
-                    best_256 = timed
-                committed = graph_bench(lambda: add_rmsnorm(splitk.matmul_partials(a, w, silu_gate_up=silu), r, g,
-                                                            1e-6))
-                c, t = timed[0]
-                flop, byts = 2 * m * k * hid, 2 * k * hid
-                print(f"  M={m:3d}: cuBLAS path {base * 1e6:6.1f} | committed {committed * 1e6:6.1f} | best "
-                      f"{t * 1e6:6.1f} {c} | floors: compute {flop / peak * 1e6:.1f}, weights "
-                      f"{byts / 3.0e12 * 1e6:.1f} at 3 TB/s")
-                if m == 256:
-                    for c, t in timed[1:6]:
-                        print(f"          {t * 1e6:6.1f} {c}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--autotune", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--splitk", default=None, help="model shapes for the split-K sweep, e.g. 1.5b,7b")
     a = ap.parse_args()
-    if a.splitk:
-        return splitk_sweep(a.splitk)
     everything = not (a.attention or a.gemm or a.autotune or a.sweep)
     copy, read = bandwidth()
     print(f"device {torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read+write), "

@@ -10,7 +10,9 @@ copy bandwidth measured in this run (bytes read + written). For (a) it is summed
 it is a lower bound: max(longest response, total tokens / max_num_seqs) weight reads plus every token's context read
 once. Prefill is not in the roofline, but is in our time (end to end), so the ratio is conservative.
 HF `generate` (sdpa, dynamic cache) is timed at the same batch and prompt length on --hf-new-tokens new tokens: 1024 is
-the same work as (a); the default 128 is a cheaper subset that flatters HF (it slows as its cache grows). For (b) the HF number is an estimate from that
+the same work as (a); the default 128 is a cheaper subset that flatters HF (it slows as its cache grows). HF's own
+rate moves by up to 20% between calls on the same GPU kind (H100: 3,427 and 4,193 tok/s on the same work), so the
+"x HF" column carries that noise; the roofline column does not. For (b) the HF number is an estimate from that
 measured per-step time with static batches of 256 running to their longest member (what `generate` does).
 """
 
@@ -164,7 +166,6 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--tune-decode", action="store_true", help="tune the paged-decode kernel first")
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown for each model")
-    ap.add_argument("--no-splitk", action="store_true", help="o/down projections through cuBLAS (A/B of splitk.py)")
     args = ap.parse_args()
 
     from polyrl.rollout.base import SamplingParams
@@ -179,11 +180,7 @@ def main():
         tune_decode(bw)
     from polyrl.rollout.native.paged_decode import CONFIG as decode_config
 
-    from polyrl.rollout.native import splitk
-
-    splitk.CONFIG["enabled"] = not args.no_splitk
-    print(f"paged-decode config: {decode_config}; split-K o/down: {splitk.CONFIG}")
-    variant = "; o/down through cuBLAS (--no-splitk)" if args.no_splitk else ""
+    print(f"paged-decode config: {decode_config}")
     results, rows = [], []
     P = 256
     for name in args.models.split(","):
@@ -254,7 +251,7 @@ def main():
             print(json.dumps(r))
             hf_work = "same work" if args.hf_new_tokens >= 1024 else f"{args.hf_new_tokens}-token subset"
             peer = f"HF generate: {peer_tps:,.0f} tok/s" + (" (est.)" if shape == "b" else f" ({hf_work})") if peer_tps else "-"
-            rows.append(f"| {date} | {dev_name} | rollout.py native ({shape}) | {desc}{variant}; update_weights {upd_s * 1e3:.0f} ms; "
+            rows.append(f"| {date} | {dev_name} | rollout.py native ({shape}) | {desc}; update_weights {upd_s * 1e3:.0f} ms; "
                         f"peak {peak:.1f} GiB | {tps:,.0f} new tok/s | {peer} | roofline {roof:,.0f} tok/s "
                         f"(copy BW {bw / 1e12:.2f} TB/s) | {(tps / peer_tps) if peer_tps else float('nan'):.1f}x "
                         f"| {tps / roof:.0%} | {commit} |")

@@ -2,7 +2,7 @@
 
 Why: at decode batch 256 each torch elementwise op is a separate 3-8 us kernel, and a layer had ~40 of them (RMSNorm
 alone is 7); measured on an H200 they cost more than the weight and KV reads together. Three kernels replace them:
-  add_rmsnorm      residual add + RMSNorm (one pass per row; also sums the split-K partials of splitk.py)
+  add_rmsnorm      residual add + RMSNorm (one pass per row)
   rope_kv          optional q/k RMSNorm (Qwen3) + RoPE on q and k + K/V cache write, one program per token
   silu_mul         silu(gate) * up
 Each rounds to the activation dtype at the same points as the HF modules (e.g. RMSNorm casts to bf16 before the weight
@@ -17,44 +17,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, RO, eps, T, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                        NSPLIT: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, RO, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
-    dt = Y.dtype.element_ty
-    if NSPLIT > 0:  # X holds fp32 split-K partials [NSPLIT, T, N]: their sum, rounded as a GEMM's output would be
-        acc = tl.zeros([BLOCK], tl.float32)
-        for s in tl.static_range(NSPLIT):
-            acc += tl.load(X + (s * T + row) * N + c, mask=m, other=0.0)
-        x = acc.to(dt)
-    else:
-        x = tl.load(X + row * N + c, mask=m, other=0.0)
+    x = tl.load(X + row * N + c, mask=m, other=0.0)
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(R + row * N + c, mask=m, other=0.0).to(tl.float32)).to(dt)
-    if HAS_RES or NSPLIT > 0:
+        x = (x.to(tl.float32) + tl.load(R + row * N + c, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RO + row * N + c, x, mask=m)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
+    y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + c, (y * w).to(dt), mask=m)
+    tl.store(Y + row * N + c, (y * w).to(Y.dtype.element_ty), mask=m)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Returns (norm(x + residual) * weight, x + residual); residual None: (norm(x) * weight, x).
-
-    x is [T, N] in the activation dtype, or the fp32 split-K partials [splits, T, N] of the projection before it
-    (splitk.py), summed here.
-    """
-    splits = x.shape[0] if x.dim() == 3 else 0
-    T, N = x.shape[-2:]
-    dt = x.dtype if not splits else residual.dtype if residual is not None else weight.dtype
-    y = torch.empty(T, N, dtype=dt, device=x.device)
-    res_out = torch.empty_like(y) if residual is not None or splits else x
-    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, eps, T, N=N,
-                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, NSPLIT=splits,
-                              num_warps=4)
+    """Returns (norm(x + residual) * weight, x + residual); residual None: (norm(x) * weight, x)."""
+    T, N = x.shape
+    y = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, eps, N=N,
+                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, num_warps=4)
     return y, res_out
 
 

@@ -123,7 +123,6 @@ class Attention(nn.Module):
         return self.o(o.reshape(T, self.q_size))
 
     def forward_fused(self, x_TD, positions_T, cos_table, sin_table, meta: AttnMeta):
-        from polyrl.rollout.native import splitk
         from polyrl.rollout.native.fused import rope_kv
 
         T = x_TD.shape[0]
@@ -131,8 +130,8 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
                     self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5).reshape(T, self.q_size)
-        return splitk.matmul_partials(o, self.o.weight) if splitk.applies(o) else self.o(o)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        return self.o(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -191,7 +190,6 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, x, positions_T, meta):
-        from polyrl.rollout.native import splitk
         from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
 
         residual = None
@@ -199,11 +197,7 @@ class CausalLM(nn.Module):
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps)
-            gu = layer.mlp.gate_up(h)
-            if splitk.applies(gu):  # decode: fp32 partials that the next add_rmsnorm sums
-                x = splitk.matmul_partials(gu, layer.mlp.down.weight, silu_gate_up=True)
-            else:
-                x = layer.mlp.down(silu_mul(gu))
+            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h)))
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
