@@ -377,7 +377,7 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _master_named(self):
-        return list(zip(self.master.names, self.master.master)) if self.master is not None else None
+        return self.master.named() if self.master is not None else None
 
     def save_checkpoint(self, root: str) -> None:
         """Trainable weights (LoRA or all) with their AdamW state as full tensors, scheduler, step and RNG streams;

@@ -36,13 +36,17 @@ class MasterWeights:
         """After an optimizer step: round the fp32 masters into the module's compute weights."""
         torch._foreach_copy_(self.compute, self.master)
 
+    def named(self) -> list[tuple[str, nn.Parameter]]:
+        """(the module's parameter name, its fp32 master) pairs; the masters are what the optimizer holds."""
+        return list(zip(self.names, self.master))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 trainable weights under the module's parameter names (what a checkpoint must keep)."""
-        return {n: m.detach() for n, m in zip(self.names, self.master)}
+        return {n: m.detach() for n, m in self.named()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for n, m in zip(self.names, self.master):
+        for n, m in self.named():
             m.copy_(state[n])
         self.copy_to_model()
 
