@@ -75,9 +75,8 @@ def copy_bandwidth() -> float:
 def hf_tokens_per_s(m, B, P, new, repeats=1):
     """HF `generate` at B x P prompts, `new` tokens each: (tok/s of every timed run, s per step of the last run).
 
-    Every run is printed: the first full-size run also grows the caching allocator's pool for the dynamic cache
-    (cudaMalloc, and frees-and-retries when the engine's KV reservation leaves little room), so later runs can be
-    faster; the last run is the steady-state number.
+    Every run is printed with the caching allocator's retry count: the first run of a size is the slow one (module
+    docstring), with no retries, so the allocator is not the cause; the last run is the steady-state number.
     """
     from transformers import GenerationConfig
 
@@ -202,6 +201,7 @@ def main():
     for name in args.models.split(","):
         hf = build_hf(name)
         hf_tps = hf_step = None
+        hf_rates: list[float] = []
         if not args.no_hf:  # before the engine reserves its KV cache, so HF has the whole GPU
             hf_rates, hf_step = hf_tokens_per_s(hf, 256, P, args.hf_new_tokens, args.hf_repeats)
             hf_tps = hf_rates[-1]
@@ -267,15 +267,16 @@ def main():
                      num_preempted=eng.stats["num_preempted"], device=dev_name)
             results.append(r)
             print(json.dumps(r))
-            hf_work = "same work" if args.hf_new_tokens >= 1024 else f"{args.hf_new_tokens}-token subset"
-            if len(hf_rates) > 1:
-                hf_work += f", warm: run {len(hf_rates)} of {len(hf_rates)}; first run {hf_rates[0]:,.0f}"
-            else:
-                hf_work += ", first run of that size (cold; see --hf-repeats)"
-            peer = f"HF generate: {peer_tps:,.0f} tok/s" + (" (est.)" if shape == "b" else f" ({hf_work})") if peer_tps else "-"
+            peer = "-"
+            if peer_tps:
+                work = "same work" if args.hf_new_tokens >= 1024 else f"{args.hf_new_tokens}-token subset"
+                runs = (f"warm: run {len(hf_rates)} of {len(hf_rates)}; first run {hf_rates[0]:,.0f}"
+                        if len(hf_rates) > 1 else "first run of that size, cold: see --hf-repeats")
+                note = "est. from the last run" if shape == "b" else f"{work}, {runs}"
+                peer = f"HF generate: {peer_tps:,.0f} tok/s ({note})"
             rows.append(f"| {date} | {dev_name} | rollout.py native ({shape}) | {desc}; update_weights {upd_s * 1e3:.0f} ms; "
                         f"peak {peak:.1f} GiB | {tps:,.0f} new tok/s | {peer} | roofline {roof:,.0f} tok/s "
-                        f"(copy BW {bw / 1e12:.2f} TB/s) | {(tps / peer_tps) if peer_tps else float('nan'):.1f}x "
+                        f"(copy BW {bw / 1e12:.2f} TB/s) | {f'{tps / peer_tps:.1f}x' if peer_tps else '-'} "
                         f"| {tps / roof:.0%} | {commit} |")
         del eng, hf
         gc.collect()  # the engine's CUDA graphs hold a bound method of it: a cycle
