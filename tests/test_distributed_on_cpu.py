@@ -295,7 +295,4 @@ def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_di
 
 
 if __name__ == "__main__":  # one rank of the 2-process job
-    _train(sys.argv[1:])
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # tear down together: rank 0 still writes files after the last collective
-        torch.distributed.destroy_process_group()
+    _train(sys.argv[1:]).dist.finish()  # tear down together: rank 0 still writes files after the last collective
