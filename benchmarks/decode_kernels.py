@@ -29,6 +29,29 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") / 1e3
 
 
+def random_paged_kv(b: int, ctx: int, *, bs: int = 16, kvh: int = KVH, head_major: bool = False,
+                    sequential: bool = False):
+    """Random bf16 K/V pages for `b` sequences of `ctx` tokens (block 0 left free, as the engine's scratch block),
+    their block table (random page order unless `sequential`) and a decode-metadata builder taking the split count.
+    head_major stores [blocks, kvh, bs, D] and hands the kernel a strided [blocks, bs, kvh, D] view of it."""
+    from polyrl.rollout.native.attention import AttnMeta
+
+    nb = b * ctx // bs
+    shape = (nb + 1, kvh, bs, D) if head_major else (nb + 1, bs, kvh, D)
+    k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    if head_major:  # the kernel indexes [block, token, head, d] through strides
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    ids = torch.arange(nb, device="cuda") if sequential else torch.randperm(nb, device="cuda")
+    bt = (ids + 1).view(b, ctx // bs).to(torch.int32)
+
+    def meta(splits: int) -> AttnMeta:
+        return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(b, device="cuda"), block_tables=bt,
+                        context_lens=torch.full((b,), ctx, device="cuda"), num_splits=splits, use_kernel=True)
+
+    return k, v, meta
+
+
 def bandwidth() -> tuple[float, float]:
     x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
@@ -39,7 +62,6 @@ def bandwidth() -> tuple[float, float]:
 
 def attention(copy_bw: float) -> None:
     from polyrl.rollout.native import paged_decode as pd
-    from polyrl.rollout.native.attention import AttnMeta
 
     committed = dict(pd.CONFIG)
     q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
@@ -49,17 +71,8 @@ def attention(copy_bw: float) -> None:
               f"{nbytes / copy_bw * 1e6:.1f} us")
 
         def run(name, bs=16, head_major=False, sequential=False, splits=1, **cfg):
-            nb = B * ctx // bs
-            shape = (nb + 1, KVH, bs, D) if head_major else (nb + 1, bs, KVH, D)
-            k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-            v = torch.randn_like(k)
-            if head_major:  # the kernel indexes [block, token, head, d] through strides
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
-            ids = torch.arange(nb, device="cuda") if sequential else torch.randperm(nb, device="cuda")
-            bt = (ids + 1).view(B, ctx // bs).to(torch.int32)
-            meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
-                            block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda", dtype=torch.int32),
-                            num_splits=splits, use_kernel=True)
+            k, v, meta_of = random_paged_kv(B, ctx, bs=bs, head_major=head_major, sequential=sequential)
+            meta = meta_of(splits)
             pd.CONFIG.update(committed, **cfg)
             try:
                 s = bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5))
@@ -87,25 +100,19 @@ def sweep(copy_bw: float) -> None:
     """Kernel time (with the split merge) against batch, context and split count: the fixed cost per call, and
     where splitting the context pays (`choose_num_splits`)."""
     from polyrl.rollout.native import paged_decode as pd
-    from polyrl.rollout.native.attention import AttnMeta
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits_list = (1, 2, 4, 8)
     print(f"\n== attention sweep (us), committed config {pd.CONFIG}, splits {splits_list}; * = choose_num_splits")
     for b in (16, 32, 64, 128, 256):
         for ctx in (256, 768, 1280):
-            nb, bs = b * ctx // 16, 16
-            k = torch.randn(nb + 1, bs, KVH, D, dtype=torch.bfloat16, device="cuda")
-            v = torch.randn_like(k)
-            bt = (torch.randperm(nb, device="cuda") + 1).view(b, ctx // bs).to(torch.int32)
+            k, v, meta_of = random_paged_kv(b, ctx)
             q = torch.randn(b, H, D, dtype=torch.bfloat16, device="cuda")
             floor = 2 * b * ctx * KVH * D * 2 / copy_bw * 1e6
             chosen = pd.choose_num_splits(b, KVH, sms)
             cells = []
             for splits in splits_list:
-                meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(b, device="cuda"),
-                                block_tables=bt, context_lens=torch.full((b,), ctx, device="cuda"),
-                                num_splits=splits, use_kernel=True)
+                meta = meta_of(splits)
                 t = bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5)) * 1e6
                 cells.append(f"{t:5.1f}{'*' if splits == chosen else ' '}")
             print(f"  B={b:3d} ctx={ctx:4d} floor {floor:5.1f}: " + " ".join(cells))

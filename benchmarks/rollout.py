@@ -104,15 +104,12 @@ def hf_tokens_per_s(m, B, P, new, repeats=1):
 def tune_decode(bw: float) -> None:
     """Time the paged-decode kernel at the 1.5B (a) mid-run shape over launch configs; keep the fastest in CONFIG."""
     import triton.testing
+    from decode_kernels import B, D, H, KVH, random_paged_kv  # the 1.5B (a) decode shape
 
     from polyrl.rollout.native import paged_decode as pd
-    from polyrl.rollout.native.attention import AttnMeta
 
-    B, ctx, H, KVH, D, BS = 256, 768, 12, 2, 128, 16
-    nb = B * ctx // BS
-    k = torch.randn(nb + 1, BS, KVH, D, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    bt = (torch.randperm(nb, device="cuda") + 1).view(B, ctx // BS).to(torch.int32)
+    ctx = 768
+    k, v, meta_of = random_paged_kv(B, ctx)
     q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
     nbytes = 2 * k[1:].numel() * 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -123,9 +120,7 @@ def tune_decode(bw: float) -> None:
             for pps in (1, 2, 4)]
     for tile, warps, stages, pps in grid:
         pd.CONFIG.update(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps)
-        meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(B, device="cuda"),
-                        block_tables=bt, context_lens=torch.full((B,), ctx, device="cuda"),
-                        num_splits=pd.choose_num_splits(B, KVH, sms), use_kernel=True)
+        meta = meta_of(pd.choose_num_splits(B, KVH, sms))
         try:
             ms = triton.testing.do_bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5), return_mode="median")
         except Exception as e:  # a config that does not fit (shared memory) is skipped
