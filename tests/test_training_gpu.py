@@ -83,3 +83,48 @@ def test_fused_head_triton_kernels_match_torch_formulas(dtype):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for name, ref, got in zip(("logp", "ent", "dh", "dw", "db"), *outs):
         torch.testing.assert_close(got, ref, **tol, msg=name)
+
+
+def test_shared_prompt_flash_attention_matches_the_dense_mask():
+    """Two flash calls merged by log-sum-exp (and their backward with the merged output) == one masked SDPA."""
+    from polyrl.training.shared_prefix import shared_prompt_attention
+
+    prompt_lens, resp_lens = [37, 128, 5], [[100, 3, 260], [1, 64], [500]]
+    segs = prompt_lens + [r for rs in resp_lens for r in rs]
+    cu = torch.tensor([0] + segs, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + prompt_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_q = torch.tensor([0] + [sum(rs) for rs in resp_lens], device="cuda").cumsum(0).to(torch.int32)
+    N, num_prompt = sum(segs), sum(prompt_lens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(N, h, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (12, 2, 2))
+    dout = torch.randn(N, 12, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    results = []
+    for flash in (True, False):
+        leaves = [t.detach().clone().float().requires_grad_() for t in (q, k, v)]
+        args = [t.to(torch.bfloat16) if flash else t for t in leaves]
+        out = shared_prompt_attention(*args, cu, max(segs), num_prompt, cu_q, cu_k, max(sum(r) for r in resp_lens),
+                                      max(prompt_lens), None, use_flash=flash)
+        (out.float() * dout.float()).sum().backward()
+        results.append([out.float()] + [t.grad for t in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        err = (a - b).abs().max().item()
+        assert err < 0.02 * b.abs().max().item(), (name, err)
+
+
+def test_shared_prompt_logprobs_equal_unshared_in_bf16():
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    prompts, resps = [], []
+    for _ in range(3):
+        p = torch.randint(4, 1000, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(4):
+            prompts.append(p)
+            resps.append(torch.randint(4, 1000, (int(torch.randint(1, 80, (1,), generator=g)),), generator=g).tolist())
+    batch = build_batch(prompts, resps, pad_token_id=0, device=torch.device("cuda"))
+    with torch.no_grad():
+        shared, ent_s = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(share_prompts=True))
+        plain, ent_p = logprobs_and_entropy(model, batch, 1.0, True, ForwardSettings(share_prompts=False))
+    mask = batch["response_mask"].bool()
+    assert (shared - plain)[mask].abs().max() < 0.05
+    assert (shared - plain)[mask].abs().mean() < 0.005
+    assert (ent_s - ent_p)[mask].abs().max() < 0.05

@@ -22,11 +22,11 @@ from polyrl.errors import ConfigError
 from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.distributed.ulysses import check_heads, gather_predictions, shard_packed
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
-from polyrl.training.dynamic_batch import balanced_micro_batches
+from polyrl.training.dynamic_batch import balanced_micro_batches, shared_prompt_items
 from polyrl.training.flops import peak_flops, training_flops
 from polyrl.training.fused_head import fused_logprobs
 from polyrl.training.logprobs import chunked_logprobs
-from polyrl.training.packing import attention_kwargs, pack, packed_attention, unpack
+from polyrl.training.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
 
 
@@ -43,6 +43,7 @@ class ForwardSettings:
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
     compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
+    share_prompts: bool = True  # packed rows with the same prompt carry it once (shared_prefix.py); exact
     sp: Any = None  # Ulysses group (distributed/ulysses.SeqParallel), set by Actor from its DistEnv; None: whole rows
 
     def __post_init__(self):
@@ -54,13 +55,18 @@ class ForwardSettings:
     def from_config(cls, model_cfg, actor_cfg) -> "ForwardSettings":
         """From `actor_rollout_ref.model` and `.actor`; chunked, checkpointed log-probs are always on (exact)."""
         return cls(use_remove_padding=model_cfg.use_remove_padding, compute_dtype=actor_cfg.fsdp_config.dtype,
-                   activation_offload=model_cfg.enable_activation_offload,
+                   activation_offload=model_cfg.enable_activation_offload, share_prompts=model_cfg.use_shared_prompt,
                    compile_layers=actor_cfg.use_torch_compile or actor_cfg.fsdp_config.use_torch_compile)
 
 
 def _packs(fwd: ForwardSettings, device: torch.device) -> bool:
     """Packed forward? Always under Ulysses (it splits the packed row); on CPU only when asked (O(N^2) mask)."""
     return fwd.use_remove_padding and (device.type == "cuda" or fwd.pack_on_cpu or fwd.sp is not None)
+
+
+def _shares(fwd: ForwardSettings, device: torch.device) -> bool:
+    """Shared prompts in packed rows? Not under Ulysses (the shared layout is not split over ranks)."""
+    return fwd.share_prompts and fwd.sp is None and _packs(fwd, device)
 
 
 def _autocast(fwd: ForwardSettings, device: torch.device):
@@ -100,7 +106,7 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
     shape = tuple(mb["responses"].shape)
     with _autocast(fwd, mb["input_ids"].device):
         if _packs(fwd, mb["input_ids"].device):
-            packed = pack(mb)
+            packed = pack(mb, share_prompts=_shares(fwd, mb["input_ids"].device))
             local, bounds = shard_packed(packed, fwd.sp) if fwd.sp is not None else (packed, None)
             with packed_attention(model):
                 out = trunk(input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False,
@@ -136,22 +142,30 @@ def compile_decoder_layers(model) -> None:
         layer.compile(dynamic=True)
 
 
-def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None, dp=None) -> list:
+def micro_batches(batch: Batch, micro_batch_size: int, max_token_len: int | None, dp=None,
+                  share_prompts: bool = False) -> list:
     """Row groups of a (mini-)batch: fixed `micro_batch_size` rows, or balanced under a token budget.
 
     With a token budget and several processes (`dp`), every rank takes the largest micro-batch count of any rank
-    (FSDP2's per-forward collectives must pair up); a rank may then get empty groups, run as padding passes."""
+    (FSDP2's per-forward collectives must pair up); a rank may then get empty groups, run as padding passes.
+    With `share_prompts` the rows of one prompt stay together and their prompt is counted once (packing.py)."""
     num_rows = batch["responses"].shape[0]
     if not max_token_len:
         return list(split_rows(num_rows, micro_batch_size))
-    lengths = batch["attention_mask"].sum(1).tolist()
+    am = batch["attention_mask"]
+    T = batch["responses"].shape[1]
+    prompt_lens, resp_lens = am[:, :-T].sum(1).tolist(), am[:, -T:].sum(1).tolist()
+    if share_prompts and num_rows:
+        items, costs = shared_prompt_items(prompt_groups(batch).tolist(), prompt_lens, resp_lens, max_token_len)
+    else:
+        items, costs = [[i] for i in range(num_rows)], [p + r for p, r in zip(prompt_lens, resp_lens)]
     device = batch["responses"].device
-    groups = balanced_micro_batches(lengths, max_token_len)
+    groups = balanced_micro_batches(costs, max_token_len)
     if dp is not None and dp.world_size > 1:
         count = int(dp.all_reduce(torch.tensor(len(groups), device=device), op="max"))
         if count > len(groups):
-            groups = balanced_micro_batches(lengths, max_token_len, min_groups=count)
-    return [torch.tensor(g, device=device, dtype=torch.long) for g in groups]
+            groups = balanced_micro_batches(costs, max_token_len, min_groups=count)
+    return [torch.tensor(sorted(r for i in g for r in items[i]), device=device, dtype=torch.long) for g in groups]
 
 
 def _padding_pass(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -161,10 +175,10 @@ def _padding_pass(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
     return torch.zeros(1, dtype=torch.long, device=rows.device), 0.0
 
 
-def _flops(model, mb: Batch) -> float:
-    lengths = mb["attention_mask"].sum(1).tolist()
-    return training_flops(model.config, lengths, lm_head_tokens=int(mb["attention_mask"][:, -mb["responses"].shape[1]:]
-                                                                    .sum()))
+def _flops(model, mb: Batch, share_prompts: bool) -> float:
+    seqlens, attn_pairs = trunk_work(mb, share_prompts)
+    head_tokens = int(mb["attention_mask"][:, -mb["responses"].shape[1]:].sum())
+    return training_flops(model.config, seqlens, lm_head_tokens=head_tokens, attn_pairs=attn_pairs)
 
 
 @torch.no_grad()
@@ -176,7 +190,8 @@ def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_siz
     model.eval()
     B, T = batch["responses"].shape
     out = torch.zeros((B, T), device=batch["responses"].device)
-    for rows in micro_batches(batch, micro_batch_size, max_token_len, dp):
+    for rows in micro_batches(batch, micro_batch_size, max_token_len, dp, _shares(fwd or ForwardSettings(),
+                                                                              batch["input_ids"].device)):
         rows, weight = _padding_pass(rows)
         mb = trim_columns(select(batch, rows))
         logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False, fwd=fwd)
@@ -252,6 +267,7 @@ class Actor:
         t_start, flops = time.perf_counter(), 0.0
         offload = self.fwd.activation_offload and batch["responses"].device.type == "cuda"
         B, T = batch["responses"].shape
+        shares = _shares(self.fwd, batch["input_ids"].device)
         if s.knobs.loss_scale_factor is None:  # fix the seq-mean-token-sum-norm divisor before columns get trimmed
             s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
         sums: dict[str, torch.Tensor] = {}
@@ -271,14 +287,14 @@ class Actor:
                 num_tokens, num_seqs = self._global_counts(num_tokens, num_seqs)
                 self.optimizer.zero_grad(set_to_none=True)
                 first_pass = not counts.get("_mini")
-                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len, self.dp):
+                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len, self.dp, shares):
                     rows, w = _padding_pass(rows)  # w = 0: an empty micro-batch kept in step with other ranks
                     mb = trim_columns(select(mini, rows))
                     frac = mb["response_mask"].sum() / num_tokens.clamp_min(1) * w
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
                     with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
                         logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy, self.fwd)
-                    flops += _flops(self.model, mb) / self._sp_size  # the SP group shares this micro-batch's work
+                    flops += _flops(self.model, mb, shares) / self._sp_size  # the SP group shares this micro-batch's work
                     mask = mb["response_mask"]
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free

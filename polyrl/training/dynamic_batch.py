@@ -39,6 +39,28 @@ def balanced_micro_batches(lengths: list[int], max_tokens: int, min_groups: int 
         k += 1
 
 
+def shared_prompt_items(group_of_row: list[int], prompt_lens: list[int], resp_lens: list[int],
+                        max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Rows that share a prompt as one item whose cost counts the prompt once (packing.py carries one copy per
+    micro-batch), split into chunks that fit `max_tokens` (each chunk pays for its own copy). Returns (rows of each
+    item, its token cost), to be balanced by `balanced_micro_batches(costs, ...)`."""
+    by_group: dict[int, list[int]] = {}
+    for row, g in enumerate(group_of_row):
+        by_group.setdefault(g, []).append(row)
+    items, costs = [], []
+    for rows in by_group.values():
+        prompt = prompt_lens[rows[0]]
+        chunk, cost = [], prompt
+        for r in sorted(rows, key=lambda r: (-resp_lens[r], r)):
+            if chunk and cost + resp_lens[r] > max_tokens:
+                items.append(sorted(chunk)), costs.append(cost)
+                chunk, cost = [], prompt
+            chunk.append(r)
+            cost += resp_lens[r]
+        items.append(sorted(chunk)), costs.append(cost)
+    return items, costs
+
+
 def fixed_micro_batches(num_rows: int, size: int) -> list[list[int]]:
     """Consecutive groups of `size` rows (the `*_micro_batch_size_per_gpu` path)."""
     return [list(range(s, min(s + size, num_rows))) for s in range(0, num_rows, size)]

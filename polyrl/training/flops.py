@@ -33,14 +33,15 @@ def matmul_params(cfg) -> tuple[int, int]:
     return L * (attn + mlp), vocab * h
 
 
-def training_flops(cfg, seqlens: list[int], lm_head_tokens: int | None = None) -> float:
-    """FLOPs of one forward+backward over sequences of `seqlens` tokens (no recomputation counted)."""
+def training_flops(cfg, seqlens: list[int], lm_head_tokens: int | None = None, attn_pairs: int | None = None) -> float:
+    """FLOPs of one forward+backward over sequences of `seqlens` tokens (no recomputation counted). `attn_pairs`
+    replaces `sum(seqlen^2)` when the attention is not one square per sequence (shared prompts: packing.py)."""
     trunk, head = matmul_params(cfg)
     tokens = sum(seqlens)
     head_tokens = tokens if lm_head_tokens is None else lm_head_tokens
     h, L, heads = _get(cfg, "hidden_size"), _get(cfg, "num_hidden_layers"), _get(cfg, "num_attention_heads")
     hd = _get(cfg, "head_dim") or h // heads
-    attn = 12 * L * heads * hd * sum(s * s for s in seqlens)
+    attn = 12 * L * heads * hd * (sum(s * s for s in seqlens) if attn_pairs is None else attn_pairs)
     return 6.0 * (trunk * tokens + head * head_tokens) + attn
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.training.batch import Batch
+from polyrl.training.shared_prefix import shared_prompt_attention
 
 ATTN_NAME = "polyrl_varlen"
 
@@ -48,14 +49,43 @@ class Packed:
     targets: torch.Tensor  # [M] the response tokens they predict
     rows: torch.Tensor  # [M] row of each target in the padded [B, T] response layout
     cols: torch.Tensor  # [M] column of each target
+    shared: "SharedPrompts | None" = None  # set when rows share prompts (shared_prefix.py); cu_seqlens then
+    # covers each distinct prompt once, then every response
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
 
-def pack(mb: Batch) -> Packed:
-    """Pack `[left-padded prompt | right-padded response]` rows (see batch.py) into one row without padding."""
+@dataclass
+class SharedPrompts:
+    """Where a packed row's shared prompts are: tokens `[0, num_prompt)` hold each distinct prompt once, the rest
+    every response, grouped by prompt (group g: prompt `cu_k[g]:cu_k[g+1]`, responses `num_prompt + cu_q[g]:...`)."""
+
+    num_prompt: int
+    cu_q: torch.Tensor  # [G+1] int32
+    cu_k: torch.Tensor  # [G+1] int32
+    max_q: int
+    max_k: int
+
+
+def prompt_groups(mb: Batch) -> torch.Tensor:
+    """Group id per row: rows with the same prompt tokens (a GRPO prompt's n samples) share an id, 0..G-1."""
+    P = mb["input_ids"].shape[1] - mb["responses"].shape[1]
+    ids = torch.where(mb["attention_mask"][:, :P].bool(), mb["input_ids"][:, :P], -1)
+    return torch.unique(ids, dim=0, return_inverse=True)[1]
+
+
+def pack(mb: Batch, share_prompts: bool = False) -> Packed:
+    """Pack `[left-padded prompt | right-padded response]` rows (see batch.py) into one row without padding; with
+    `share_prompts`, rows with the same prompt carry one copy of it (shared_prefix.py) when any prompt repeats."""
+    if share_prompts and mb["responses"].shape[0] > 1:
+        group = prompt_groups(mb)
+        P = mb["input_ids"].shape[1] - mb["responses"].shape[1]
+        repeats, empty_prompt = torch.stack([group.max() + 1 < len(group),
+                                             ~mb["attention_mask"][:, :P].bool().any(1).all()]).tolist()
+        if repeats and not empty_prompt:
+            return _pack_shared(mb, group)
     am = mb["attention_mask"].bool()
     B, L = am.shape
     T = mb["responses"].shape[1]
@@ -81,6 +111,71 @@ def pack(mb: Batch) -> Packed:
     )
 
 
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(len(x) + 1, dtype=torch.int32, device=x.device)
+    out[1:] = x.cumsum(0)
+    return out
+
+
+def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
+    """`[prompt_0 | ... | prompt_G-1 | responses of group 0 | ... ]`, positions as in the unshared rows."""
+    am = mb["attention_mask"].bool()
+    B, L = am.shape
+    T = mb["responses"].shape[1]
+    P = L - T
+    dev = am.device
+    order = torch.argsort(group * B + torch.arange(B, device=dev))  # rows grouped by prompt, stable
+    g_sorted = group[order]
+    is_lead = torch.ones(B, dtype=torch.bool, device=dev)
+    is_lead[1:] = g_sorted[1:] != g_sorted[:-1]
+    lead = order[is_lead]  # the first row of each group supplies its prompt; group g is lead[g]
+    prompt_len = am[lead, :P].sum(1)
+    resp_len = am[:, P:].sum(1)
+    p_start = _exclusive_cumsum(prompt_len)
+    num_prompt = int(p_start[-1])
+    r_start = torch.empty(B, dtype=torch.long, device=dev)
+    r_start[order] = num_prompt + _exclusive_cumsum(resp_len[order])[:-1].long()
+    take = lambda key: torch.cat([mb[key][lead, :P][am[lead, :P]], mb[key][order, P:][am[order, P:]]])  # noqa: E731
+    rows, cols = am[:, P:].nonzero(as_tuple=True)
+    g = group[rows]
+    # response token t is predicted by the output one earlier: its own token t-1, or for t = 0 the prompt's last
+    pred_index = torch.where(cols == 0, p_start[g].long() + prompt_len[g] - 1, r_start[rows] + cols - 1)
+    seg = torch.cat([prompt_len, resp_len[order]])
+    seg = seg[seg > 0]
+    per_group = torch.zeros(len(lead), dtype=torch.long, device=dev).index_add_(0, g_sorted, resp_len[order])
+    max_len, max_q, max_k = torch.stack([seg.max(), per_group.max(), prompt_len.max()]).tolist()
+    return Packed(
+        input_ids=take("input_ids").unsqueeze(0),
+        position_ids=take("position_ids").unsqueeze(0),
+        cu_seqlens=_exclusive_cumsum(seg),
+        max_seqlen=max_len,
+        pred_index=pred_index,
+        targets=mb["responses"][rows, cols],
+        rows=rows,
+        cols=cols,
+        shared=SharedPrompts(num_prompt=num_prompt, cu_q=_exclusive_cumsum(per_group), cu_k=p_start,
+                             max_q=max_q, max_k=max_k),
+    )
+
+
+def trunk_work(mb: Batch, share_prompts: bool) -> tuple[list[int], int]:
+    """(token count of each packed segment, attended (query, key) pairs counted as verl does: s^2 per sequence) of a
+    micro-batch: what its forward actually computes, for MFU. Shared prompts count once; a response's pairs are
+    its own square plus twice (prompt x response)."""
+    am = mb["attention_mask"].bool()
+    T = mb["responses"].shape[1]
+    P = am.shape[1] - T
+    prompt_len, resp_len = am[:, :P].sum(1), am[:, P:].sum(1)
+    if not share_prompts:
+        lengths = (prompt_len + resp_len).tolist()
+        return lengths, sum(s * s for s in lengths)
+    group = prompt_groups(mb)
+    first = torch.full((int(group.max()) + 1,), len(group), device=group.device).scatter_reduce(
+        0, group, torch.arange(len(group), device=group.device), "amin")
+    p, r, rp = prompt_len[first].tolist(), resp_len.tolist(), prompt_len.tolist()
+    return p + r, sum(x * x for x in p) + sum(y * y + 2 * x * y for x, y in zip(rp, r))
+
+
 def unpack(values_M: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> torch.Tensor:
     """Scatter per-response-token values back into the padded `[B, T]` layout (zeros elsewhere; differentiable)."""
     out = values_M.new_zeros(shape)
@@ -92,6 +187,10 @@ def attention_kwargs(packed: Packed, sp=None) -> dict:
     the Ulysses group (`polyrl.distributed.ulysses.SeqParallel`) when this rank holds 1/sp of the packed row."""
     kw = dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_seqlen,
               max_length_k=packed.max_seqlen)
+    if packed.shared is not None:  # flat kwargs (tensors and ints), so compiled layers see no new object type
+        sh = packed.shared
+        kw.update(polyrl_num_prompt=sh.num_prompt, polyrl_cu_q=sh.cu_q, polyrl_cu_k=sh.cu_k,
+                  polyrl_max_q=sh.max_q, polyrl_max_k=sh.max_k)
     if sp is not None:
         kw["polyrl_sp"] = sp
     return kw
@@ -152,11 +251,20 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                            "polyrl.training.packing.packed_attention() with a packed batch.")
     assert query.shape[0] == 1, "packed attention expects one packed row"
     q, k, v = _kernel_dtype(*(t[0].transpose(0, 1) for t in (query, key, value)))  # [N, H, D]
-    max_len = int(kwargs["max_length_q"])
     sp = kwargs.get("polyrl_sp")
-    if sp is None:
-        out = _varlen(q, k, v, cu, max_len, scaling)
+    if "polyrl_num_prompt" in kwargs:
+        assert sp is None, "shared prompts are not split over a sequence-parallel group"
+        flash = _cuda_kernel_usable(q)
+        if flash:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # the ints go to the custom op as they come (no int(): under torch.compile that would pin each value)
+        out = shared_prompt_attention(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], kwargs["polyrl_num_prompt"],
+                                      kwargs["polyrl_cu_q"], kwargs["polyrl_cu_k"], kwargs["polyrl_max_q"],
+                                      kwargs["polyrl_max_k"], scaling, use_flash=flash)
+    elif sp is None:
+        out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     else:
+        max_len = int(kwargs["max_length_q"])
         from polyrl.distributed.ulysses import ulysses_attention
 
         attend = lambda q_, k_, v_: _varlen(q_, k_, v_, cu, max_len, scaling)  # noqa: E731
