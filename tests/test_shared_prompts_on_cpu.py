@@ -53,12 +53,13 @@ def test_shared_layout_holds_each_prompt_once_and_predicts_from_the_same_tokens(
     sh = shared.shared
     assert sh.num_prompt == sum(map(len, distinct))
     ids = shared.input_ids[0].tolist()
-    for g in range(3):  # group g's prompt and its responses, in the places cu_k / cu_q say
-        k0, k1 = sh.cu_k[g].item(), sh.cu_k[g + 1].item()
-        assert ids[k0:k1] in distinct
-        members = [i for i, p in enumerate(prompts) if p == ids[k0:k1]]
-        q0, q1 = sh.num_prompt + sh.cu_q[g].item(), sh.num_prompt + sh.cu_q[g + 1].item()
-        assert ids[q0:q1] == [t for i in members for t in responses[i]]
+    seen = []
+    for r in range(len(responses)):  # response r of the packed order, and the prompt rows it attends to
+        q0, q1 = sh.num_prompt + sh.cu_q[r].item(), sh.num_prompt + sh.cu_q[r + 1].item()
+        kv = sh.kv_index[sh.cu_k[r]:sh.cu_k[r + 1]].tolist()
+        assert max(kv) < sh.num_prompt
+        seen.append((tuple(ids[i] for i in kv), tuple(ids[q0:q1])))
+    assert sorted(seen) == sorted(zip(map(tuple, prompts), map(tuple, responses)))
     # every target is predicted from the same token at the same position as without sharing
     assert torch.equal(shared.targets, plain.targets) and torch.equal(shared.rows, plain.rows)
     for key in ("input_ids", "position_ids"):

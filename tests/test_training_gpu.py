@@ -92,8 +92,11 @@ def test_shared_prompt_flash_attention_matches_the_dense_mask():
     prompt_lens, resp_lens = [37, 128, 5], [[100, 3, 260], [1, 64], [500]]
     segs = prompt_lens + [r for rs in resp_lens for r in rs]
     cu = torch.tensor([0] + segs, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + prompt_lens, device="cuda").cumsum(0).to(torch.int32)
-    cu_q = torch.tensor([0] + [sum(rs) for rs in resp_lens], device="cuda").cumsum(0).to(torch.int32)
+    flat = [(g, r) for g, rs in enumerate(resp_lens) for r in rs]
+    cu_q = torch.tensor([0] + [r for _, r in flat], device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [prompt_lens[g] for g, _ in flat], device="cuda").cumsum(0).to(torch.int32)
+    starts = [sum(prompt_lens[:g]) for g in range(3)]
+    kv_index = torch.tensor([starts[g] + i for g, _ in flat for i in range(prompt_lens[g])], device="cuda")
     N, num_prompt = sum(segs), sum(prompt_lens)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(N, h, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (12, 2, 2))
@@ -102,8 +105,8 @@ def test_shared_prompt_flash_attention_matches_the_dense_mask():
     for flash in (True, False):
         leaves = [t.detach().clone().float().requires_grad_() for t in (q, k, v)]
         args = [t.to(torch.bfloat16) if flash else t for t in leaves]
-        out = shared_prompt_attention(*args, cu, max(segs), num_prompt, cu_q, cu_k, max(sum(r) for r in resp_lens),
-                                      max(prompt_lens), None, use_flash=flash)
+        out = shared_prompt_attention(*args, cu, max(segs), num_prompt, cu_q, cu_k, kv_index,
+                                      max(r for _, r in flat), max(prompt_lens), None, use_flash=flash)
         (out.float() * dout.float()).sum().backward()
         results.append([out.float()] + [t.grad for t in leaves])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):

@@ -59,12 +59,14 @@ class Packed:
 
 @dataclass
 class SharedPrompts:
-    """Where a packed row's shared prompts are: tokens `[0, num_prompt)` hold each distinct prompt once, the rest
-    every response, grouped by prompt (group g: prompt `cu_k[g]:cu_k[g+1]`, responses `num_prompt + cu_q[g]:...`)."""
+    """Where a packed row's shared prompts are (shared_prefix.py): tokens `[0, num_prompt)` hold each distinct
+    prompt once, the rest every response, grouped by prompt. Response r is tokens `num_prompt + cu_q[r] : ...` and
+    attends to the prompt rows `kv_index[cu_k[r]:cu_k[r+1]]`."""
 
     num_prompt: int
-    cu_q: torch.Tensor  # [G+1] int32
-    cu_k: torch.Tensor  # [G+1] int32
+    cu_q: torch.Tensor  # [R+1] int32
+    cu_k: torch.Tensor  # [R+1] int32
+    kv_index: torch.Tensor  # [sum of each response's prompt length] int64
     max_q: int
     max_k: int
 
@@ -142,8 +144,11 @@ def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
     pred_index = torch.where(cols == 0, p_start[g].long() + prompt_len[g] - 1, r_start[rows] + cols - 1)
     seg = torch.cat([prompt_len, resp_len[order]])
     seg = seg[seg > 0]
-    per_group = torch.zeros(len(lead), dtype=torch.long, device=dev).index_add_(0, g_sorted, resp_len[order])
-    max_len, max_q, max_k = torch.stack([seg.max(), per_group.max(), prompt_len.max()]).tolist()
+    kv_len = prompt_len[g_sorted]  # per response (in packed order): its prompt's rows
+    cu_k = _exclusive_cumsum(kv_len)
+    max_len, max_q, max_k, kv_total = torch.stack([seg.max(), resp_len.max(), prompt_len.max(), cu_k[-1]]).tolist()
+    kv_index = torch.repeat_interleave(p_start[:-1][g_sorted].long() - cu_k[:-1].long(), kv_len,
+                                       output_size=kv_total) + torch.arange(kv_total, device=dev)
     return Packed(
         input_ids=take("input_ids").unsqueeze(0),
         position_ids=take("position_ids").unsqueeze(0),
@@ -153,8 +158,8 @@ def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
         targets=mb["responses"][rows, cols],
         rows=rows,
         cols=cols,
-        shared=SharedPrompts(num_prompt=num_prompt, cu_q=_exclusive_cumsum(per_group), cu_k=p_start,
-                             max_q=max_q, max_k=max_k),
+        shared=SharedPrompts(num_prompt=num_prompt, cu_q=_exclusive_cumsum(resp_len[order]),
+                             cu_k=cu_k, kv_index=kv_index, max_q=max_q, max_k=max_k),
     )
 
 
@@ -190,7 +195,7 @@ def attention_kwargs(packed: Packed, sp=None) -> dict:
     if packed.shared is not None:  # flat kwargs (tensors and ints), so compiled layers see no new object type
         sh = packed.shared
         kw.update(polyrl_num_prompt=sh.num_prompt, polyrl_cu_q=sh.cu_q, polyrl_cu_k=sh.cu_k,
-                  polyrl_max_q=sh.max_q, polyrl_max_k=sh.max_k)
+                  polyrl_kv_index=sh.kv_index, polyrl_max_q=sh.max_q, polyrl_max_k=sh.max_k)
     if sp is not None:
         kw["polyrl_sp"] = sp
     return kw
@@ -259,7 +264,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # the ints go to the custom op as they come (no int(): under torch.compile that would pin each value)
         out = shared_prompt_attention(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], kwargs["polyrl_num_prompt"],
-                                      kwargs["polyrl_cu_q"], kwargs["polyrl_cu_k"], kwargs["polyrl_max_q"],
+                                      kwargs["polyrl_cu_q"], kwargs["polyrl_cu_k"], kwargs["polyrl_kv_index"],
+                                      kwargs["polyrl_max_q"],
                                       kwargs["polyrl_max_k"], scaling, use_flash=flash)
     elif sp is None:
         out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
