@@ -52,13 +52,17 @@ def test_shared_layout_holds_each_prompt_once_and_predicts_from_the_same_tokens(
     assert shared.num_tokens == sum(map(len, distinct)) + sum(map(len, responses)) < plain.num_tokens
     sh = shared.shared
     assert sh.num_prompt == sum(map(len, distinct))
-    ids = shared.input_ids[0].tolist()
+    ids, cu = shared.input_ids[0].tolist(), shared.cu_seqlens.tolist()
+    assert len(cu) == 1 + len(distinct) + len(responses)
     seen = []
-    for r in range(len(responses)):  # response r of the packed order, and the prompt rows it attends to
-        q0, q1 = sh.num_prompt + sh.cu_q[r].item(), sh.num_prompt + sh.cu_q[r + 1].item()
-        kv = sh.kv_index[sh.cu_k[r]:sh.cu_k[r + 1]].tolist()
-        assert max(kv) < sh.num_prompt
-        seen.append((tuple(ids[i] for i in kv), tuple(ids[q0:q1])))
+    for s in range(len(cu) - 1):  # each query segment and the rows it attends to
+        kv = [ids[i] for i in sh.kv_index[sh.cu_kv[s]:sh.cu_kv[s + 1]].tolist()]
+        own = ids[cu[s]:cu[s + 1]]
+        if s < len(distinct):  # a prompt attends to itself
+            assert cu[s + 1] <= sh.num_prompt and kv == own and own in distinct
+        else:  # a response: its prompt, then itself
+            assert cu[s] >= sh.num_prompt and kv[len(kv) - len(own):] == own
+            seen.append((tuple(kv[:len(kv) - len(own)]), tuple(own)))
     assert sorted(seen) == sorted(zip(map(tuple, prompts), map(tuple, responses)))
     # every target is predicted from the same token at the same position as without sharing
     assert torch.equal(shared.targets, plain.targets) and torch.equal(shared.rows, plain.rows)

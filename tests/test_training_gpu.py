@@ -86,29 +86,33 @@ def test_fused_head_triton_kernels_match_torch_formulas(dtype):
 
 
 def test_shared_prompt_flash_attention_matches_the_dense_mask():
-    """Two flash calls merged by log-sum-exp (and their backward with the merged output) == one masked SDPA."""
+    """The gathered-K/V flash call (causal from each segment's bottom-right) == SDPA with the explicit mask."""
+    from polyrl.training.packing import _cuda_varlen_kv, _exclusive_cumsum
     from polyrl.training.shared_prefix import shared_prompt_attention
 
     prompt_lens, resp_lens = [37, 128, 5], [[100, 3, 260], [1, 64], [500]]
-    segs = prompt_lens + [r for rs in resp_lens for r in rs]
-    cu = torch.tensor([0] + segs, device="cuda").cumsum(0).to(torch.int32)
     flat = [(g, r) for g, rs in enumerate(resp_lens) for r in rs]
-    cu_q = torch.tensor([0] + [r for _, r in flat], device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + [prompt_lens[g] for g, _ in flat], device="cuda").cumsum(0).to(torch.int32)
-    starts = [sum(prompt_lens[:g]) for g in range(3)]
-    kv_index = torch.tensor([starts[g] + i for g, _ in flat for i in range(prompt_lens[g])], device="cuda")
-    N, num_prompt = sum(segs), sum(prompt_lens)
+    p_start = [sum(prompt_lens[:g]) for g in range(3)]
+    num_prompt = sum(prompt_lens)
+    r_start = [num_prompt + sum(r for _, r in flat[:j]) for j in range(len(flat))]
+    kv = [list(range(p_start[g], p_start[g] + prompt_lens[g])) for g in range(3)]
+    kv += [kv[g] + list(range(r_start[j], r_start[j] + r)) for j, (g, r) in enumerate(flat)]
+    t = lambda x: torch.tensor(x, device="cuda")  # noqa: E731
+    cu = _exclusive_cumsum(t(prompt_lens + [r for _, r in flat]))
+    cu_kv = _exclusive_cumsum(t([len(x) for x in kv]))
+    kv_index = t([i for x in kv for i in x])
+    N = num_prompt + sum(r for _, r in flat)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(N, h, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (12, 2, 2))
     dout = torch.randn(N, 12, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     results = []
     for flash in (True, False):
-        leaves = [t.detach().clone().float().requires_grad_() for t in (q, k, v)]
-        args = [t.to(torch.bfloat16) if flash else t for t in leaves]
-        out = shared_prompt_attention(*args, cu, max(segs), num_prompt, cu_q, cu_k, kv_index,
-                                      max(r for _, r in flat), max(prompt_lens), None, use_flash=flash)
+        leaves = [x.detach().clone().float().requires_grad_() for x in (q, k, v)]
+        args = [x.to(torch.bfloat16) if flash else x for x in leaves]
+        out = shared_prompt_attention(*args, cu, 500, cu_kv, kv_index, max(len(x) for x in kv), None,
+                                      varlen=_cuda_varlen_kv if flash else None)
         (out.float() * dout.float()).sum().backward()
-        results.append([out.float()] + [t.grad for t in leaves])
+        results.append([out.float()] + [x.grad for x in leaves])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         err = (a - b).abs().max().item()
         assert err < 0.02 * b.abs().max().item(), (name, err)

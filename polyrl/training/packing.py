@@ -59,16 +59,14 @@ class Packed:
 
 @dataclass
 class SharedPrompts:
-    """Where a packed row's shared prompts are (shared_prefix.py): tokens `[0, num_prompt)` hold each distinct
-    prompt once, the rest every response, grouped by prompt. Response r is tokens `num_prompt + cu_q[r] : ...` and
-    attends to the prompt rows `kv_index[cu_k[r]:cu_k[r+1]]`."""
+    """Keys of a packed row whose prompts are shared (shared_prefix.py): the row holds each distinct prompt once,
+    then every response grouped by prompt; query segment s (`Packed.cu_seqlens`) attends to the rows
+    `kv_index[cu_kv[s]:cu_kv[s+1]]` (a prompt: itself; a response: its prompt, then itself)."""
 
-    num_prompt: int
-    cu_q: torch.Tensor  # [R+1] int32
-    cu_k: torch.Tensor  # [R+1] int32
-    kv_index: torch.Tensor  # [sum of each response's prompt length] int64
-    max_q: int
-    max_k: int
+    num_prompt: int  # tokens [0, num_prompt) are the prompts
+    cu_kv: torch.Tensor  # [S+1] int32
+    kv_index: torch.Tensor  # [cu_kv[-1]] int64
+    max_kv: int
 
 
 def prompt_groups(mb: Batch) -> torch.Tensor:
@@ -142,24 +140,25 @@ def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
     g = group[rows]
     # response token t is predicted by the output one earlier: its own token t-1, or for t = 0 the prompt's last
     pred_index = torch.where(cols == 0, p_start[g].long() + prompt_len[g] - 1, r_start[rows] + cols - 1)
-    seg = torch.cat([prompt_len, resp_len[order]])
-    seg = seg[seg > 0]
-    kv_len = prompt_len[g_sorted]  # per response (in packed order): its prompt's rows
-    cu_k = _exclusive_cumsum(kv_len)
-    max_len, max_q, max_k, kv_total = torch.stack([seg.max(), resp_len.max(), prompt_len.max(), cu_k[-1]]).tolist()
-    kv_index = torch.repeat_interleave(p_start[:-1][g_sorted].long() - cu_k[:-1].long(), kv_len,
-                                       output_size=kv_total) + torch.arange(kv_total, device=dev)
+    # query segments: each prompt, then each response; key segments: a prompt itself, a response its prompt + itself
+    resp_sorted = resp_len[order]
+    seg_q = torch.cat([prompt_len, resp_sorted])
+    starts = torch.cat([p_start[:-1].long(), torch.stack([p_start[g_sorted].long(), r_start[order]], 1).flatten()])
+    lens = torch.cat([prompt_len, torch.stack([prompt_len[g_sorted], resp_sorted], 1).flatten()])
+    cu_kv = _exclusive_cumsum(torch.cat([prompt_len, prompt_len[g_sorted] + resp_sorted]))
+    max_len, max_kv, kv_total = torch.stack([seg_q.max(), (cu_kv[1:] - cu_kv[:-1]).max(), cu_kv[-1]]).tolist()
+    pieces = _exclusive_cumsum(lens)[:-1].long()
+    kv_index = torch.repeat_interleave(starts - pieces, lens, output_size=kv_total) + torch.arange(kv_total, device=dev)
     return Packed(
         input_ids=take("input_ids").unsqueeze(0),
         position_ids=take("position_ids").unsqueeze(0),
-        cu_seqlens=_exclusive_cumsum(seg),
+        cu_seqlens=_exclusive_cumsum(seg_q),
         max_seqlen=max_len,
         pred_index=pred_index,
         targets=mb["responses"][rows, cols],
         rows=rows,
         cols=cols,
-        shared=SharedPrompts(num_prompt=num_prompt, cu_q=_exclusive_cumsum(resp_len[order]),
-                             cu_k=cu_k, kv_index=kv_index, max_q=max_q, max_k=max_k),
+        shared=SharedPrompts(num_prompt=num_prompt, cu_kv=cu_kv, kv_index=kv_index, max_kv=max_kv),
     )
 
 
@@ -194,8 +193,7 @@ def attention_kwargs(packed: Packed, sp=None) -> dict:
               max_length_k=packed.max_seqlen)
     if packed.shared is not None:  # flat kwargs (tensors and ints), so compiled layers see no new object type
         sh = packed.shared
-        kw.update(polyrl_num_prompt=sh.num_prompt, polyrl_cu_q=sh.cu_q, polyrl_cu_k=sh.cu_k,
-                  polyrl_kv_index=sh.kv_index, polyrl_max_q=sh.max_q, polyrl_max_k=sh.max_k)
+        kw.update(polyrl_cu_kv=sh.cu_kv, polyrl_kv_index=sh.kv_index, polyrl_max_kv=sh.max_kv)
     if sp is not None:
         kw["polyrl_sp"] = sp
     return kw
@@ -211,8 +209,9 @@ def _varlen_cuda():
     return varlen_attn, params
 
 
-def _cuda_varlen(q, k, v, cu, max_len, scale):
-    """q [N, Hq, D], k/v [N, Hkv, D] in bf16/fp16 -> [N, Hq, D], causal within each sequence."""
+def _cuda_varlen(q, k, v, cu, max_len, scale, cu_k=None, max_k=None):
+    """q [N, Hq, D], k/v [N, Hkv, D] in bf16/fp16 -> [N, Hq, D], causal within each sequence (with separate key
+    segments `cu_k`: causal from each segment's bottom-right, flash-attention's rule when keys outnumber queries)."""
     varlen_attn, params = _VARLEN
     kw = {"scale": scale}
     if "is_causal" in params:  # torch 2.9-2.11 spelling
@@ -225,7 +224,13 @@ def _cuda_varlen(q, k, v, cu, max_len, scale):
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return varlen_attn(q, k, v, cu, cu if cu_k is None else cu_k, max_len, max_len if max_k is None else max_k, **kw)
+
+
+def _cuda_varlen_kv(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Separate query and key segments (shared prompts): the same kernel, keys gathered per segment."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return _cuda_varlen(q, k, v, cu_q.to(torch.int32), max_q, scale, cu_k.to(torch.int32), max_k)
 
 
 def _block_causal_sdpa(q, k, v, cu, scale):
@@ -257,16 +262,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     assert query.shape[0] == 1, "packed attention expects one packed row"
     q, k, v = _kernel_dtype(*(t[0].transpose(0, 1) for t in (query, key, value)))  # [N, H, D]
     sp = kwargs.get("polyrl_sp")
-    if "polyrl_num_prompt" in kwargs:
+    if "polyrl_kv_index" in kwargs:  # shared prompts (shared_prefix.py)
         assert sp is None, "shared prompts are not split over a sequence-parallel group"
         flash = _cuda_kernel_usable(q)
-        if flash:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        # the ints go to the custom op as they come (no int(): under torch.compile that would pin each value)
-        out = shared_prompt_attention(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], kwargs["polyrl_num_prompt"],
-                                      kwargs["polyrl_cu_q"], kwargs["polyrl_cu_k"], kwargs["polyrl_kv_index"],
-                                      kwargs["polyrl_max_q"],
-                                      kwargs["polyrl_max_k"], scaling, use_flash=flash)
+        out = shared_prompt_attention(q, k, v, cu, kwargs["max_length_q"], kwargs["polyrl_cu_kv"],
+                                      kwargs["polyrl_kv_index"], kwargs["polyrl_max_kv"], scaling,
+                                      varlen=_cuda_varlen_kv if flash else None)
     elif sp is None:
         out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     else:
