@@ -274,3 +274,51 @@ def test_padding_micro_batches_change_nothing(tiny_model_dir, monkeypatch):
     torch.testing.assert_close(w2, w0, rtol=0, atol=1e-6)
     for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/grad_norm"):
         assert m2[k] == pytest.approx(m0[k], abs=1e-6), k
+
+
+@pytest.mark.parametrize("loss_mode,agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
+                                           ("gpg", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize("packed", [True, False])
+def test_head_gradient_in_forward_gives_the_same_update(tiny_model_dir, loss_mode, agg, packed):
+    """On-policy single pass: the LM head's backward run inside its forward (coefficients from `loss_coefficients`)
+    changes the weights exactly as the ordinary backward through the loss does."""
+    base = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _batch(10, seed=5)
+    longest = int(batch["attention_mask"].sum(1).max())
+    results, metrics = [], []
+    for in_forward in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        fwd = ForwardSettings(use_remove_padding=packed, pack_on_cpu=True, head_grad_in_forward=in_forward,
+                              logprob_chunk_size=5)
+        actor = Actor(model, opt, make_scheduler(opt, total_steps=1, warmup_steps=0, kind="constant",
+                                                 min_lr_ratio=0.0, num_cycles=0.5), fwd=fwd)
+        s = _settings(loss_mode=loss_mode, loss_agg_mode=agg, use_kl_loss=False, entropy_coeff=0.03,
+                      old_from_current=True, max_token_len=2 * longest)
+        metrics.append(actor.update(batch, s))
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert (results[0] - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-5, abs=1e-7), k
+
+
+def test_loss_coefficients_equal_the_gradient_at_the_real_log_probs():
+    from polyrl.training.actor import loss_coefficients
+
+    batch, _, _ = _batch(6, seed=2)
+    mask = batch["response_mask"]
+    logp = (torch.randn(mask.shape) - 2.0).requires_grad_()
+    ent = torch.rand(mask.shape).requires_grad_()
+    s = _settings(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.05, use_kl_loss=False, old_from_current=True)
+    from polyrl.algorithms import agg_loss, policy_loss
+
+    loss, _ = policy_loss("vanilla", old_log_prob_BT=logp.detach(), log_prob_BT=logp, advantages_BT=batch["advantages"],
+                          response_mask_BT=mask, loss_agg_mode=s.loss_agg_mode, cfg=s.knobs, num_tokens=mask.sum(),
+                          num_seqs=6)
+    loss = loss - 0.05 * agg_loss(ent, mask, s.loss_agg_mode, num_tokens=mask.sum(), num_seqs=6)
+    g_logp, g_ent = torch.autograd.grad(loss * 3.0, [logp, ent])
+    c_logp, c_ent = loss_coefficients(s, batch, mask.sum(), 6, scale=3.0)
+    assert g_logp.abs().max() > 1e-3
+    torch.testing.assert_close(c_logp, g_logp)
+    torch.testing.assert_close(c_ent, g_ent)

@@ -24,7 +24,7 @@ from polyrl.distributed.ulysses import check_heads, gather_predictions, shard_pa
 from polyrl.training.batch import Batch, select, split_rows, trim_columns
 from polyrl.training.dynamic_batch import balanced_micro_batches, shared_prompt_items
 from polyrl.training.flops import peak_flops, training_flops
-from polyrl.training.fused_head import fused_logprobs
+from polyrl.training.fused_head import fused_logprobs, fused_logprobs_grad_in_forward
 from polyrl.training.logprobs import chunked_logprobs
 from polyrl.training.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
@@ -40,6 +40,9 @@ class ForwardSettings:
     logprob_chunk_size: int = 2048  # LM-head rows per chunk (logprobs.py); never materialises [tokens, vocab] fp32
     chunk_checkpointing: bool = True  # recompute each chunk's logits in backward instead of saving them
     fused_head: bool = True  # hand-written LM-head backward, one fused pass per chunk (fused_head.py); False: autograd
+    head_grad_in_forward: bool = True  # with fused_head, when the loss gradient per log-prob is known up front (the
+    # on-policy single pass of vanilla/gspo/gpg without a KL loss), the head does its backward in the forward: one
+    # logits GEMM per chunk instead of two (Actor.update; loss_coefficients)
     activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
     compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
@@ -82,7 +85,11 @@ def _trunk_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def _head_logprobs(head, hidden_MD, targets_M, temperature, with_entropy, fwd):
+def _head_logprobs(head, hidden_MD, targets_M, temperature, with_entropy, fwd, coefs_M=None):
+    if coefs_M is not None:  # (logp, ent, anchor): the head's backward already done (fused_head.py)
+        return fused_logprobs_grad_in_forward(hidden_MD, head.weight, targets_M, *coefs_M, bias_V=head.bias,
+                                              temperature=temperature, with_entropy=with_entropy,
+                                              chunk_size=fwd.logprob_chunk_size)
     if fwd.fused_head:
         return fused_logprobs(hidden_MD, head.weight, targets_M, bias_V=head.bias, temperature=temperature,
                               with_entropy=with_entropy, chunk_size=fwd.logprob_chunk_size)
@@ -92,8 +99,12 @@ def _head_logprobs(head, hidden_MD, targets_M, temperature, with_entropy, fwd):
 
 
 def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: bool,
-                         fwd: ForwardSettings | None = None):
+                         fwd: ForwardSettings | None = None, grad_coefs=None):
     """Response log-probs (and entropy) [B, T] of one micro-batch; zeros at padding. fp32 results.
+
+    `grad_coefs` = (dL/dlogp, dL/dentropy or None) as [B, T] tensors known before the forward (`loss_coefficients`):
+    the LM head then runs its backward during the forward, log-probs and entropy come back without gradient, and a
+    third value, a zero scalar, carries the whole loss gradient: call `.backward()` on it.
 
     Packed (default): one padding-free row through varlen attention. Padded: the `[B, P+T]` rows with their mask.
     Either way logits exist only at response positions, one chunk at a time. Under Ulysses (`fwd.sp`) this rank
@@ -112,6 +123,12 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
                 out = trunk(input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False,
                             **attention_kwargs(local, fwd.sp))
             hidden = out.last_hidden_state[0, local.pred_index]
+            if grad_coefs is not None:
+                assert fwd.sp is None, "the gradient-in-forward head runs without sequence parallelism"
+                coefs = [c[packed.rows, packed.cols] if c is not None else None for c in grad_coefs]
+                logp, ent, anchor = _head_logprobs(head, hidden, packed.targets, temperature, with_entropy, fwd,
+                                                   coefs)
+                return unpack(logp, packed, shape), (unpack(ent, packed, shape) if with_entropy else None), anchor
             logp, ent = _head_logprobs(head, hidden, local.targets, temperature, with_entropy, fwd)
             if fwd.sp is not None:
                 # no prediction on this rank: an empty LM-head product keeps it in backward (ulysses.py)
@@ -126,9 +143,12 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
                     position_ids=mb["position_ids"], use_cache=False)
         rows, cols = mb["attention_mask"][:, -T:].bool().nonzero(as_tuple=True)
         hidden = out.last_hidden_state[:, -T - 1:-1][rows, cols]
-        logp, ent = _head_logprobs(head, hidden, mb["responses"][rows, cols], temperature, with_entropy, fwd)
+        coefs = [c[rows, cols] if c is not None else None for c in grad_coefs] if grad_coefs is not None else None
+        logp, ent, *anchor = _head_logprobs(head, hidden, mb["responses"][rows, cols], temperature, with_entropy, fwd,
+                                            coefs)
         zeros = logp.new_zeros(shape)
-        return zeros.index_put((rows, cols), logp), (zeros.index_put((rows, cols), ent) if with_entropy else None)
+        return (zeros.index_put((rows, cols), logp), (zeros.index_put((rows, cols), ent) if with_entropy else None),
+                *anchor)
 
 
 def compile_decoder_layers(model) -> None:
@@ -179,6 +199,32 @@ def _flops(model, mb: Batch, share_prompts: bool) -> float:
     seqlens, attn_pairs = trunk_work(mb, share_prompts)
     head_tokens = int(mb["attention_mask"][:, -mb["responses"].shape[1]:].sum())
     return training_flops(model.config, seqlens, lm_head_tokens=head_tokens, attn_pairs=attn_pairs)
+
+
+# losses whose gradient w.r.t. log pi is the same at every point where old = log pi (the ratio is exactly 1)
+_VALUE_FREE_GRAD_LOSSES = ("vanilla", "gspo", "gpg")
+
+
+def loss_coefficients(s: "UpdateSettings", mb: Batch, num_tokens, num_seqs, scale: float):
+    """(dL/dlogp, dL/dentropy or None) [B, T] of the on-policy single pass, before any forward.
+
+    With old log-probs equal to the current ones the ratio is exactly 1 wherever the log-probs are, so for the losses
+    in `_VALUE_FREE_GRAD_LOSSES` the gradient does not depend on their values: autograd through the very same loss
+    functions at a stand-in point (zeros) gives it exactly, for every aggregation mode and the entropy bonus."""
+    mask = mb["response_mask"]
+    x = torch.zeros_like(mask, dtype=torch.float32, requires_grad=True)
+    with torch.enable_grad():
+        loss, _ = policy_loss(s.loss_mode, old_log_prob_BT=x.detach(), log_prob_BT=x, advantages_BT=mb["advantages"],
+                              response_mask_BT=mask, loss_agg_mode=s.loss_agg_mode, cfg=s.knobs, num_tokens=num_tokens,
+                              num_seqs=num_seqs)
+        inputs = [x]
+        if s.entropy_coeff != 0:
+            e = torch.zeros_like(x, requires_grad=True)
+            loss = loss - s.entropy_coeff * agg_loss(e, mask, s.loss_agg_mode, num_tokens=num_tokens,
+                                                     num_seqs=num_seqs, loss_scale_factor=s.knobs.loss_scale_factor)
+            inputs.append(e)
+        grads = torch.autograd.grad(loss * scale, inputs)
+    return grads[0], (grads[1] if len(grads) > 1 else None)
 
 
 @torch.no_grad()
@@ -268,6 +314,8 @@ class Actor:
         offload = self.fwd.activation_offload and batch["responses"].device.type == "cuda"
         B, T = batch["responses"].shape
         shares = _shares(self.fwd, batch["input_ids"].device)
+        grad_first = (self.fwd.fused_head and self.fwd.head_grad_in_forward and s.old_from_current
+                      and not s.use_kl_loss and s.loss_mode in _VALUE_FREE_GRAD_LOSSES and self.fwd.sp is None)
         if s.knobs.loss_scale_factor is None:  # fix the seq-mean-token-sum-norm divisor before columns get trimmed
             s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
         sums: dict[str, torch.Tensor] = {}
@@ -292,8 +340,11 @@ class Actor:
                     mb = trim_columns(select(mini, rows))
                     frac = mb["response_mask"].sum() / num_tokens.clamp_min(1) * w
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
+                    coefs = loss_coefficients(s, mb, num_tokens, num_seqs, self._loss_scale * w) if grad_first \
+                        else None
                     with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
-                        logp, ent = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy, self.fwd)
+                        logp, ent, *anchor = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy,
+                                                                  self.fwd, grad_coefs=coefs)
                     flops += _flops(self.model, mb, shares) / self._sp_size  # the SP group shares this micro-batch's work
                     mask = mb["response_mask"]
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
@@ -321,7 +372,10 @@ class Actor:
                         loss = loss + s.kl_loss_coef * kl_loss
                         add("actor/kl_loss", kl_loss * w)
                         add("actor/kl_coef", torch.tensor(s.kl_loss_coef), 0.0)
-                    (loss * (self._loss_scale * w)).backward()
+                    if grad_first:  # the same gradient, its LM-head part already computed in the forward
+                        anchor[0].backward()
+                    else:
+                        (loss * (self._loss_scale * w)).backward()
                     add("actor/pg_loss", pg_loss * w)
                     for k, v in pg_metrics.items():
                         add(k, v, frac)

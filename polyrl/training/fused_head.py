@@ -202,6 +202,69 @@ class _FusedHead(torch.autograd.Function):
                 gb.to(bias_V.dtype) if need_b else None, None, None, None, None)
 
 
+class _FusedHeadGradInForward(torch.autograd.Function):
+    """The head's backward run inside its forward, for a loss whose gradient w.r.t. each log-prob (and entropy) is
+    known before the forward: per chunk one logits GEMM instead of two. Returns (logp, entropy, anchor): logp and
+    entropy carry no gradient; `anchor` is a zero scalar whose backward delivers dL/dh, dL/dW, dL/db (scaled by the
+    gradient it receives)."""
+
+    @staticmethod
+    def forward(ctx, hidden_MD, weight_VD, bias_V, targets_M, g_logp_M, g_ent_M, temperature, with_entropy,
+                chunk_size):
+        dtype = _compute_dtype(hidden_MD)
+        h, w = hidden_MD.to(dtype), weight_VD.to(dtype)
+        b = bias_V.to(dtype) if bias_V is not None else None
+        M = h.shape[0]
+        stats_ent = with_entropy or g_ent_M is not None
+        logp = torch.empty(M, device=h.device, dtype=torch.float32)
+        ent = torch.empty_like(logp) if stats_ent else logp.new_empty(0)
+        gh = torch.empty_like(h)
+        gw = torch.zeros(weight_VD.shape, device=h.device, dtype=torch.float32)
+        gb = torch.zeros(w.shape[0], device=h.device, dtype=torch.float32) if b is not None else None
+        with torch.autocast(h.device.type, enabled=False):
+            for a in range(0, M, chunk_size):
+                sl = slice(a, a + chunk_size)
+                z = torch.nn.functional.linear(h[sl], w, b)
+                lp, lse, en = _row_stats(z, targets_M[sl], temperature, stats_ent)
+                logp[sl] = lp
+                if stats_ent:
+                    ent[sl] = en
+                g_ent = g_ent_M[sl].float() if g_ent_M is not None else None
+                gz = _row_grad(z, targets_M[sl], lse, en if g_ent is not None else None, g_logp_M[sl].float(), g_ent,
+                               temperature)
+                del z
+                gh[sl] = gz @ w
+                _accumulate_wgrad(gw, gz, h[sl])
+                if gb is not None:
+                    gb += gz.float().sum(0)
+        ctx.grads = (gh, gw, gb)
+        ctx.dtypes = (hidden_MD.dtype, weight_VD.dtype, bias_V.dtype if bias_V is not None else None)
+        ctx.mark_non_differentiable(logp, ent)
+        return logp, ent, logp.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _g_logp, _g_ent, g_anchor):
+        gh, gw, gb = ctx.grads
+        del ctx.grads
+        h_dt, w_dt, b_dt = ctx.dtypes
+        return ((gh * g_anchor).to(h_dt), (gw * g_anchor).to(w_dt), (gb * g_anchor).to(b_dt) if gb is not None else None,
+                None, None, None, None, None, None)
+
+
+def fused_logprobs_grad_in_forward(hidden_MD: torch.Tensor, weight_VD: torch.Tensor, targets_M: torch.Tensor,
+                                   g_logp_M: torch.Tensor, g_ent_M: torch.Tensor | None = None, *,
+                                   bias_V: torch.Tensor | None = None, temperature: float = 1.0,
+                                   with_entropy: bool = False, chunk_size: int = 2048):
+    """Log-probs (and entropy) of `fused_logprobs`, without gradient, plus a zero `anchor` scalar: `anchor.backward()`
+    applies the gradient of `sum(g_logp * logp + g_ent * entropy)` to hidden, weight and bias. Valid when those
+    per-token coefficients do not depend on the log-probs' values (the on-policy single pass: actor.py)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1; use e.g. 2048 rows per LM-head chunk.")
+    logp, ent, anchor = _FusedHeadGradInForward.apply(hidden_MD, weight_VD, bias_V, targets_M, g_logp_M, g_ent_M,
+                                                      float(temperature), with_entropy, chunk_size)
+    return logp, (ent if with_entropy else None), anchor
+
+
 def fused_logprobs(hidden_MD: torch.Tensor, weight_VD: torch.Tensor, targets_M: torch.Tensor, *,
                    bias_V: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
                    chunk_size: int = 2048):
