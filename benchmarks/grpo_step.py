@@ -202,6 +202,7 @@ def main(argv=None):
     ap.add_argument("--max-token-len", type=int, default=16384)
     ap.add_argument("--work", default="/tmp/grpo_bench")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--trl-first", action="store_true", help="run TRL before polyrl (checks order effects)")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides (e.g. profiler keys)")
@@ -233,57 +234,62 @@ def main(argv=None):
     report = {"device": device, "rollout": rollout, "init_std": args.init_std}
     for length in [int(x) for x in args.lengths.split(",")]:
         res = report.setdefault(str(length), {})
-        t0 = time.perf_counter()
-        try:
+
+        def polyrl_part():
+            nonlocal rollout
+            t0 = time.perf_counter()
             try:
-                ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
-                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                extra=args.extra, device=args.device)
+                try:
+                    ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
+                                    steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
+                                    extra=args.extra, device=args.device)
+                except Exception as e:  # noqa: BLE001
+                    if rollout != "native":
+                        raise
+                    print(f"[{length}] native rollout failed ({e!r}); retrying with rollout.name=hf", flush=True)
+                    torch.cuda.empty_cache()
+                    rollout = res["rollout"] = "hf"
+                    ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
+                                    steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
+                                    extra=args.extra, device=args.device)
+                m = ms[-1]
+                keep = ("timing_s/", "perf/", "actor/grad_norm", "response_length/mean", "critic/score/mean", "training/")
+                res["polyrl"] = {k: v for k, v in m.items() if k.startswith(keep)}
+                res["polyrl"]["all_steps_grad_norm"] = [x.get("actor/grad_norm") for x in ms]
+                print(f"[{length}] polyrl ({rollout}) step {m['timing_s/step']:.2f}s "
+                      f"throughput {m['perf/throughput']:.0f} tok/s; "
+                      + " ".join(f"{k[9:]}={v:.2f}" for k, v in m.items() if k.startswith("timing_s/"))
+                      + f"; mfu/actor {m.get('perf/mfu/actor', 0):.1%}; grad_norm {m.get('actor/grad_norm')}; "
+                      f"resp len {m.get('response_length/mean')}; wall {time.perf_counter() - t0:.0f}s", flush=True)
             except Exception as e:  # noqa: BLE001
-                if rollout != "native":
-                    raise
-                print(f"[{length}] native rollout failed ({e!r}); retrying with rollout.name=hf", flush=True)
+                import traceback
+
+                traceback.print_exc()
+                res["polyrl_error"] = repr(e)[:500]
                 torch.cuda.empty_cache()
-                rollout = res["rollout"] = "hf"
-                ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
-                                steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                extra=args.extra, device=args.device)
-            m = ms[-1]
-            res["polyrl"] = {k: v for k, v in m.items() if k.startswith(("timing_s/", "perf/", "actor/grad_norm",
-                                                                         "response_length/mean", "critic/score/mean",
-                                                                         "training/"))}
-            res["polyrl"]["all_steps_grad_norm"] = [x.get("actor/grad_norm") for x in ms]
-            print(f"[{length}] polyrl ({rollout}) step {m['timing_s/step']:.2f}s "
-                  f"throughput {m['perf/throughput']:.0f} tok/s; "
-                  + " ".join(f"{k[9:]}={v:.2f}" for k, v in m.items() if k.startswith("timing_s/"))
-                  + f"; mfu/actor {m.get('perf/mfu/actor', 0):.1%}; grad_norm {m.get('actor/grad_norm')}; "
-                  f"resp len {m.get('response_length/mean')}; wall {time.perf_counter() - t0:.0f}s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            import traceback
 
-            traceback.print_exc()
-            res["polyrl_error"] = repr(e)[:500]
-            torch.cuda.empty_cache()
-        if args.skip_trl:
-            record(args, report, length, device)
-            continue
-        t0 = time.perf_counter()
-        try:
-            times, logs = run_trl(work, model_dir, tok_dir, rows, length=length, prompts=args.prompts, n=args.n,
-                                  steps=args.steps)
-            lg = logs[-1]
-            tokens = args.prompts * args.n * (128 + lg["completions/mean_length"])
-            res["trl"] = {"step_s": times[-1], "all_step_s": times, "throughput": tokens / times[-1],
-                          "grad_norm": [x.get("grad_norm") for x in logs],
-                          "mean_length": lg["completions/mean_length"]}
-            print(f"[{length}] TRL step {times[-1]:.2f}s throughput {tokens / times[-1]:.0f} tok/s; steps {times}; "
-                  f"grad_norm {res['trl']['grad_norm']}; wall {time.perf_counter() - t0:.0f}s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            import traceback
+        def trl_part():
+            t0 = time.perf_counter()
+            try:
+                times, logs = run_trl(work, model_dir, tok_dir, rows, length=length, prompts=args.prompts, n=args.n,
+                                      steps=args.steps)
+                lg = logs[-1]
+                tokens = args.prompts * args.n * (128 + lg["completions/mean_length"])
+                res["trl"] = {"step_s": times[-1], "all_step_s": times, "throughput": tokens / times[-1],
+                              "grad_norm": [x.get("grad_norm") for x in logs],
+                              "mean_length": lg["completions/mean_length"]}
+                print(f"[{length}] TRL step {times[-1]:.2f}s throughput {tokens / times[-1]:.0f} tok/s; steps {times}; "
+                      f"grad_norm {res['trl']['grad_norm']}; wall {time.perf_counter() - t0:.0f}s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                import traceback
 
-            traceback.print_exc()
-            res["trl_error"] = repr(e)[:500]
-            torch.cuda.empty_cache()
+                traceback.print_exc()
+                res["trl_error"] = repr(e)[:500]
+                torch.cuda.empty_cache()
+
+        parts = [trl_part, polyrl_part] if args.trl_first else [polyrl_part, trl_part]
+        for part in [polyrl_part] if args.skip_trl else parts:
+            part()
         record(args, report, length, device)
     print(json.dumps(report, indent=1, default=str))
     print("\n| response len | polyrl tok/s | TRL tok/s | ratio |\n|---|---|---|---|")

@@ -345,7 +345,7 @@ class Actor:
                     with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
                         logp, ent, *anchor = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy,
                                                                   self.fwd, grad_coefs=coefs)
-                    flops += _flops(self.model, mb, shares) / self._sp_size  # the SP group shares this micro-batch's work
+                    flops += _flops(self.model, mb, shares) / self._sp_size  # an SP group shares a micro-batch's work
                     mask = mb["response_mask"]
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free

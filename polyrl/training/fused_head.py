@@ -247,8 +247,8 @@ class _FusedHeadGradInForward(torch.autograd.Function):
         gh, gw, gb = ctx.grads
         del ctx.grads
         h_dt, w_dt, b_dt = ctx.dtypes
-        return ((gh * g_anchor).to(h_dt), (gw * g_anchor).to(w_dt), (gb * g_anchor).to(b_dt) if gb is not None else None,
-                None, None, None, None, None, None)
+        gb = (gb * g_anchor).to(b_dt) if gb is not None else None
+        return (gh * g_anchor).to(h_dt), (gw * g_anchor).to(w_dt), gb, None, None, None, None, None, None
 
 
 def fused_logprobs_grad_in_forward(hidden_MD: torch.Tensor, weight_VD: torch.Tensor, targets_M: torch.Tensor,
