@@ -35,3 +35,17 @@ def synth_data_dir(tmp_path_factory):
     write_parquet(make_rows("reverse", 64, seed=1, split="train"), d / "train.parquet")
     write_parquet(make_rows("reverse", 16, seed=1, split="val"), d / "val.parquet")
     return d
+
+
+@pytest.fixture
+def tiny_qwen2():
+    """A tiny Qwen2 (q/k/v biases, GQA 4:2, untied head) built in memory: the architecture of the GPU benchmarks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)

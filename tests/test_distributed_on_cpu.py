@@ -209,6 +209,25 @@ def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, syn
         torch.testing.assert_close(w3[k], w1[k], rtol=0, atol=5e-6)
 
 
+def test_two_processes_match_one_with_the_head_gradient_in_the_forward(tiny_model_dir, synth_data_dir, tmp_path):
+    """The on-policy single pass (one mini-batch, no KL loss: the LM head's backward runs in its forward) under FSDP2
+    on 2 processes gives one process's step."""
+    extra = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=False"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 1, *extra)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(tiny_model_dir, synth_data_dir, one, 1, *extra))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    (a,), (b,) = _steps(one), _steps(two)
+    assert a["training/old_log_prob_source_current"] == b["training/old_log_prob_source_current"] == 1.0
+    assert a["critic/score/mean"] == b["critic/score/mean"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+    assert a["actor/grad_norm"] > 0
+
+
 # ------------------------------------------------------------------------------------------------ Ray
 
 

@@ -33,18 +33,6 @@ def _grpo_batch(n_per_prompt=(4, 1, 3), seed=0):
     return batch, prompts, responses
 
 
-def _qwen2():
-    """A tiny Qwen2 (q/k/v biases, GQA 4:2) built in memory: the architecture of the GPU benchmarks."""
-    from transformers import AutoModelForCausalLM
-
-    from polyrl.models.tiny import tiny_config
-
-    torch.manual_seed(0)
-    cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
-    cfg._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(cfg)
-
-
 def test_shared_layout_holds_each_prompt_once_and_predicts_from_the_same_tokens():
     batch, prompts, responses = _grpo_batch()
     plain, shared = pack(batch), pack(batch, share_prompts=True)
@@ -72,8 +60,8 @@ def test_shared_layout_holds_each_prompt_once_and_predicts_from_the_same_tokens(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_shared_prompts_give_the_same_logprobs_entropy_and_gradients(tiny_model_dir, arch):
-    base = load_causal_lm(str(tiny_model_dir)) if arch == "llama" else _qwen2()
+def test_shared_prompts_give_the_same_logprobs_entropy_and_gradients(tiny_model_dir, tiny_qwen2, arch):
+    base = load_causal_lm(str(tiny_model_dir)) if arch == "llama" else tiny_qwen2
     batch, _, _ = _grpo_batch(seed=1)
     results = []
     for share in (False, True):

@@ -39,21 +39,9 @@ def _batch(num_rows=8, seed=0):
     return batch, prompts, responses
 
 
-def _qwen2(tiny_model_dir):
-    """A tiny Qwen2 (q/k/v biases, GQA 4:2) built in memory: the architecture of the GPU benchmarks."""
-    from transformers import AutoModelForCausalLM
-
-    from polyrl.models.tiny import tiny_config
-
-    torch.manual_seed(0)
-    cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
-    cfg._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(cfg).eval()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_equals_padded_equals_one_sequence_at_a_time(tiny_model_dir, arch):
-    model = load_causal_lm(str(tiny_model_dir)).eval() if arch == "llama" else _qwen2(tiny_model_dir)
+def test_packed_equals_padded_equals_one_sequence_at_a_time(tiny_model_dir, tiny_qwen2, arch):
+    model = load_causal_lm(str(tiny_model_dir)).eval() if arch == "llama" else tiny_qwen2.eval()
     batch, prompts, responses = _batch(6)
     with torch.no_grad():
         packed, ent_p = logprobs_and_entropy(model, batch, 0.7, True, ForwardSettings(use_remove_padding=True,
