@@ -48,7 +48,7 @@ def shared_prompt_attention(q, k, v, cu, max_len: int, cu_kv, kv_index, max_kv: 
     """q [N, Hq, D], k/v [N, Hkv, D] laid out as above -> [N, Hq, D]. `cu`: the query segments (prompts, then
     responses); segment s attends to rows `kv_index[cu_kv[s]:cu_kv[s+1]]`, causally from the bottom-right.
     `varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)`: the flash kernel (CUDA); None: dense-mask SDPA (exact)."""
-    k_s, v_s = k[kv_index], v[kv_index]
+    k_s, v_s = k.index_select(0, kv_index), v.index_select(0, kv_index)  # backward: index_add (not index_put)
     if varlen is not None:
         return varlen(q, k_s, v_s, cu, cu_kv, max_len, max_kv, scale)
     mask = gathered_mask(cu, cu_kv, k_s.shape[0], q.shape[0])
