@@ -43,7 +43,7 @@ class ForwardSettings:
     head_grad_in_forward: bool = True  # with fused_head, when the loss gradient per log-prob is known up front (the
     # on-policy single pass of vanilla/gspo/gpg without a KL loss), the head does its backward in the forward: one
     # logits GEMM per chunk instead of two (Actor.update; loss_coefficients)
-    activation_offload: bool = False  # keep saved activations in pinned CPU memory (torch save_on_cpu), CUDA only
+    activation_offload: bool = False  # keep saved activations in (pinned, on CUDA) CPU memory: torch save_on_cpu
     compile_layers: bool = False  # torch.compile each decoder layer (dynamic shapes); +26% tok/s on H200, see NOTES
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
     share_prompts: bool = True  # packed rows with the same prompt carry it once (shared_prefix.py); exact
@@ -311,7 +311,7 @@ class Actor:
     def _update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None) -> dict[str, float]:
         self.model.train()
         t_start, flops = time.perf_counter(), 0.0
-        offload = self.fwd.activation_offload and batch["responses"].device.type == "cuda"
+        offload, pin = self.fwd.activation_offload, batch["responses"].device.type == "cuda"
         B, T = batch["responses"].shape
         shares = _shares(self.fwd, batch["input_ids"].device)
         grad_first = (self.fwd.fused_head and self.fwd.head_grad_in_forward and s.old_from_current
@@ -342,7 +342,7 @@ class Actor:
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
                     coefs = loss_coefficients(s, mb, num_tokens, num_seqs, self._loss_scale * w) if grad_first \
                         else None
-                    with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext():
+                    with torch.autograd.graph.save_on_cpu(pin_memory=pin) if offload else nullcontext():
                         logp, ent, *anchor = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy,
                                                                   self.fwd, grad_coefs=coefs)
                     flops += _flops(self.model, mb, shares) / self._sp_size  # an SP group shares a micro-batch's work
