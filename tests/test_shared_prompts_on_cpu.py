@@ -128,3 +128,26 @@ def test_trunk_work_counts_a_shared_prompt_once():
     saved = training_flops(cfg, plain_lens, 0) - training_flops(cfg, seqlens, 0, attn_pairs=pairs)
     trunk = 8 * (8 + 8 + 8) + 8 * 8 + 3 * 8 * 16  # q, k, v, o and the MLP, per token
     assert saved == pytest.approx(6 * trunk * 2 * p0 + 12 * 8 * (plain_pairs - pairs))  # 2 of 3 copies of prompt 0
+
+
+def test_a_failing_flash_kernel_falls_back_to_the_exact_masked_path(tiny_model_dir, monkeypatch):
+    """A GPU without flash attention (or an older torch spelling) warns once and stays exact."""
+    from polyrl.training import packing
+
+    model = load_causal_lm(str(tiny_model_dir))
+    batch, _, _ = _grpo_batch(seed=4)
+    fwd = ForwardSettings(pack_on_cpu=True)
+    with torch.no_grad():
+        expected, _ = logprobs_and_entropy(model, batch, 1.0, False, fwd)
+
+    def broken(*a, **k):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    monkeypatch.setattr(packing, "_cuda_kernel_usable", lambda q: not packing._VARLEN_BROKEN)
+    monkeypatch.setattr(packing, "_cuda_varlen_kv", broken)
+    monkeypatch.setattr(packing, "_kernel_dtype", lambda *t: t)  # keep fp32 (the CUDA path would cast to bf16)
+    monkeypatch.setattr(packing, "_VARLEN_BROKEN", [])
+    with torch.no_grad(), pytest.warns(UserWarning, match="falls back"):
+        got, _ = logprobs_and_entropy(model, batch, 1.0, False, fwd)
+    assert packing._VARLEN_BROKEN and "Ampere" in packing._VARLEN_BROKEN[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

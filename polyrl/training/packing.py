@@ -16,6 +16,9 @@ exact but O(N^2) memory: fine for tests, not for long packs. Note that plain `sd
 *not* something to rely on: whether HF turns position ids into a packed mask depends on the version and on whether an
 attention mask is passed; the explicit `cu_seq_lens` path does not depend on either.
 
+Shared prompts (`pack(mb, share_prompts=True)`, on in the trainer): rows with the same prompt, a GRPO prompt's n
+samples, carry one copy of it; the responses attend to that copy (shared_prefix.py). Same log-probs, fewer tokens.
+
 Ulysses sequence parallelism (polyrl/distributed/ulysses.py) reuses all of this: each SP rank feeds its slice of the
 packed row with the whole row's `cu_seq_lens` and its `SeqParallel` group as the extra kwarg `polyrl_sp`, and
 `varlen_attention_forward` exchanges heads for tokens around the same kernels.
@@ -264,10 +267,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     sp = kwargs.get("polyrl_sp")
     if "polyrl_kv_index" in kwargs:  # shared prompts (shared_prefix.py)
         assert sp is None, "shared prompts are not split over a sequence-parallel group"
-        flash = _cuda_kernel_usable(q)
-        out = shared_prompt_attention(q, k, v, cu, kwargs["max_length_q"], kwargs["polyrl_cu_kv"],
-                                      kwargs["polyrl_kv_index"], kwargs["polyrl_max_kv"], scaling,
-                                      varlen=_cuda_varlen_kv if flash else None)
+        args = (cu, kwargs["max_length_q"], kwargs["polyrl_cu_kv"], kwargs["polyrl_kv_index"], kwargs["polyrl_max_kv"],
+                scaling)
+        out = None
+        if _cuda_kernel_usable(q):
+            try:
+                out = shared_prompt_attention(q, k, v, *args, varlen=_cuda_varlen_kv)
+            except (TypeError, RuntimeError) as e:
+                _kernel_failed(e)
+        if out is None:
+            out = shared_prompt_attention(q, k, v, *args)
     elif sp is None:
         out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     else:
@@ -295,6 +304,12 @@ def _kernel_dtype(q, k, v):
     return q, k, v
 
 
+def _kernel_failed(e: Exception) -> None:
+    _VARLEN_BROKEN.append(repr(e))
+    warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to SDPA with an explicit mask "
+                  "(exact, O(N^2) memory).", stacklevel=3)
+
+
 def _varlen(q, k, v, cu, max_len: int, scaling):
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D], causal within each `cu` segment: the CUDA kernel or SDPA."""
     if _cuda_kernel_usable(q):
@@ -302,9 +317,7 @@ def _varlen(q, k, v, cu, max_len: int, scaling):
         try:
             return _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32), max_len, scaling)
         except (TypeError, RuntimeError) as e:  # an older torch spelling or an unsupported GPU: say so, stay correct
-            _VARLEN_BROKEN.append(repr(e))
-            warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to block-causal SDPA "
-                          "(exact, O(N^2) memory).", stacklevel=2)
+            _kernel_failed(e)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     return _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling)
 
