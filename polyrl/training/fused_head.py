@@ -152,12 +152,38 @@ def _accumulate_wgrad(acc_VD: torch.Tensor, gz_CV: torch.Tensor, h_CD: torch.Ten
     acc_VD.add_(gz_CV.t() @ h_CD)
 
 
+def _operands(hidden_MD, weight_VD, bias_V):
+    """(compute dtype, h, W, b) in the head's compute dtype: autocast's on CUDA under autocast, else the input's."""
+    dtype = _compute_dtype(hidden_MD)
+    return dtype, hidden_MD.to(dtype), weight_VD.to(dtype), (bias_V.to(dtype) if bias_V is not None else None)
+
+
+class _HeadGrads:
+    """dL/dh, dL/dW (accumulated in fp32) and dL/db of the head, filled from one chunk's dL/dz at a time."""
+
+    def __init__(self, h, weight_VD, need_h: bool, need_w: bool, need_b: bool):
+        self.h = torch.empty_like(h) if need_h else None
+        self.w = torch.zeros(weight_VD.shape, device=h.device, dtype=torch.float32) if need_w else None
+        self.b = torch.zeros(weight_VD.shape[0], device=h.device, dtype=torch.float32) if need_b else None
+
+    def add(self, rows: slice, gz_CV, h_CD, w_VD) -> None:
+        if self.h is not None:
+            self.h[rows] = gz_CV @ w_VD
+        if self.w is not None:
+            _accumulate_wgrad(self.w, gz_CV, h_CD)
+        if self.b is not None:
+            self.b += gz_CV.float().sum(0)
+
+    def result(self, dtypes, scale=None):
+        """(dh, dW, db) in the inputs' dtypes (None where not needed), times `scale` if given."""
+        return tuple(None if g is None else (g if scale is None else g * scale).to(dt)
+                     for g, dt in zip((self.h, self.w, self.b), dtypes))
+
+
 class _FusedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_MD, weight_VD, bias_V, targets_M, temperature, with_entropy, chunk_size):
-        dtype = _compute_dtype(hidden_MD)
-        h, w = hidden_MD.to(dtype), weight_VD.to(dtype)
-        b = bias_V.to(dtype) if bias_V is not None else None
+        dtype, h, w, b = _operands(hidden_MD, weight_VD, bias_V)
         M = h.shape[0]
         logp = torch.empty(M, device=h.device, dtype=torch.float32)
         lse, ent = torch.empty_like(logp), (torch.empty_like(logp) if with_entropy else None)
@@ -169,37 +195,28 @@ class _FusedHead(torch.autograd.Function):
                 if with_entropy:
                     ent[a:a + chunk_size] = en
         ctx.save_for_backward(h, weight_VD, bias_V, targets_M, lse, ent if with_entropy else lse)
-        ctx.cfg = (temperature, with_entropy, chunk_size, hidden_MD.dtype, dtype)
+        ctx.cfg = (temperature, with_entropy, chunk_size, hidden_MD.dtype)
         return (logp, ent) if with_entropy else (logp, None)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         h, weight_VD, bias_V, targets, lse, ent = ctx.saved_tensors
-        temperature, with_entropy, chunk_size, hidden_dtype, dtype = ctx.cfg
-        w = weight_VD.to(dtype)
-        b = bias_V.to(dtype) if bias_V is not None else None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        temperature, with_entropy, chunk_size, hidden_dtype = ctx.cfg
+        w = weight_VD.to(h.dtype)  # h was saved in the forward's compute dtype
+        b = bias_V.to(h.dtype) if bias_V is not None else None
         g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(lse)
         g_ent = g_ent.float() if (with_entropy and g_ent is not None) else None
-        gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros(weight_VD.shape, device=h.device, dtype=torch.float32) if need_w else None
-        gb = torch.zeros(w.shape[0], device=h.device, dtype=torch.float32) if need_b else None
+        grads = _HeadGrads(h, weight_VD, *ctx.needs_input_grad[:3])
         with torch.autocast(h.device.type, enabled=False):
             for a in range(0, h.shape[0], chunk_size):
-                hc = h[a:a + chunk_size]
-                z = torch.nn.functional.linear(hc, w, b)
-                gz = _row_grad(z, targets[a:a + chunk_size], lse[a:a + chunk_size],
-                               ent[a:a + chunk_size] if g_ent is not None else None, g_logp[a:a + chunk_size],
-                               g_ent[a:a + chunk_size] if g_ent is not None else None, temperature)
+                sl = slice(a, a + chunk_size)
+                z = torch.nn.functional.linear(h[sl], w, b)
+                gz = _row_grad(z, targets[sl], lse[sl], ent[sl] if g_ent is not None else None, g_logp[sl],
+                               g_ent[sl] if g_ent is not None else None, temperature)
                 del z
-                if need_h:
-                    gh[a:a + chunk_size] = gz @ w
-                if need_w:
-                    _accumulate_wgrad(gw, gz, hc)
-                if need_b:
-                    gb += gz.float().sum(0)
-        return (gh.to(hidden_dtype) if need_h else None, gw.to(weight_VD.dtype) if need_w else None,
-                gb.to(bias_V.dtype) if need_b else None, None, None, None, None)
+                grads.add(sl, gz, h[sl], w)
+        dtypes = (hidden_dtype, weight_VD.dtype, bias_V.dtype if bias_V is not None else None)
+        return (*grads.result(dtypes), None, None, None, None)
 
 
 class _FusedHeadGradInForward(torch.autograd.Function):
@@ -211,16 +228,12 @@ class _FusedHeadGradInForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_MD, weight_VD, bias_V, targets_M, g_logp_M, g_ent_M, temperature, with_entropy,
                 chunk_size):
-        dtype = _compute_dtype(hidden_MD)
-        h, w = hidden_MD.to(dtype), weight_VD.to(dtype)
-        b = bias_V.to(dtype) if bias_V is not None else None
+        _, h, w, b = _operands(hidden_MD, weight_VD, bias_V)
         M = h.shape[0]
         stats_ent = with_entropy or g_ent_M is not None
         logp = torch.empty(M, device=h.device, dtype=torch.float32)
         ent = torch.empty_like(logp) if stats_ent else logp.new_empty(0)
-        gh = torch.empty_like(h)
-        gw = torch.zeros(weight_VD.shape, device=h.device, dtype=torch.float32)
-        gb = torch.zeros(w.shape[0], device=h.device, dtype=torch.float32) if b is not None else None
+        grads = _HeadGrads(h, weight_VD, True, True, b is not None)
         with torch.autocast(h.device.type, enabled=False):
             for a in range(0, M, chunk_size):
                 sl = slice(a, a + chunk_size)
@@ -233,22 +246,17 @@ class _FusedHeadGradInForward(torch.autograd.Function):
                 gz = _row_grad(z, targets_M[sl], lse, en if g_ent is not None else None, g_logp_M[sl].float(), g_ent,
                                temperature)
                 del z
-                gh[sl] = gz @ w
-                _accumulate_wgrad(gw, gz, h[sl])
-                if gb is not None:
-                    gb += gz.float().sum(0)
-        ctx.grads = (gh, gw, gb)
+                grads.add(sl, gz, h[sl], w)
+        ctx.grads = grads
         ctx.dtypes = (hidden_MD.dtype, weight_VD.dtype, bias_V.dtype if bias_V is not None else None)
         ctx.mark_non_differentiable(logp, ent)
         return logp, ent, logp.new_zeros(())
 
     @staticmethod
     def backward(ctx, _g_logp, _g_ent, g_anchor):
-        gh, gw, gb = ctx.grads
+        grads = ctx.grads
         del ctx.grads
-        h_dt, w_dt, b_dt = ctx.dtypes
-        gb = (gb * g_anchor).to(b_dt) if gb is not None else None
-        return (gh * g_anchor).to(h_dt), (gw * g_anchor).to(w_dt), gb, None, None, None, None, None, None
+        return (*grads.result(ctx.dtypes, g_anchor), None, None, None, None, None, None)
 
 
 def fused_logprobs_grad_in_forward(hidden_MD: torch.Tensor, weight_VD: torch.Tensor, targets_M: torch.Tensor,
