@@ -265,22 +265,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     assert query.shape[0] == 1, "packed attention expects one packed row"
     q, k, v = _kernel_dtype(*(t[0].transpose(0, 1) for t in (query, key, value)))  # [N, H, D]
     sp = kwargs.get("polyrl_sp")
+    shared = None
     if "polyrl_kv_index" in kwargs:  # shared prompts (shared_prefix.py)
         assert sp is None, "shared prompts are not split over a sequence-parallel group"
-        args = (cu, kwargs["max_length_q"], kwargs["polyrl_cu_kv"], kwargs["polyrl_kv_index"], kwargs["polyrl_max_kv"],
-                scaling)
-        out = None
-        if _cuda_kernel_usable(q):
-            try:
-                out = shared_prompt_attention(q, k, v, *args, varlen=_cuda_varlen_kv)
-            except (TypeError, RuntimeError) as e:
-                _kernel_failed(e)
-        if out is None:
-            out = shared_prompt_attention(q, k, v, *args)
-    elif sp is None:
-        out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+        shared = (kwargs["polyrl_cu_kv"], kwargs["polyrl_kv_index"], kwargs["polyrl_max_kv"])
+    # the shared path hands its ints to the kernel as they come (under torch.compile, int() pins each value)
+    max_len = kwargs["max_length_q"] if shared is not None else int(kwargs["max_length_q"])
+    if sp is None:
+        out = _varlen(q, k, v, cu, max_len, scaling, shared)
     else:
-        max_len = int(kwargs["max_length_q"])
         from polyrl.distributed.ulysses import ulysses_attention
 
         attend = lambda q_, k_, v_: _varlen(q_, k_, v_, cu, max_len, scaling)  # noqa: E731
@@ -304,22 +297,24 @@ def _kernel_dtype(q, k, v):
     return q, k, v
 
 
-def _kernel_failed(e: Exception) -> None:
-    _VARLEN_BROKEN.append(repr(e))
-    warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to SDPA with an explicit mask "
-                  "(exact, O(N^2) memory).", stacklevel=3)
-
-
-def _varlen(q, k, v, cu, max_len: int, scaling):
-    """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D], causal within each `cu` segment: the CUDA kernel or SDPA."""
+def _varlen(q, k, v, cu, max_len: int, scaling, shared=None):
+    """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D], causal within each `cu` segment: the CUDA kernel or SDPA. With
+    `shared` = (cu_kv, kv_index, max_kv), the shared-prompt layout instead (shared_prefix.py)."""
     if _cuda_kernel_usable(q):
         q, k, v = _kernel_dtype(q, k, v)  # no-op unless called directly
         try:
+            if shared is not None:
+                return shared_prompt_attention(q, k, v, cu, max_len, *shared, scaling, varlen=_cuda_varlen_kv)
             return _cuda_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32), max_len, scaling)
         except (TypeError, RuntimeError) as e:  # an older torch spelling or an unsupported GPU: say so, stay correct
-            _kernel_failed(e)
+            _VARLEN_BROKEN.append(repr(e))
+            warnings.warn(f"torch varlen_attn failed ({e!r}); packed attention falls back to SDPA with an explicit "
+                          "mask (exact, O(N^2) memory).", stacklevel=2)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    return _block_causal_sdpa(q.to(dt), k.to(dt), v.to(dt), cu.long(), scaling)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if shared is not None:
+        return shared_prompt_attention(q, k, v, cu, max_len, *shared, scaling)
+    return _block_causal_sdpa(q, k, v, cu.long(), scaling)
 
 
 def _register() -> None:
