@@ -69,6 +69,9 @@ CASES = [
     ("missing reward fn", None, ["custom_reward_function.path=BAD/reward_other.py"], ["compute_score", "my_score"]),
     ("reward raises", None, ["custom_reward_function.path=BAD/reward_raises.py", "trainer.total_training_steps=3"],
      ["compute_score", "boom", "sample"]),
+    ("unknown kv_cache_dtype", None, ["actor_rollout_ref.rollout.kv_cache_dtype=fp4"], ["kv_cache_dtype", "fp4"]),
+    ("unknown quantization", None, ["actor_rollout_ref.rollout.quantization=int4"], ["quantization", "int4"]),
+    ("fp8 kv needs native", None, ["actor_rollout_ref.rollout.kv_cache_dtype=fp8"], ["rollout.name=native"]),
     ("reward nan", None, ["custom_reward_function.path=BAD/reward_nan.py", "trainer.total_training_steps=3"],
      ["compute_score", "nan"]),
 ]

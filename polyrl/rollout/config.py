@@ -43,6 +43,12 @@ class RolloutConfig:
     """Max prompt tokens; defaults to data.max_prompt_length."""
     dtype: str = "bfloat16"
     """Engine weight dtype on GPU (CPU always uses float32)."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype (vLLM's names): auto = the engine dtype; fp8 (= fp8_e4m3) stores e4m3 with per-token, per-head
+    scales: about twice the tokens in the same memory and half the KV bytes per decode step (rollout.name=native)."""
+    quantization: str | None = None
+    """fp8: the engine's decode GEMMs use e4m3 weights quantised from the trainer's weights at every sync; training
+    stays bf16 with fp32 masters (rollout.name=native). Pair with algorithm.rollout_correction."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory the engine may use for weights + KV cache."""
     ignore_eos: bool = False

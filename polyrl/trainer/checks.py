@@ -26,6 +26,20 @@ def world_size(cfg) -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _check_low_precision_rollout(r) -> None:
+    from polyrl.rollout.native.engine import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    if r.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype={r.kv_cache_dtype!r} is not supported; use auto "
+                          "(the model dtype) or fp8 (e4m3 with per-token scales).")
+    if r.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"actor_rollout_ref.rollout.quantization={r.quantization!r} is not supported; use fp8 or "
+                          "leave it unset (null).")
+    if r.name != "native" and (r.kv_cache_dtype != "auto" or r.quantization is not None):
+        raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype/quantization need rollout.name=native (got "
+                          f"rollout.name={r.name}); set rollout.name=native or drop the FP8 keys.")
+
+
 def check_batch_sizes(cfg) -> None:
     d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     ws = world_size(cfg) // max(1, a.ulysses_sequence_parallel_size)  # data shards (Ulysses groups share data)
@@ -114,6 +128,7 @@ def check_supported(cfg) -> None:
             "use rollout.name=native (polyrl's own engine, no extra dependency) or rollout.name=hf.")
     if r.name not in ("native", "hf"):
         raise ConfigError(f"actor_rollout_ref.rollout.name={r.name!r} is unknown; use native or hf.")
+    _check_low_precision_rollout(r)
     if r.tensor_model_parallel_size > 1:
         raise ConfigError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: polyrl's engine "

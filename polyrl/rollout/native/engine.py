@@ -12,6 +12,10 @@ works on this one, so the GPU never waits on Python between decode steps (`sched
 Memory (GPU): like vLLM, `gpu_memory_utilization` is the fraction of the GPU's total memory this engine may use:
 weights + activation peak (profiled once with a max_num_batched_tokens prefill) + KV cache; the KV cache takes the
 rest, never more than is free. On CPU the cache holds `num_kv_tokens` tokens.
+
+Low precision (`kv_cache_dtype="fp8"`, `quantization="fp8"`): the KV cache stores e4m3 values with per-(token, head)
+scales (attention.py), so the same memory holds about twice the tokens and decode reads half the KV bytes; the
+decode GEMMs can run on e4m3 weights quantised from the trainer's weights on every `update_weights` (fp8_linear.py).
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import numpy as np
 import torch
 
 from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
-from polyrl.rollout.native.attention import AttnMeta
+from polyrl.rollout.native.attention import FP8, AttnMeta
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
 from polyrl.rollout.native.sampler import sample, sample_fused
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # vLLM's names; auto = the model's dtype
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -70,6 +78,8 @@ class NativeEngine:
         block_size: int = 16,
         seed: int = 0,
         num_kv_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -96,10 +106,12 @@ class NativeEngine:
             )
         return cls(model, device=device, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                   enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens)
+                   enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
+                   kv_cache_dtype=kv_cache_dtype, quantization=quantization)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-                 max_model_len, enforce_eager, block_size, seed, num_kv_tokens):
+                 max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
+                 quantization=None):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -109,13 +121,25 @@ class NativeEngine:
         self.model, self.spec, self.device = model.eval(), model.spec, torch.device(device)
         model.fused = self.device.type == "cuda"
         self.dtype = model.embed.weight.dtype
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}.")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r} is not supported; use one of {QUANTIZATIONS}.")
+        self.kv_fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
+        self.kv_dtype = FP8 if self.kv_fp8 else self.dtype
+        self.quantization = quantization
+        if quantization == "fp8":
+            from polyrl.rollout.native.fp8_linear import quantize_model
+
+            quantize_model(model)
         self.cuda = self.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed
         self.use_graphs = self.cuda and not enforce_eager
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         s = self.spec
-        self.block_bytes = 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        per_head = s.head_dim * self.kv_dtype.itemsize + (4 if self.kv_fp8 else 0)  # + the fp32 scale
+        self.block_bytes = 2 * s.num_layers * block_size * s.num_kv_heads * per_head
         # per-slot state: row max_num_seqs is the dummy that CUDA-graph padding rows point at
         rows = max_num_seqs + 1
         self.bt_host = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int64)
@@ -129,7 +153,7 @@ class NativeEngine:
         self._ring = 0
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
         self.graphs = None
-        self.kv = None
+        self.kv = self.kv_scale = None
         self.offloaded = False
         self.released = False
         self.num_calls = 0
@@ -140,7 +164,7 @@ class NativeEngine:
 
     # ---- memory ------------------------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())  # FP8: e4m3 bytes + scales
 
     def _plan_kv(self, util: float, num_kv_tokens: int | None) -> int:
         if not self.cuda:
@@ -186,24 +210,29 @@ class NativeEngine:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.bt_host[self.max_num_seqs] = 0
         del h, rows
-        self.kv = None
+        self.kv = self.kv_scale = None
         torch.cuda.empty_cache()
         return int(peak * 1.1) + (64 << 20)
 
     def _alloc_kv(self) -> None:
         s = self.spec
         self.kv = torch.zeros(s.num_layers, 2, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
+        if self.kv_fp8:
+            self.kv_scale = torch.zeros(s.num_layers, 2, self.num_blocks, self.block_size, s.num_kv_heads,
+                                        dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.attn.k_cache, layer.attn.v_cache = self.kv[i, 0], self.kv[i, 1]
+            if self.kv_fp8:
+                layer.attn.k_scale, layer.attn.v_scale = self.kv_scale[i, 0], self.kv_scale[i, 1]
         self.blocks = BlockManager(self.num_blocks, self.block_size)
 
     def release_memory(self, offload_weights: bool = False) -> None:
         """Free the KV cache and CUDA graphs (and move weights to host memory if `offload_weights`)."""
         self.graphs = None
-        self.kv = None
+        self.kv = self.kv_scale = None
         for layer in self.model.layers:
-            layer.attn.k_cache = layer.attn.v_cache = None
+            layer.attn.k_cache = layer.attn.v_cache = layer.attn.k_scale = layer.attn.v_scale = None
         if offload_weights and not self.offloaded:
             if self.cuda:
                 for p in self.model.parameters():
@@ -230,7 +259,7 @@ class NativeEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused layout in place (graphs stay valid); time in `last_update_weights_s`."""
         t0 = time.perf_counter()
-        load_hf_weights(self.model, named_tensors)
+        load_hf_weights(self.model, named_tensors)  # FP8 weights are quantised row by row as they arrive
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.last_update_weights_s = time.perf_counter() - t0
@@ -329,7 +358,10 @@ class NativeEngine:
             sample_slots = torch.tensor([s.slot for s in step.sample_seqs], dtype=torch.long, device=self.device)
             if step.copies:  # forked samples get their own copy of the partial last prompt block
                 src, dst = (torch.tensor(x, device=self.device) for x in zip(*step.copies))
-                self.kv[:, :, dst] = self.kv[:, :, src]
+                kv = self.kv.view(torch.uint8) if self.kv_fp8 else self.kv  # no float8 index_put on CPU
+                kv[:, :, dst] = kv[:, :, src]
+                if self.kv_fp8:
+                    self.kv_scale[:, :, dst] = self.kv_scale[:, :, src]
         if self.cuda and not 0 < sp.top_k < logits.shape[-1] and sp.top_p >= 1.0:
             tok, lp = sample_fused(logits, sp.temperature, int(self._step_seeds.integers(2**31 - 1)))
         else:

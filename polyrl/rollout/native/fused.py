@@ -64,9 +64,22 @@ def _rope(x1, x2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, QW, KW, eps,
+def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF: tl.constexpr, FP8: tl.constexpr):
+    # one token's kv heads (both rope halves); FP8: one scale per head row = amax / 448, values cast to e4m3
+    if FP8:
+        amax = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))
+        sc = tl.maximum(amax, 1e-8) / 448.0
+        tl.store(S + srow, sc, mask=tl.sum(km.to(tl.int32), 1) > 0)
+        x1 = x1.to(tl.float32) / sc[:, None]
+        x2 = x2.to(tl.float32) / sc[:, None]
+    tl.store(C + dst, x1.to(C.dtype.element_ty), mask=km)
+    tl.store(C + dst + HALF, x2.to(C.dtype.element_ty), mask=km)
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
                     H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, D: tl.constexpr,
-                    HAS_NORM: tl.constexpr):
+                    HAS_NORM: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dt = QKV.dtype.element_ty
@@ -96,24 +109,30 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, QW, KW, eps,
         k1, k2 = _head_norm(k1, k2, KW, eps, HALF, D)
     o1, o2 = _rope(k1, k2, c, s, dt)
     dst = slot * KVH * D + kh * D + h[None, :]
-    tl.store(KC + dst, o1, mask=km)
-    tl.store(KC + dst + HALF, o2, mask=km)
+    srow = slot * KVH + tl.arange(0, KVHP)
+    _store_kv_row(KC, KS, dst, srow, o1, o2, km, HALF, FP8)
     vrow = krow + KVH * D
-    tl.store(VC + dst, tl.load(vrow + kh * D + h[None, :], mask=km), mask=km)
-    tl.store(VC + dst + HALF, tl.load(vrow + kh * D + HALF + h[None, :], mask=km), mask=km)
+    v1 = tl.load(vrow + kh * D + h[None, :], mask=km, other=0.0)
+    v2 = tl.load(vrow + kh * D + HALF + h[None, :], mask=km, other=0.0)
+    _store_kv_row(VC, VS, dst, srow, v1, v2, km, HALF, FP8)
 
 
 def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_mapping_T, num_heads, num_kv_heads,
-            head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6) -> torch.Tensor:
-    """RoPE (after the optional per-head q/k RMSNorm) on q and k, K/V written to the cache; returns q [T, H, D]."""
+            head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6, k_scale=None, v_scale=None) -> torch.Tensor:
+    """RoPE (after the optional per-head q/k RMSNorm) on q and k, K/V written to the cache; returns q [T, H, D].
+
+    With scale caches (FP8 KV) each (token, kv head) row is quantised as it is written (attention.py says why).
+    """
     T = qkv_TX.shape[0]
     q = torch.empty(T, num_heads, head_dim, dtype=qkv_TX.dtype, device=qkv_TX.device)
     has_norm = q_norm_w is not None
+    fp8 = k_scale is not None
     _rope_kv_kernel[(T,)](
         qkv_TX, positions_T, cos_table, sin_table, slot_mapping_T, q, k_cache, v_cache,
+        k_scale if fp8 else qkv_TX, v_scale if fp8 else qkv_TX,
         q_norm_w if has_norm else qkv_TX, k_norm_w if has_norm else qkv_TX, eps,
         H=num_heads, KVH=num_kv_heads, HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        D=head_dim, HAS_NORM=has_norm, num_warps=4,
+        D=head_dim, HAS_NORM=has_norm, FP8=fp8, num_warps=4,
     )
     return q
 
@@ -233,3 +252,23 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple
     _sample_pick_kernel[(R,)](logits_RV, part[0], part[1], part_i, tok, lp, seed, inv_temp, V, logits_RV.stride(0),
                               per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy, num_warps=4)
     return tok, lp
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK)
+    x = tl.load(X + r * K + k, mask=k < K, other=0.0).to(tl.float32)
+    sc = tl.maximum(tl.max(tl.abs(x), 0), 1e-8) / 448.0
+    tl.store(S + r, sc)
+    tl.store(Q + r * K + k, (x / sc).to(Q.dtype.element_ty), mask=k < K)
+
+
+def quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows and their fp32 scales (amax / 448) in one launch: the prologue of an FP8 GEMM."""
+    M, K = x_MK.shape
+    x_MK = x_MK.contiguous()
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x_MK.device)
+    s = torch.empty(M, dtype=torch.float32, device=x_MK.device)
+    _quantize_rows_kernel[(M,)](x_MK, q, s, K=K, BLOCK=triton.next_power_of_2(K), num_warps=8)
+    return q, s

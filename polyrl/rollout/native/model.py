@@ -108,6 +108,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim], set by the engine
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # FP8 KV only: [num_blocks, block_size, kv_heads] fp32
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x_TD, cos, sin, meta: AttnMeta):
         T = x_TD.shape[0]
@@ -118,8 +120,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.k_scale, self.v_scale)
         return self.o(o.reshape(T, self.q_size))
 
     def forward_fused(self, x_TD, positions_T, cos_table, sin_table, meta: AttnMeta):
@@ -129,8 +131,8 @@ class Attention(nn.Module):
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
-                    self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+                    self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps, self.k_scale, self.v_scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.k_scale, self.v_scale)
         return self.o(o.reshape(T, self.q_size))
 
 
@@ -205,13 +207,19 @@ class CausalLM(nn.Module):
         return nn.functional.linear(hidden_SD, w)
 
 
-def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """HF parameter name -> (our tensor, row start, row end) so fused layouts take q/k/v and gate/up in place."""
+def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.Module | None]]:
+    """HF parameter name -> (our tensor, row start, row end, FP8 owner) so fused layouts take q/k/v and gate/up in
+    place; the owner is set where the tensor is an FP8Linear's e4m3 weight (rows are quantised on the way in)."""
     s = model.spec
-    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    out: dict[str, tuple[torch.Tensor, int, int, nn.Module | None]] = {}
 
     def whole(name, t):
-        out[name] = (t, 0, t.shape[0])
+        out[name] = (t, 0, t.shape[0], None)
+
+    def rows(name, module, kind, lo, hi):
+        t = getattr(module, kind)
+        owner = module if kind == "weight" and hasattr(module, "load_rows") else None
+        out[name] = (t, lo, hi, owner)
 
     whole("model.embed_tokens.weight", model.embed.weight)
     whole("model.norm.weight", model.norm.weight)
@@ -219,22 +227,21 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
         whole("lm_head.weight", model.lm_head.weight)
     else:  # tied: HF state dicts may still list lm_head.weight; it is the embedding
         whole("lm_head.weight", model.embed.weight)
-    qs, kvs, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+    qs, kvs, inter, hid = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size, s.hidden_size
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = blk.attn
         for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
-            t = getattr(a.qkv, kind)
-            out[p + f"self_attn.q_proj.{kind}"] = (t, 0, qs)
-            out[p + f"self_attn.k_proj.{kind}"] = (t, qs, qs + kvs)
-            out[p + f"self_attn.v_proj.{kind}"] = (t, qs + kvs, qs + 2 * kvs)
-        whole(p + "self_attn.o_proj.weight", a.o.weight)
+            rows(p + f"self_attn.q_proj.{kind}", a.qkv, kind, 0, qs)
+            rows(p + f"self_attn.k_proj.{kind}", a.qkv, kind, qs, qs + kvs)
+            rows(p + f"self_attn.v_proj.{kind}", a.qkv, kind, qs + kvs, qs + 2 * kvs)
+        rows(p + "self_attn.o_proj.weight", a.o, "weight", 0, hid)
         if a.q_norm is not None:
             whole(p + "self_attn.q_norm.weight", a.q_norm.weight)
             whole(p + "self_attn.k_norm.weight", a.k_norm.weight)
-        out[p + "mlp.gate_proj.weight"] = (blk.mlp.gate_up.weight, 0, inter)
-        out[p + "mlp.up_proj.weight"] = (blk.mlp.gate_up.weight, inter, 2 * inter)
-        whole(p + "mlp.down_proj.weight", blk.mlp.down.weight)
+        rows(p + "mlp.gate_proj.weight", blk.mlp.gate_up, "weight", 0, inter)
+        rows(p + "mlp.up_proj.weight", blk.mlp.gate_up, "weight", inter, 2 * inter)
+        rows(p + "mlp.down_proj.weight", blk.mlp.down, "weight", 0, hid)
         whole(p + "input_layernorm.weight", blk.ln1.weight)
         whole(p + "post_attention_layernorm.weight", blk.ln2.weight)
     return out
@@ -262,11 +269,14 @@ def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Te
             continue
         if name not in targets:
             raise ValueError(f"update_weights got an unknown parameter {name!r} for a {model.spec.model_type} model.")
-        dst, lo, hi = targets[name]
+        dst, lo, hi, owner = targets[name]
         view = dst.data[lo:hi]
         if tuple(t.shape) != tuple(view.shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(t.shape)}, the engine expects {tuple(view.shape)}.")
-        view.copy_(t, non_blocking=True)
+        if owner is not None:
+            owner.load_rows(lo, hi, t)
+        else:
+            view.copy_(t, non_blocking=True)
         seen.add(name)
     return seen
 

@@ -7,6 +7,10 @@ remain (the long tail): each split writes a normalised partial output and its lo
 merges them exactly (one launch; the same merge in torch was 4 kernels and ~16 us per layer on an H200).
 Zero-length rows (CUDA-graph padding) write zeros. With one split the kernel writes the final output in the
 activation dtype itself (no fp32 buffer, no cast kernel: one launch fewer per layer).
+
+FP8 KV (`attention.py` explains the per-(token, head) scales): the kernel loads the e4m3 bytes (half the bf16 bytes,
+the point of it), upcasts in registers, multiplies the score column by K's scales and the probability column by V's
+scales before the P.V product, so there is never a dequantised copy in memory.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ from polyrl.rollout.native.attention import AttnMeta
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, SeqSlots, BT, CL, O, LSE, scale,
+    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt,
     stride_ot, stride_oh, stride_os,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     s = tl.program_id(0)
@@ -51,19 +55,32 @@ def _paged_decode_kernel(
         off = blk * stride_kb + (t % BS) * stride_kt + kh * stride_kh
         k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
         v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        if FP8:  # e4m3 bytes -> activation dtype in registers; the per-(token, head) scales fold in below
+            soff = (blk * BS + t % BS) * KVH + kh
+            k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
+            v_sc = tl.load(VS + soff, mask=tm, other=0.0)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.dot(q, tl.trans(k))
+        if FP8:
+            sc = sc * k_sc[None, :]
+        else:
+            sc = sc * scale
         sc = tl.where(tm[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
+        pv = p
+        if FP8:
+            pv = p * v_sc[None, :]
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
         m = m_new
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -93,7 +110,8 @@ def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.c
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
 
 
-def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
     T, H, D = q_THD.shape
     kvh = k_cache.shape[2]
     G = H // kvh
@@ -104,10 +122,12 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     else:
         o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
-    common = (q_THD, k_cache, v_cache, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
+    fp8 = k_scale is not None
+    common = (q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
               q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
     knobs = dict(D=D, BS=k_cache.shape[1], TILE=CONFIG["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
+                 FP8=fp8, KVH=kvh,
                  num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
