@@ -98,16 +98,28 @@ def test_fp8_cache_holds_about_twice_the_tokens_of_bf16(reference):
     # head_dim 16 here: 1.6x; at the benchmarks' head_dim 128 the same formula gives 1.94x
 
 
-def test_per_token_scales_keep_resolution_next_to_an_outlier_token():
-    """Why per (token, head): one outlier token (an attention sink) would set a per-tensor scale for all of them."""
+def test_per_token_scales_against_per_tensor_and_stale_calibration():
+    """Why per (token, head) scales (attention.py): measured relative error of the dequantised K.
+
+    - one outlier token 1000x larger (an attention sink): per-token 1.9%, one per-tensor scale 2.3% (e4m3's exponent
+      absorbs most of it: accuracy alone is a small win);
+    - a static scale calibrated before a weight update, after which K doubles (RL updates every step): 4.7%, because
+      the values past 448 saturate. Per-token scales are computed at write time and cannot go stale.
+    """
     torch.manual_seed(0)
     k = torch.randn(64, 2, 16)
-    k[0] *= 200.0  # the outlier
+    k[0] *= 1000.0
     q, s = quantize_fp8_rows(k)
-    per_token = (q.float() * s[..., None] - k)[1:].abs().mean() / k[1:].abs().mean()
+    rel = lambda x, ref: float((x - ref)[1:].abs().mean() / ref[1:].abs().mean())  # noqa: E731
+    per_token = rel(q.float() * s[..., None], k)
     scale = k.abs().max() / FP8_MAX
-    per_tensor = ((k / scale).to(torch.float8_e4m3fn).float() * scale - k)[1:].abs().mean() / k[1:].abs().mean()
-    assert per_token < 0.04 and per_tensor > 3 * per_token, (float(per_token), float(per_tensor))
+    per_tensor = rel((k / scale).to(torch.float8_e4m3fn).float() * scale, k)
+    k2 = torch.randn(64, 2, 16) * 2.0  # after an update
+    stale = torch.randn(64, 2, 16).abs().max() / FP8_MAX
+    stale_err = rel((k2 / stale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * stale, k2)
+    q2, s2 = quantize_fp8_rows(k2)
+    assert per_token < 0.025 and per_token < per_tensor, (per_token, per_tensor)
+    assert rel(q2.float() * s2[..., None], k2) < 0.025 and stale_err > 2 * per_token, stale_err
 
 
 def test_fp8_weights_follow_update_weights(reference):

@@ -15,8 +15,10 @@ FP8 KV cache (`rollout.kv_cache_dtype=fp8`): e4m3 values with one fp32 scale per
 - RL changes the weights every step, so a per-tensor or per-head scale would need re-calibration after every
   `update_weights` (vLLM's static k_scale/v_scale come from a calibration pass); a per-token scale is computed when the
   token is written and is never stale.
-- A per-token amax keeps outlier tokens (attention sinks, the first token's large K) from crushing every other
-  token's resolution; measured in tests/test_fp8_kv_on_cpu.py against per-tensor scaling.
+- Accuracy: with an outlier token 1000x larger (an attention sink), per-token scales give 1.9% relative error on
+  the other tokens against 2.3% for one per-tensor scale (e4m3's exponent absorbs most of an outlier), and a static
+  scale calibrated before an update that doubles K gives 4.7% (values past 448 saturate): measured in
+  tests/test_fp8_rollout_on_cpu.py.
 - It costs 4 bytes per 128-byte head row (3%), and the kernels fold it in for free: K's scale multiplies the score
   column (q.k_t * s_t), V's scale multiplies the probability column before the P.V product.
 Writes quantise (amax over head_dim, /448, cast); reads upcast. On CPU the gather path does the same in torch, so the
