@@ -1,0 +1,240 @@
+"""The seeds' generation workloads on one GPU, per GPU, next to the seeds' own numbers and the decode roofline (#16).
+
+    PYTHONPATH=. python benchmarks/seed_workloads.py --shapes s1,a --configs bf16,fp8kv,fp8kv_w8 --seqs 64 --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/seed_workloads.py --gemms          # per-GEMM bf16 vs FP8 at decode sizes
+
+Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
+  s1  seed 002 (verl + vLLM, DeepSeek-R1-Distill-Qwen-1.5B: Qwen2 1.5B with an untied head): 1,024-token prompts,
+      responses with mean 14.2k and max 27.6k (a clipped normal, drawn once with seed 0). The seed generated 512
+      sequences on 8 H100s as 4 replicas of TP 2: 7.30M tokens in 260.9 s, so per GPU 64 sequences at 3,497 tok/s.
+      `--seqs` picks the sequences per GPU (64 is the seed's work; 128 is twice it).
+  s2  seed 001 (NeMo RL, Llama-3.1-8B GRPO, 16 H100s, generation GBS 2,048 so 128 sequences per GPU): 256-token
+      prompts (our choice: the seed does not say), responses lognormal with mean ~1,060 and a tail to 3,840 (prompt +
+      response <= 4,096). The seed gives no generation-only throughput (its 1,562 tok/s/GPU is the whole step).
+  a   rollout.py's (a): Qwen2.5-1.5B, B=256 x 256 prompt tokens x 1,024 new tokens.
+Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8).
+Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
+rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
+counted, but in our time): exact for these shapes, where all sequences run from the first step (max_num_seqs >= sequences).
+Bytes are the config's own (e4m3 + scales for FP8) over the copy bandwidth measured in this run; each row also gives
+the bf16 roofline, the number the FP8 configs are meant to beat.
+Log-prob gap (`--gap`): the engine samples 32 x 256 tokens at temperature 1 on the shape's model; HF's bf16 forward
+(the trainer's math) scores the same tokens; we report training/rollout_probs_diff_mean (mean |p_engine - p_train|)
+and the mismatch KL estimate mean(log p_engine - log p_train). Random weights give a near-uniform distribution, so
+these numbers are a lower bound; the trained-like number comes from `polyrl quickstart --scale gpu` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _record import append_row  # noqa: E402
+from rollout import copy_bandwidth  # noqa: E402
+
+ARCH = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
+    "r1-distill-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, False),
+    "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True),
+    "llama3.1-8b": ("llama", 4096, 14336, 32, 32, 8, 128256, False),
+}
+SEED_PEER = {"s1": "verl+vLLM (seed 002): 3,497 tok/s/GPU at 64 seqs/GPU", "s2": "NeMo RL (seed 001): no gen-only number",
+             "a": "-"}
+CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8")}
+
+
+def build_hf(arch: str, max_pos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kind, h, i, L, nh, kv, V, tied = ARCH[arch]
+    common = dict(vocab_size=V, hidden_size=h, intermediate_size=i, num_hidden_layers=L, num_attention_heads=nh,
+                  num_key_value_heads=kv, tie_word_embeddings=tied, max_position_embeddings=max_pos,
+                  rms_norm_eps=1e-6)
+    cfg = Qwen2Config(rope_theta=1e6, **common) if kind == "qwen2" else LlamaConfig(rope_theta=5e5, **common)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        m = (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(cfg)
+    torch.set_default_dtype(old)
+    return m.eval()
+
+
+def workload(shape: str, seqs: int):
+    """(arch, prompt length, per-sequence response lengths)."""
+    rng = np.random.default_rng(0)
+    if shape == "s1":
+        lens = np.clip(rng.normal(14200, 6500, seqs), 1500, 27648)
+        lens = np.clip(lens * 14200 / lens.mean(), 1500, 27648).astype(int)
+        lens[int(np.argmax(lens))] = 27648
+        return "r1-distill-1.5b", 1024, lens.tolist()
+    if shape == "s2":
+        lens = np.clip(rng.lognormal(np.log(800), 0.75, seqs), 64, 3840).astype(int)
+        return "llama3.1-8b", 256, lens.tolist()
+    return "qwen2.5-1.5b", 256, [1024] * seqs
+
+
+def _read_per_step(eng, bytes_of) -> int:
+    """Weight bytes one decode step reads: all parameters but an untied embedding table (only B rows are gathered)."""
+    skip = eng.model.embed.weight if eng.model.lm_head is not None else None
+    return sum(bytes_of(p) for p in eng.model.parameters() if p is not skip)
+
+
+def engine_bytes(eng) -> tuple[int, int]:
+    """(weight bytes read per step, KV bytes per context token) in this engine's dtypes (e4m3 + scales for FP8)."""
+    return _read_per_step(eng, lambda p: p.numel() * p.element_size()), eng.block_bytes // eng.block_size
+
+
+def bf16_bytes(eng) -> tuple[int, int]:
+    """The same in bf16 (FP8 scales dropped): the roofline a bf16 engine cannot beat."""
+    s = eng.spec
+    W = _read_per_step(eng, lambda p: 0 if p.dtype == torch.float32 and p.dim() == 1 and eng.quantization
+                       else p.numel() * 2)
+    return W, 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
+
+
+def roofline(P: int, lens: list[int], W: int, kv_tok: int, bw: float) -> float:
+    steps = max(lens)
+    ctx = sum(L * P + L * (L + 1) // 2 for L in lens)
+    return sum(lens) / ((steps * W + ctx * kv_tok) / bw)
+
+
+@torch.no_grad()
+def logprob_gap(eng, hf, vocab: int) -> dict[str, float]:
+    from polyrl.rollout.base import SamplingParams
+
+    prompts = torch.randint(0, vocab, (32, 128), generator=torch.Generator().manual_seed(1)).tolist()
+    out = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=256, ignore_eos=True, seed=3))
+    diffs, kls = [], []
+    for p, toks, lps in zip(prompts, out.token_ids, out.logprobs):
+        ids = torch.tensor([p + toks], device="cuda")
+        logits = hf(ids).logits[0, len(p) - 1 : -1].float()
+        lp_train = torch.log_softmax(logits, -1).gather(1, ids[0, len(p):, None]).squeeze(1)
+        lp_roll = torch.tensor(lps, device="cuda")
+        diffs.append((lp_roll.exp() - lp_train.exp()).abs().mean().item())
+        kls.append((lp_roll - lp_train).mean().item())
+    return {"rollout_probs_diff_mean": float(np.mean(diffs)), "mismatch_kl": float(np.mean(kls))}
+
+
+def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    arch, P, lens = workload(shape, seqs)
+    max_len = P + max(lens)
+    hf = build_hf(arch, max(4096, max_len))
+    vocab = hf.config.vocab_size
+    prompts = torch.randint(0, vocab, (seqs, P), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=max(lens), ignore_eos=True, seed=0, forced_lengths=lens)
+    results = []
+    for cname in configs:
+        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(256, seqs),
+                                   max_model_len=max_len, **CONFIGS[cname])
+        eng.update_weights(hf.state_dict().items())
+        W, kv_tok = engine_bytes(eng)
+        Wb, kvb = bf16_bytes(eng)
+        roof, roof_bf16 = roofline(P, lens, W, kv_tok, bw), roofline(P, lens, Wb, kvb, bw)
+        print(f"[{shape} {seqs} {cname}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
+              f"{eng.num_blocks * eng.block_size:,} tokens; roofline {roof:,.0f} tok/s (bf16 {roof_bf16:,.0f})",
+              flush=True)
+        short = [max(1, L // 32) for L in lens]  # warm-up: compiles and the graphs of the batch sizes passed through
+        eng.generate(prompts, dataclasses.replace(sp, max_new_tokens=max(short), forced_lengths=short))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, sp)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        assert out.lengths == lens
+        tps = sum(lens) / dt
+        r = dict(shape=shape, seqs=seqs, config=cname, arch=arch, seconds=dt, tokens_per_s=tps, roofline=roof,
+                 roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
+                 num_preempted=eng.stats["num_preempted"], kv_tokens=eng.num_blocks * eng.block_size,
+                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
+                 mean_len=float(np.mean(lens)), max_len=max(lens))
+        if args.gap:
+            r.update(logprob_gap(eng, hf, vocab))
+        print(json.dumps(r), flush=True)
+        results.append(r)
+        peer = SEED_PEER[shape]
+        ratio = f"{tps / 3497:.2f}x seed" if shape == "s1" and seqs == 64 else "-"
+        gap = (f"; probs_diff {r['rollout_probs_diff_mean']:.4f}, mismatch KL {r['mismatch_kl']:.4f} (random weights)"
+               if args.gap else "")
+        if args.rows_out:
+            rows.append(append_row(
+                dev_name, f"seed_workloads.py {shape}",
+                f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
+                f"{dt:.1f} s; preempted {r['num_preempted']}{gap}",
+                f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
+                f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
+        del eng, out
+        gc.collect()
+        torch.cuda.empty_cache()
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def bench_gemms(M_list=(64, 128, 256)) -> None:
+    """Each decode GEMM of the 1.5B and 8B shapes, bf16 cuBLAS vs FP8 (row quantisation + _scaled_mm), in graphs."""
+    import triton.testing
+
+    from polyrl.rollout.native.fp8_linear import FP8Linear
+
+    for arch in ("r1-distill-1.5b", "llama3.1-8b"):
+        _, h, inter, _, nh, kv, _, _ = ARCH[arch]
+        D = h // nh
+        shapes = {"qkv": (h, (nh + 2 * kv) * D), "o": (nh * D, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+        for name, (K, N) in shapes.items():
+            lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
+            f8 = FP8Linear(lin)
+            for M in M_list:
+                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
+                t_f8 = triton.testing.do_bench_cudagraph(lambda: f8(x)) * 1e3
+                print(f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us "
+                      f"({t_bf / t_f8:.2f}x) -> {'fp8' if t_f8 < t_bf else 'bf16'}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="s1,s2,a")
+    ap.add_argument("--seqs", default="64", help="sequences per GPU for s1 (comma list); s2 uses 128, a uses 256")
+    ap.add_argument("--configs", default="bf16,fp8kv,fp8kv_w8")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
+    ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
+    ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
+    ap.add_argument("--rows-out", default=None)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    dev_name = torch.cuda.get_device_name()
+    if args.gemms:
+        bench_gemms()
+        return
+    bw = copy_bandwidth()
+    print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results, rows = [], []
+    for shape in args.shapes.split(","):
+        for seqs in ([int(x) for x in args.seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]):
+            results += run_shape(shape, seqs, args.configs.split(","), bw, args, dev_name, rows)
+    print("\n| shape | seqs | config | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        vs = f"{r['tokens_per_s'] / 3497:.2f}x" if r["shape"] == "s1" and r["seqs"] == 64 else "-"
+        print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
