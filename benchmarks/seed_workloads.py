@@ -204,6 +204,43 @@ def bench_gemms(M_list=(64, 128, 256)) -> None:
                       f"({t_bf / t_f8:.2f}x) -> {'fp8' if t_f8 < t_bf else 'bf16'}", flush=True)
 
 
+def tune_fp8(bw: float) -> None:
+    """The paged-decode kernel, bf16 vs e4m3 K/V, over launch configs at a short and a long context."""
+    import triton.testing
+    from decode_kernels import random_paged_kv
+
+    from polyrl.rollout.native import paged_decode as pd
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+
+    H, KVH, D = 12, 2, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, ctx in ((256, 768), (64, 16384)):
+        k, v, meta_of = random_paged_kv(B, ctx)
+        k8, ks = quantize_fp8_rows(k)
+        v8, vs = quantize_fp8_rows(v)
+        q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+        meta = meta_of(pd.choose_num_splits(B, KVH, sms))
+        t_bf = triton.testing.do_bench(lambda: pd.paged_decode(q, k, v, meta, D**-0.5), return_mode="median")
+        nbf, n8 = 2 * k[1:].numel() * 2, 2 * (k8[1:].numel() + ks[1:].numel() * 4)
+        print(f"decode B={B} ctx={ctx}: bf16 {t_bf * 1e3:.0f} us ({nbf / t_bf / 1e6:,.0f} GB/s; copy-BW floor "
+              f"{nbf / bw * 1e6:.0f} us)", flush=True)
+        best = None
+        for tile in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    pd.CONFIG_FP8.update(tile=tile, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = triton.testing.do_bench(lambda: pd.paged_decode(q, k8, v8, meta, D**-0.5, ks, vs),
+                                                     return_mode="median")
+                    except Exception as e:  # a config that does not fit
+                        print(f"  fp8 {tile}/{warps}/{stages}: {type(e).__name__}")
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, (tile, warps, stages))
+        print(f"  fp8 best tile/warps/stages {best[1]}: {best[0] * 1e3:.0f} us ({n8 / best[0] / 1e6:,.0f} GB/s; "
+              f"{t_bf / best[0]:.2f}x bf16; floor {n8 / bw * 1e6:.0f} us)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="s1,s2,a")
@@ -212,6 +249,7 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
+    ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -221,6 +259,9 @@ def main():
         return
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.tune_fp8:
+        tune_fp8(bw)
+        return
     results, rows = [], []
     for shape in args.shapes.split(","):
         for seqs in ([int(x) for x in args.seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]):

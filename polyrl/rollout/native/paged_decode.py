@@ -9,7 +9,8 @@ Zero-length rows (CUDA-graph padding) write zeros. With one split the kernel wri
 activation dtype itself (no fp32 buffer, no cast kernel: one launch fewer per layer).
 
 FP8 KV (`attention.py` explains the per-(token, head) scales): the kernel loads the e4m3 bytes (half the bf16 bytes,
-the point of it), upcasts in registers, multiplies the score column by K's scales and the probability column by V's
+the point of it), upcasts in registers (to fp16, a single conversion instruction on Hopper, with q cast to fp16
+once; scores and the softmax stay fp32), multiplies the score column by K's scales and the probability column by V's
 scales before the P.V product, so there is never a dequantised copy in memory.
 """
 
@@ -45,6 +46,9 @@ def _paged_decode_kernel(
     d = tl.arange(0, D)
     heads = kh * G + g
     q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    if FP8:
+        if not IEEE:  # e4m3 -> fp16 is one native conversion on Hopper (-> bf16 goes through fp16): compute in fp16
+            q = q.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -59,8 +63,8 @@ def _paged_decode_kernel(
             soff = (blk * BS + t % BS) * KVH + kh
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
             v_sc = tl.load(VS + soff, mask=tm, other=0.0)
-            k = k.to(Q.dtype.element_ty)
-            v = v.to(Q.dtype.element_ty)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -108,6 +112,7 @@ def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.c
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
+CONFIG_FP8 = dict(tile=64, num_warps=4, num_stages=3)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`
 
 
 def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None,
@@ -126,9 +131,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     common = (q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
               q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
-    knobs = dict(D=D, BS=k_cache.shape[1], TILE=CONFIG["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
-                 FP8=fp8, KVH=kvh,
-                 num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+    c = CONFIG_FP8 if fp8 else CONFIG
+    knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
+                 FP8=fp8, KVH=kvh, num_warps=c["num_warps"], num_stages=c["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
         return o[:, :, 0]
