@@ -319,7 +319,7 @@ class NativeEngine:
         m = self.dec_meta
         return AttnMeta(slot_mapping=m[2, :batch], decode=True, seq_slots=m[0, :batch], block_tables=self.bt_dev,
                         context_lens=m[3, :batch], use_kernel=True,
-                        num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms))
+                        num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms, self.kv_fp8))
 
     def _decode_forward(self, batch: int) -> torch.Tensor:
         """Decode forward over static buffers (the function CUDA graphs capture). Returns logits [batch, V]."""
