@@ -121,7 +121,7 @@ def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.c
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
-CONFIG_FP8 = dict(tile=64, num_warps=4, num_stages=3, qk8=False, programs_per_sm=1)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`
+CONFIG_FP8 = dict(tile=128, num_warps=4, num_stages=3, qk8=False, programs_per_sm=1)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`
 
 
 def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None,
