@@ -165,7 +165,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         results.append(r)
         peer = SEED_PEER[shape]
         ratio = f"{tps / 3497:.2f}x seed" if shape == "s1" and seqs == 64 else "-"
-        gap = (f"; probs_diff {r['rollout_probs_diff_mean']:.4f}, mismatch KL {r['mismatch_kl']:.4f} (random weights)"
+        gap = (f"; probs_diff {r['rollout_probs_diff_mean']:.1e}, mismatch KL {r['mismatch_kl']:.4f} (random weights)"
                if args.gap else "")
         if args.rows_out:
             rows.append(append_row(
