@@ -248,6 +248,30 @@ def tune_fp8(bw: float) -> None:
                   f"{t_bf / ms:.2f}x bf16; floor {n8 / bw * 1e6:.0f} us)", flush=True)
 
 
+def profile(configs) -> None:
+    """Kernel-time breakdown of decode at a long context: 32 x 4,096-token prompts, 512 new tokens, per config."""
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    hf = build_hf("r1-distill-1.5b", 8192)
+    prompts = torch.randint(0, hf.config.vocab_size, (32, 4096), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=512, ignore_eos=True, seed=0)
+    for cname in configs:
+        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=8192, **CONFIGS[cname])
+        eng.generate(prompts, sp)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.generate(prompts, sp)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        ka = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in ka) / 1e6
+        print(f"[{cname}] wall {wall:.3f} s, GPU kernel time {gpu:.3f} s, {eng.stats['num_decode_steps']} decode steps")
+        print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+        del eng
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="s1,s2,a")
@@ -257,12 +281,16 @@ def main():
     ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
+    ap.add_argument("--profile", action="store_true", help="only a decode kernel breakdown per config")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     dev_name = torch.cuda.get_device_name()
     if args.gemms:
         bench_gemms()
+        return
+    if args.profile:
+        profile(args.configs.split(","))
         return
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
