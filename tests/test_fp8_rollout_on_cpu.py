@@ -144,3 +144,19 @@ def test_fp8_weights_follow_update_weights(reference):
 def test_unknown_low_precision_values_are_refused(reference, kw, words):
     with pytest.raises(ValueError, match=words):
         NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256, **kw)
+
+
+def test_engine_kwargs_native_reach_the_engine(reference):
+    """`rollout.engine_kwargs.native.*` is read (not accepted and ignored): the FP8 size threshold and cache size."""
+    from polyrl.rollout import make_rollout
+    from polyrl.rollout.config import RolloutConfig
+    from polyrl.rollout.native.fp8_linear import FP8Linear
+
+    m = reference[0]
+    cfg = RolloutConfig(quantization="fp8", engine_kwargs={"native": {"fp8_min_elements": 8192, "num_kv_tokens": 320}})
+    eng = make_rollout(cfg, m, pad_token_id=0, device=torch.device("cpu"), max_model_len=256)
+    kinds = {name: isinstance(getattr(parent, name), FP8Linear) for parent, name in
+             ((eng.model.layers[0].attn, "qkv"), (eng.model.layers[0].attn, "o"),
+              (eng.model.layers[0].mlp, "gate_up"), (eng.model.layers[0].mlp, "down"))}
+    assert kinds == {"qkv": False, "o": False, "gate_up": True, "down": False}  # only gate_up (256x64) > 8192
+    assert eng.num_blocks == -(-320 // eng.block_size) + 1

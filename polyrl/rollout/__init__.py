@@ -23,7 +23,7 @@ def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_mod
             _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization)
+            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
     raise KeyError(cfg.name)  # checks.check_supported refuses other names with a user-facing message
 
 

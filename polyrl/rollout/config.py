@@ -88,7 +88,9 @@ class RolloutConfig:
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling during validation."""
     engine_kwargs: dict = field(default_factory=dict)
-    """Extra backend-specific engine arguments."""
+    """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
+    block_size, num_kv_tokens (CPU cache size) and fp8_min_elements (quantization=fp8 only for weights with more
+    elements than this; default 2^24 on CUDA, the measured crossover)."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

@@ -26,6 +26,9 @@ def world_size(cfg) -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements"}
+
+
 def _check_low_precision_rollout(r) -> None:
     from polyrl.rollout.native.engine import KV_CACHE_DTYPES, QUANTIZATIONS
 
@@ -35,6 +38,11 @@ def _check_low_precision_rollout(r) -> None:
     if r.quantization not in QUANTIZATIONS:
         raise ConfigError(f"actor_rollout_ref.rollout.quantization={r.quantization!r} is not supported; use fp8 or "
                           "leave it unset (null).")
+    for backend, kwargs in (r.engine_kwargs or {}).items():
+        bad = sorted(set(kwargs or {}) - NATIVE_ENGINE_KWARGS) if backend == "native" else sorted(kwargs or {})
+        if bad:
+            raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{backend}.{bad[0]} is not read by polyrl's "
+                              f"engine; engine_kwargs.native takes {sorted(NATIVE_ENGINE_KWARGS)}. Remove the key.")
     if r.name != "native" and (r.kv_cache_dtype != "auto" or r.quantization is not None):
         raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype/quantization need rollout.name=native (got "
                           f"rollout.name={r.name}); set rollout.name=native or drop the FP8 keys.")

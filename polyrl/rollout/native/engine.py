@@ -80,6 +80,7 @@ class NativeEngine:
         num_kv_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        fp8_min_elements: int | None = None,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -107,11 +108,11 @@ class NativeEngine:
         return cls(model, device=device, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
-                   kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                   kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
-                 quantization=None):
+                 quantization=None, fp8_min_elements=None):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -131,7 +132,7 @@ class NativeEngine:
         if quantization == "fp8":
             from polyrl.rollout.native.fp8_linear import quantize_model
 
-            quantize_model(model)
+            quantize_model(model, min_elements=fp8_min_elements)
         self.cuda = self.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed
