@@ -31,7 +31,7 @@ def _paged_decode_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, QK8: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     s = tl.program_id(0)
@@ -47,10 +47,7 @@ def _paged_decode_kernel(
     heads = kh * G + g
     q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
     if FP8:
-        if QK8:  # q.k^T as an e4m3 tensor-core dot: q quantised once per head row, K used as stored
-            q_sc = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-8) / 448.0
-            q = (q.to(tl.float32) / q_sc[:, None]).to(K.dtype.element_ty)
-        elif not IEEE:  # e4m3 -> fp16 is one native conversion on Hopper (-> bf16 goes through fp16)
+        if not IEEE:  # e4m3 -> fp16 is one native conversion on Hopper (-> bf16 goes through fp16)
             q = q.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
@@ -66,19 +63,13 @@ def _paged_decode_kernel(
             soff = (blk * BS + t % BS) * KVH + kh
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
             v_sc = tl.load(VS + soff, mask=tm, other=0.0)
-            if QK8:
-                k_sc = q_sc[:, None] * k_sc[None, :]
-                v = v.to(tl.float16)
-            else:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k))
-        if QK8:
-            sc = sc * k_sc  # [GP, TILE]: q's row scale times K's column scale
-        elif FP8:
+        if FP8:
             sc = sc * k_sc[None, :]
         else:
             sc = sc * scale
@@ -121,7 +112,7 @@ def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.c
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
-CONFIG_FP8 = dict(tile=128, num_warps=4, num_stages=3, qk8=False, programs_per_sm=1)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`
+CONFIG_FP8 = dict(tile=128, num_warps=4, num_stages=3, programs_per_sm=1)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`
 
 
 def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None,
@@ -142,7 +133,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
     c = CONFIG_FP8 if fp8 else CONFIG
     knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
-                 FP8=fp8, KVH=kvh, QK8=fp8 and CONFIG_FP8["qk8"] and q_THD.dtype != torch.float32,
+                 FP8=fp8, KVH=kvh,
                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
