@@ -387,18 +387,22 @@ def test_vanilla_clamps_log_ratio_and_rejects_bad_clip_ratio_c():
         _pl("vanilla", [0.0], [1.0], clip_ratio_c=1.0)
 
 
-def test_gspo_sequence_ratio_and_forced_seq_mean_token_mean():
+def test_gspo_sequence_ratio_follows_loss_agg_mode():
     # row0: log-ratios [ln2, 0] -> seq ratio exp(ln2/2) = 1.41421, A=+1 -> clipped at 1.2: losses [-1.2, -1.2]
     # row1: log-ratio [ln .9] (second token padding) -> seq ratio .9, A=-1 -> max(.9, clip(.9)=.9) = .9
-    # seq-mean-token-mean: (-1.2 + .9)/2 = -.15 even when token-mean is asked for (as verl)
-    # clipfrac 2/3; ppo_kl = -(ln2 + ln.9)/3; grad on row1 token: ratio .9 * A... d(-A s)/dlogp = .9 -> / 1 tok / 2 seqs
+    # verl 0.9.1 aggregates with the configured mode: token-mean (-1.2 - 1.2 + .9)/3 = -.5;
+    # seq-mean-token-mean (verl <= 0.8's forced mode) (-1.2 + .9)/2 = -.15
+    # clipfrac 2/3; ppo_kl = -(ln2 + ln.9)/3; grad on row1's token: d(-A s)/dlogp = .9, / 3 tokens (token-mean)
     log_ratio = T([[math.log(2.0), 0.0], [math.log(0.9), 0.0]])
     adv = T([[1.0, 1.0], [-1.0, -1.0]])
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     loss, m, grad = _pl("gspo", log_ratio, adv, mask=mask, mode="token-mean")
-    close(loss, -0.15)
+    close(loss, -0.5)
     close(m["actor/pg_clipfrac"], 2 / 3)
     close(m["actor/ppo_kl"], -(math.log(2.0) + math.log(0.9)) / 3)
+    close(grad, [[0.0, 0.0], [0.3, 0.0]])
+    loss, _, grad = _pl("gspo", log_ratio, adv, mask=mask, mode="seq-mean-token-mean")
+    close(loss, -0.15)
     close(grad, [[0.0, 0.0], [0.45, 0.0]])
 
 
