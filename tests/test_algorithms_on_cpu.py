@@ -731,3 +731,25 @@ def test_dppo_tv_and_kl_trust_regions():
 @pytest.mark.parametrize("name", ["sapo", "geo_mean", "cispo", "dro", "dppo_tv", "dppo_kl"])
 def test_new_policy_losses_micro_batch_invariance(name):
     test_policy_loss_gradient_micro_batch_invariance(name, "token-mean")
+
+
+@pytest.mark.parametrize("name", ["grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_new_estimators_follow_a_row_permutation(name):
+    """Shuffling the rows (groups and all) shuffles the advantages the same way: no estimator reads row order."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(8, 5, generator=g) > 0.2).float()
+    mask[:, 0] = 1.0
+    r = torch.randint(0, 3, (8, 5), generator=g).float() * mask
+    kw = dict(old_log_probs_BT=-torch.rand(8, 5, generator=g), sum_pi_squared_BT=torch.rand(8, 5, generator=g),
+              reward_components_KB=torch.rand(2, 8, generator=g))
+    index = np.array(list("aabbbccd"))
+    if name == "grpo_passk":
+        index = np.array(list("aabbbccc"))  # pass@k needs two responses per group
+    perm = torch.randperm(8, generator=g)
+    adv, ret = compute_advantage(name, token_level_rewards_BT=r, response_mask_BT=mask, index=index, **kw)
+    kw_p = dict(old_log_probs_BT=kw["old_log_probs_BT"][perm], sum_pi_squared_BT=kw["sum_pi_squared_BT"][perm],
+                reward_components_KB=kw["reward_components_KB"][:, perm])
+    adv_p, ret_p = compute_advantage(name, token_level_rewards_BT=r[perm], response_mask_BT=mask[perm],
+                                     index=index[perm.numpy()], **kw_p)
+    close(adv_p, adv[perm])
+    close(ret_p, ret[perm])

@@ -146,3 +146,22 @@ def test_rollout_correction_keys_reach_the_trainer(tiny_model_dir, synth_data_di
         assert train and all(math.isfinite(r["actor/pg_loss"]) for r in train)
         assert "rollout_corr/rollout_is_mean" in train[-1] and "rollout_corr/kl" in train[-1]
         assert ("timing_s/old_log_prob" in train[-1]) == (name == "decoupled")  # bypass skips the pass
+
+
+def test_sum_pi_squared_matches_the_full_logits(tiny_model_dir):
+    """The OTB estimators' sum_v pi_v^2 per response position, against the model's own forward (another code path)."""
+    from test_trainer_on_cpu import _batch
+
+    from polyrl.models.loader import load_causal_lm
+    from polyrl.training.actor import compute_sum_pi_squared
+
+    model = load_causal_lm(str(tiny_model_dir))
+    batch = _batch(tiny_model_dir)
+    got = compute_sum_pi_squared(model, batch, temperature=0.7, micro_batch_size=3)
+    T_len = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -T_len - 1:-1]
+    want = torch.softmax(logits.float() / 0.7, -1).square().sum(-1) * batch["response_mask"]
+    close(got, want)
+    assert float(got.max()) <= 1.0 and float(got[batch["response_mask"] > 0].min()) > 0
