@@ -4,6 +4,7 @@ Shared example, one row of three tokens: trainer log-probs old = [-1, -2, -0.5],
 log-ratio lr = old - rollout = [0.5, 0, -0.3] and the token ratios are [e^.5, 1, e^-.3] = [1.648721, 1, 0.740818].
 """
 
+import json
 import math
 
 import pytest
@@ -130,13 +131,10 @@ def test_rollout_correction_keys_reach_the_trainer(tiny_model_dir, synth_data_di
 
     from polyrl.cli import main as cli_main
 
-    import json
-
+    rc = "algorithm.rollout_correction"
     for name, keys in {
-        "decoupled": ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k3",
-                      "algorithm.rollout_correction.rollout_rs_threshold=1.0"],
-        "bypass": ["algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
-                   "algorithm.rollout_correction.rollout_is=sequence"],
+        "decoupled": [f"{rc}.rollout_is=token", f"{rc}.rollout_rs=token_k3", f"{rc}.rollout_rs_threshold=1.0"],
+        "bypass": [f"{rc}.bypass_mode=True", f"{rc}.loss_type=reinforce", f"{rc}.rollout_is=sequence"],
     }.items():
         run = tmp_path / name
         run.mkdir()
