@@ -138,7 +138,7 @@ def test_rollout_correction_keys_reach_the_trainer(tiny_model_dir, synth_data_di
     }.items():
         run = tmp_path / name
         run.mkdir()
-        assert cli_main(_train_args(tiny_model_dir, synth_data_dir, run, *keys)) == 0
+        assert cli_main(_train_args(tiny_model_dir, synth_data_dir, run, *keys, "trainer.total_training_steps=1")) == 0
         rows = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "actor/pg_loss" in r]
         assert train and all(math.isfinite(r["actor/pg_loss"]) for r in train)
