@@ -416,12 +416,12 @@ class PPOTrainer(CheckpointingMixin):
                           clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                           clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                           kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
+                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length,
+                          tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=a.policy_loss.dro_beta)
         temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
         alg = self.cfg.algorithm
         # pi_old must exist before the update for rollout correction (decoupled) and OTB; bypass reads the rollout's
         needs_old = alg.rollout_correction.enabled or alg.adv_estimator in _NEEDS_SUM_PI_SQUARED
-        knobs.tau_pos, knobs.tau_neg, knobs.dro_beta = a.tau_pos, a.tau_neg, a.policy_loss.dro_beta
         return UpdateSettings(
             mini_batch_size=mini, micro_batch_size=min(micro, mini), ppo_epochs=a.ppo_epochs, temperature=temperature,
             loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode, knobs=knobs, grad_clip=a.grad_clip,
