@@ -574,9 +574,14 @@ def test_select_groups_drops_constant_groups():
 def test_rloo_group_of_one_keeps_its_raw_score():
     """verl's `rloo` keeps a lone sample's score, its `rloo_vectorized` gives 0: polyrl follows `rloo` (documented
     in advantages.py and the README's algorithm list)."""
-    r, mask = outcome_rewards([2.0, 1.0, 3.0])
-    adv, _ = compute_advantage("rloo", token_level_rewards_BT=r, response_mask_BT=mask, index=["a", "b", "c"])
-    close(adv[:, 0], [2.0, 1.0, 3.0])
+    r, mask = outcome_rewards([2.0, 1.0, 3.0, 0.0])
+    idx = ["a", "b", "c", "c"]
+    adv, _ = compute_advantage("rloo", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv[:, 0], [2.0, 1.0, 3.0, -3.0])
+    adv, _ = compute_advantage("rloo_vectorized", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv[:, 0], [0.0, 0.0, 3.0, -3.0])  # verl's other spelling: lone samples get 0
+    adv, _ = compute_advantage("grpo_vectorized", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv, compute_advantage("grpo", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)[0])
 
 
 def test_reinforce_plus_plus_carries_the_return_across_mask_holes():

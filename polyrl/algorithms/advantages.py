@@ -7,7 +7,8 @@ Semantics follow verl's `core_algos.py` (the key `algorithm.adv_estimator` picks
   a group of one gets mean 0, std 1. Dr.GRPO is `norm_adv_by_std_in_grpo=False` (no division). FlowGRPO's
   `global_std=True` divides by the std of the whole batch's scores instead of each group's.
 - `rloo`: n/(n-1) * (s - group mean), i.e. s minus the mean of the *other* samples; a group of one keeps s
-  (verl's `rloo` does the same; its `rloo_vectorized` gives such a row 0 instead: we keep the raw score).
+  (verl's `rloo` does the same; its `rloo_vectorized`, also registered here, gives such a row 0 instead).
+  `grpo_vectorized` is `grpo` (verl's two spellings of the same math).
 - `reinforce_plus_plus`: discounted return-to-go (gamma), whitened over all valid tokens of the batch; masked
   positions inside a response (tool output, multi-turn gaps) carry the running return across unchanged and have
   return 0 (verl 0.9.1).
@@ -181,6 +182,7 @@ def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, **_)
     return masked_whiten(advantages_BT, response_mask_BT) * response_mask_BT, returns_BT
 
 
+@register_adv_est("grpo_vectorized", needs=("index",))  # verl's second spelling of the same math
 @register_adv_est("grpo", needs=("index",))
 def grpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_grpo, epsilon, global_std=False, **_):
     """Group-relative advantage; Dr.GRPO skips the division by the std; `global_std` uses the batch's std."""
@@ -205,6 +207,16 @@ def rloo(*, token_level_rewards_BT, response_mask_BT, index, **_):
     loo_B = (scores_B - mean_B) * count_B / (count_B - 1).clamp_min(1)
     adv_B = torch.where(count_B > 1, loo_B, scores_B)
     adv_BT = adv_B.unsqueeze(-1) * response_mask_BT
+    return adv_BT, adv_BT
+
+
+@register_adv_est("rloo_vectorized", needs=("index",))
+def rloo_vectorized(*, token_level_rewards_BT, response_mask_BT, index, **_):
+    """verl's `rloo_vectorized`: `rloo` except that a group of one gets advantage 0 instead of its raw score."""
+    scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
+    _, _, count_B = group_mean_std(scores_B, ids_B, num_groups)
+    adv_BT, _ = rloo(token_level_rewards_BT=token_level_rewards_BT, response_mask_BT=response_mask_BT, index=index)
+    adv_BT = adv_BT * (count_B > 1).unsqueeze(-1)
     return adv_BT, adv_BT
 
 

@@ -58,7 +58,7 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, gdpo,
+    """gae, grpo(_vectorized), rloo(_vectorized), reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk, gdpo,
     optimal_token_baseline, tir_optimal_token_baseline."""
     gamma: float = 1.0
     """Discount factor."""
