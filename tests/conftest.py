@@ -27,6 +27,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def quickstart_cache(tmp_path_factory):
+    """One POLYRL_CACHE for the session, so the quickstart tests share its tiny model and SFT warm-up."""
+    return tmp_path_factory.mktemp("polyrl_cache")
+
+
+@pytest.fixture(scope="session")
 def synth_data_dir(tmp_path_factory):
     from polyrl.data.dataset import write_parquet
     from polyrl.data.synthetic import make_rows

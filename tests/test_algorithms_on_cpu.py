@@ -387,18 +387,22 @@ def test_vanilla_clamps_log_ratio_and_rejects_bad_clip_ratio_c():
         _pl("vanilla", [0.0], [1.0], clip_ratio_c=1.0)
 
 
-def test_gspo_sequence_ratio_and_forced_seq_mean_token_mean():
+def test_gspo_sequence_ratio_follows_loss_agg_mode():
     # row0: log-ratios [ln2, 0] -> seq ratio exp(ln2/2) = 1.41421, A=+1 -> clipped at 1.2: losses [-1.2, -1.2]
     # row1: log-ratio [ln .9] (second token padding) -> seq ratio .9, A=-1 -> max(.9, clip(.9)=.9) = .9
-    # seq-mean-token-mean: (-1.2 + .9)/2 = -.15 even when token-mean is asked for (as verl)
-    # clipfrac 2/3; ppo_kl = -(ln2 + ln.9)/3; grad on row1 token: ratio .9 * A... d(-A s)/dlogp = .9 -> / 1 tok / 2 seqs
+    # verl 0.9.1 aggregates with the configured mode: token-mean (-1.2 - 1.2 + .9)/3 = -.5;
+    # seq-mean-token-mean (verl <= 0.8's forced mode) (-1.2 + .9)/2 = -.15
+    # clipfrac 2/3; ppo_kl = -(ln2 + ln.9)/3; grad on row1's token: d(-A s)/dlogp = .9, / 3 tokens (token-mean)
     log_ratio = T([[math.log(2.0), 0.0], [math.log(0.9), 0.0]])
     adv = T([[1.0, 1.0], [-1.0, -1.0]])
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     loss, m, grad = _pl("gspo", log_ratio, adv, mask=mask, mode="token-mean")
-    close(loss, -0.15)
+    close(loss, -0.5)
     close(m["actor/pg_clipfrac"], 2 / 3)
     close(m["actor/ppo_kl"], -(math.log(2.0) + math.log(0.9)) / 3)
+    close(grad, [[0.0, 0.0], [0.3, 0.0]])
+    loss, _, grad = _pl("gspo", log_ratio, adv, mask=mask, mode="seq-mean-token-mean")
+    close(loss, -0.15)
     close(grad, [[0.0, 0.0], [0.45, 0.0]])
 
 
@@ -562,3 +566,195 @@ def test_select_groups_drops_constant_groups():
     kept, row_mask = select_groups(metric.tolist(), np.array(index), keep_singletons=False)
     assert kept == ["b"]
     assert row_mask.sum().item() == 2
+
+
+# --------------------------------------------------------------------------- verl 0.9.1 parity (issue 20)
+
+
+def test_rloo_group_of_one_keeps_its_raw_score():
+    """verl's `rloo` keeps a lone sample's score, its `rloo_vectorized` gives 0: polyrl follows `rloo` (documented
+    in advantages.py and the README's algorithm list)."""
+    r, mask = outcome_rewards([2.0, 1.0, 3.0, 0.0])
+    idx = ["a", "b", "c", "c"]
+    adv, _ = compute_advantage("rloo", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv[:, 0], [2.0, 1.0, 3.0, -3.0])
+    adv, _ = compute_advantage("rloo_vectorized", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv[:, 0], [0.0, 0.0, 3.0, -3.0])  # verl's other spelling: lone samples get 0
+    adv, _ = compute_advantage("grpo_vectorized", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv, compute_advantage("grpo", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)[0])
+
+
+def test_reinforce_plus_plus_carries_the_return_across_mask_holes():
+    # gamma .5, r [0, 9, 1], mask [1, 0, 1]: t2 -> 1; t1 masked: its reward is ignored, the running return 1 passes
+    # through undiscounted and the position's return is 0; t0 -> 0 + .5 * 1 = .5. (verl <= 0.9.0 reset it: [0, .5, 1])
+    # whitened over [.5, 1]: mean .75, unbiased var .125, std .353553 -> [-.707107, 0, .707107]
+    r, mask = T([[0.0, 9.0, 1.0]]), T([[1.0, 0.0, 1.0]])
+    adv, ret = compute_advantage("reinforce_plus_plus", token_level_rewards_BT=r, response_mask_BT=mask, gamma=0.5)
+    close(ret, [[0.5, 0.0, 1.0]])
+    close(adv, [[-0.707107, 0.0, 0.707107]])
+
+
+def test_grpo_passk_rewards_only_the_best_of_each_group():
+    # group a [1, 3, 2]: best is row 1, gap 3 - 2 = 1, std 1 -> 1 / (1 + 1e-6); group b ties [5, 5]: gap 0
+    r, mask = outcome_rewards([1.0, 3.0, 2.0, 5.0, 5.0])
+    idx = list("aaabb")
+    adv, _ = compute_advantage("grpo_passk", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)
+    close(adv[:, 0], [0.0, 1.0 / (1 + 1e-6), 0.0, 0.0, 0.0])
+    adv, _ = compute_advantage("grpo_passk", token_level_rewards_BT=r * 2, response_mask_BT=mask, index=idx,
+                               norm_adv_by_std_in_grpo=False)
+    close(adv[:, 0], [0.0, 2.0, 0.0, 0.0, 0.0])  # Dr.GRPO: the raw gap 6 - 4
+    with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        compute_advantage("grpo_passk", token_level_rewards_BT=r, response_mask_BT=mask, index=list("aaabc"))
+
+
+def test_gdpo_normalises_each_component_then_whitens():
+    # groups aabb, components c1 = [1, 0, 1, 0], c2 = [0, 1, 1, 1] (eps 1e-6 ignored below)
+    # c1 per group: [.7071, -.7071, .7071, -.7071]; c2: group a [-.7071, .7071], group b constant -> [0, 0]
+    # weights [1, 2]: [-.7071, .7071, .7071, -.7071] -> whiten (mean 0, unbiased var 2/3) -> +-.866025
+    # weights [1, 1]: [0, 0, .7071, -.7071] -> whiten (var 1/3) -> [0, 0, 1.224745, -1.224745]
+    r, mask = outcome_rewards([1.0, 1.0, 2.0, 1.0], T_len=1)
+    comps = T([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
+    kw = dict(token_level_rewards_BT=r, response_mask_BT=mask, index=list("aabb"), reward_components_KB=comps)
+    adv, _ = compute_advantage("gdpo", reward_weights_K=[1.0, 2.0], **kw)
+    close(adv[:, 0], [-0.866025, 0.866025, 0.866025, -0.866025], atol=1e-4)
+    adv, _ = compute_advantage("gdpo", **kw)
+    close(adv[:, 0], [0.0, 0.0, 1.224745, -1.224745], atol=1e-4)
+
+
+def _otb(name, rewards, mask, pi, sum_sq=0.5, index=("a", "a"), is_weights=None):
+    mask = T(mask)
+    return compute_advantage(name, token_level_rewards_BT=T(rewards), response_mask_BT=mask, index=list(index),
+                             old_log_probs_BT=torch.log(T(pi)).expand_as(mask).contiguous(),
+                             sum_pi_squared_BT=torch.full_like(mask, sum_sq), rollout_is_weights_BT=is_weights)
+
+
+def test_optimal_token_baseline_per_position():
+    # w = 1 - 2 pi + sum pi^2: row 0 pi .5 -> .5, row 1 pi .25 -> 1; W = cumsum: [.5, 1] and [1, 2]
+    # rewards r0 = [0, 1], r1 = [1, 0] -> returns G0 = [1, 1], G1 = [1, 0]
+    # B_0 = (1*.5 + 1*1) / 1.5 = 1; B_1 = (1*1 + 0*2) / 3 = 1/3 -> A0 = [0, 2/3], A1 = [0, -1/3]
+    adv, ret = _otb("optimal_token_baseline", [[0.0, 1.0], [1.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]], [[0.5], [0.25]])
+    close(ret, [[1.0, 1.0], [1.0, 0.0]])
+    close(adv, [[0.0, 2 / 3], [0.0, -1 / 3]])
+    # rollout IS weights scale w by rho^2: row 0 rho 2 -> w 2, W [2, 4]; B_0 = (2 + 1)/3 = 1, B_1 = 4/6
+    adv, _ = _otb("optimal_token_baseline", [[0.0, 1.0], [1.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]], [[0.5], [0.25]],
+                  is_weights=T([[2.0, 2.0], [1.0, 1.0]]))
+    close(adv, [[0.0, 1 / 3], [0.0, -2 / 3]])
+
+
+def test_optimal_token_baseline_zero_tail_and_lone_response():
+    # lengths 2 and 1, w .5 everywhere: G0 = [1, 1] (r0 = [0, 1]), G1 = [2, -] (r1 = [2, 0])
+    # B_0 = (1*.5 + 2*.5)/1 = 1.5; position 1 lies past the second-longest response: baseline 0 for row 0
+    adv, _ = _otb("optimal_token_baseline", [[0.0, 1.0], [2.0, 0.0]], [[1.0, 1.0], [1.0, 0.0]], [[0.5], [0.5]])
+    close(adv, [[-0.5, 1.0], [0.5, 0.0]])
+    adv, _ = _otb("optimal_token_baseline", [[0.0, 1.0], [2.0, 0.0]], [[1.0, 1.0], [1.0, 0.0]], [[0.5], [0.5]],
+                  index=("a", "b"))
+    close(adv, [[1.0, 1.0], [2.0, 0.0]])  # groups of one keep their returns
+
+
+def test_tir_optimal_token_baseline_lines_up_valid_tokens():
+    # row 0 mask [1, 0, 1] (a tool-output hole), r [0, 0, 1] -> G at its valid tokens [1, 1]; row 1 mask [1, 1, 0],
+    # r [0, 3, 0] -> G [3, 3]. w .5: TIR compares k-th valid tokens: W [.5, 1] for both, B = [2, 2] ->
+    # row 0 [-1, -, -1], row 1 [1, 1, -]. Plain OTB compares positions: position 1 sees only row 1 (B 3),
+    # position 2 only row 0 (B 1) -> row 0 [-1, 0, 0], row 1 [1, 0, 0].
+    args = ([[0.0, 0.0, 1.0], [0.0, 3.0, 0.0]], [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], [[0.5], [0.5]])
+    adv, _ = _otb("tir_optimal_token_baseline", *args)
+    close(adv, [[-1.0, 0.0, -1.0], [1.0, 1.0, 0.0]])
+    adv, _ = _otb("optimal_token_baseline", *args)
+    close(adv, [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+def test_sapo_soft_gate():
+    # gate f(r) = sigmoid(tau (r - 1)) * 4 / tau. A=+1, r=1, tau 1: 2 -> loss -2, grad -A*4*s(1-s)*r = -1
+    # A=-1, r=e^.1, tau 1.05: sigmoid(1.05 * .105171) * 4/1.05 = 2.009826 -> loss +2.009826
+    # always seq-mean-token-mean: (-2 + 2.009826) / 2 = .004913
+    loss, m, grad = _pl("sapo", T([[0.0, 0.1]]), T([[1.0, -1.0]]), mode="token-sum")
+    close(loss, 0.004913)
+    close(grad[0, 0], -0.5)
+    close(m["actor/pg_clipfrac"], 0.0)
+    with pytest.raises(ConfigError, match="tau_neg"):
+        _pl("sapo", T([[0.0]]), T([[1.0]]), tau_neg=0.0)
+
+
+def test_geo_mean_sequence_geometric_ratio():
+    # clip .2. row 0, A +1, lr [.1, .3] -> pessimistic [.1, .2] -> ratio e^.15 = 1.161834, loss -1.161834
+    # row 1, A -1, lr [-.3, 0] -> [-.2, 0] -> ratio e^-.1 = .904837, loss +.904837; mean over sequences -.128498
+    # clipped: row 0 token 1 (A > 0) and row 1 token 0 (A < 0) -> clipfrac 1/4, lower 1/4
+    lr, adv = T([[0.1, 0.3], [-0.3, 0.0]]), T([[1.0, 1.0], [-1.0, -1.0]])
+    loss, m, _ = _pl("geo_mean", lr, adv, mode="token-mean")
+    close(loss, -0.128498)
+    close(m["actor/pg_clipfrac"], 0.25)
+    close(m["actor/pg_clipfrac_lower"], 0.25)
+    # IS weights become per-sequence geometric means: row 0 [2, .5] -> 1, row 1 [4, 1] -> 2: (-1.161834 + 1.809675)/2
+    old = torch.full_like(lr, -1.0)
+    loss, _ = policy_loss("geo_mean", old_log_prob_BT=old, log_prob_BT=old + lr, advantages_BT=adv,
+                          response_mask_BT=torch.ones_like(lr), loss_agg_mode="token-mean", cfg=PolicyLossConfig(),
+                          rollout_is_weights_BT=T([[2.0, 0.5], [4.0, 1.0]]))
+    close(loss, 0.323920)
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    # A +1, r 1.5 -> sg(1.2) * ...: loss -1.2 * logp = -1.2 * (-1 + ln 1.5) = .713442, grad -1.2
+    # A -1, r .5  -> sg(.8): loss .8 * logp = .8 * (-1 + ln .5) = -1.354518, grad .8; token-mean halves both
+    loss, m, grad = _pl("cispo", T([[math.log(1.5), math.log(0.5)]]), T([[1.0, -1.0]]))
+    close(loss, -0.320538)
+    close(grad, [[-0.6, 0.4]])
+    close(m["actor/pg_clipfrac"], 1.0)
+
+
+def test_dro_quadratic_penalty():
+    # beta .1, old -1, lr [.2, -.4] -> logp [-.8, -1.4], A [1, -1]
+    # loss -(A logp - .05 lr^2) = [.802, -1.392] -> token-mean -.295; grad -(A - beta lr) / 2 = [-.49, .48]
+    loss, _, grad = _pl("dro", T([[0.2, -0.4]]), T([[1.0, -1.0]]))
+    close(loss, -0.295)
+    close(grad, [[-0.49, 0.48]])
+    with pytest.raises(ConfigError, match="dro_beta=0.0"):
+        _pl("dro", T([[0.0]]), T([[1.0]]), dro_beta=0.0)
+
+
+def test_dppo_tv_and_kl_trust_regions():
+    # four tokens, old logp -1 (p .367879), clip .2 (TV / binary-KL thresholds here), clip_ratio_c 3:
+    #   A +1, r 2:  p .735759, dp .3679 > .2 -> out;   A +1, r 1.2: dp .0736 -> in: -1.2 * logp(-.817678) = .981214
+    #   A -1, r .5: dp -.1839 -> in: .5 * logp(-1.693147) = -.846574;   A -1, r .3: dp -.2575 -> out
+    # token-mean (.981214 - .846574) / 4 = .033660; 2 of 4 outside. Binary KL agrees here: .296, .011, .094, .227
+    lr, adv = T([[math.log(2.0), math.log(1.2), math.log(0.5), math.log(0.3)]]), T([[1.0, 1.0, -1.0, -1.0]])
+    for name in ("dppo_tv", "dppo_kl"):
+        loss, m, grad = _pl(name, lr, adv)
+        close(loss, 0.033660)
+        close(m["actor/pg_clipfrac"], 0.5)
+        close(grad, [[0.0, -0.3, 0.125, 0.0]])  # -A * sg(r) / 4 inside the region
+    # where they differ: old logp -.1 (p .904837), r 1.1 (p .995321): TV dp .0905 <= .15, binary KL .2004 > .15
+    # TV loss -1.1 * logp(-.1 + ln 1.1) = .005159; KL drops the token
+    old = T([[-0.1]])
+    tv, m_tv, _ = _pl("dppo_tv", T([[math.log(1.1)]]), T([[1.0]]), old=old, clip_ratio=0.15)
+    kl, m_kl, _ = _pl("dppo_kl", T([[math.log(1.1)]]), T([[1.0]]), old=old, clip_ratio=0.15)
+    close(tv, 0.005159)
+    close(kl, 0.0)
+    close(m_tv["actor/pg_clipfrac"], 0.0)
+    close(m_kl["actor/pg_clipfrac"], 1.0)
+
+
+@pytest.mark.parametrize("name", ["sapo", "geo_mean", "cispo", "dro", "dppo_tv", "dppo_kl"])
+def test_new_policy_losses_micro_batch_invariance(name):
+    test_policy_loss_gradient_micro_batch_invariance(name, "token-mean")
+
+
+@pytest.mark.parametrize("name", ["grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_new_estimators_follow_a_row_permutation(name):
+    """Shuffling the rows (groups and all) shuffles the advantages the same way: no estimator reads row order."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(8, 5, generator=g) > 0.2).float()
+    mask[:, 0] = 1.0
+    r = torch.randint(0, 3, (8, 5), generator=g).float() * mask
+    kw = dict(old_log_probs_BT=-torch.rand(8, 5, generator=g), sum_pi_squared_BT=torch.rand(8, 5, generator=g),
+              reward_components_KB=torch.rand(2, 8, generator=g))
+    index = np.array(list("aabbbccd"))
+    if name == "grpo_passk":
+        index = np.array(list("aabbbccc"))  # pass@k needs two responses per group
+    perm = torch.randperm(8, generator=g)
+    adv, ret = compute_advantage(name, token_level_rewards_BT=r, response_mask_BT=mask, index=index, **kw)
+    kw_p = dict(old_log_probs_BT=kw["old_log_probs_BT"][perm], sum_pi_squared_BT=kw["sum_pi_squared_BT"][perm],
+                reward_components_KB=kw["reward_components_KB"][:, perm])
+    adv_p, ret_p = compute_advantage(name, token_level_rewards_BT=r[perm], response_mask_BT=mask[perm],
+                                     index=index[perm.numpy()], **kw_p)
+    close(adv_p, adv[perm])
+    close(ret_p, ret[perm])

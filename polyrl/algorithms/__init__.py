@@ -1,9 +1,13 @@
 """RL algorithm math: pure tensor functions in name->function registries (verl `core_algos.py` semantics).
 
 - `advantages`: `compute_advantage(name, ...)` over `ADV_ESTIMATORS` (gae, grpo, rloo, reinforce_plus_plus,
-  reinforce_plus_plus_baseline, remax, opo, gpg); FlowGRPO's `global_std` (grpo) and `adv_clip_max` are parameters.
+  reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, gdpo, optimal_token_baseline,
+  tir_optimal_token_baseline); FlowGRPO's `global_std` (grpo) and `adv_clip_max` are parameters.
 - `losses`: `agg_loss` (micro-batch invariant with global normalisers), `policy_loss(name, ...)` over
-  `POLICY_LOSSES` (vanilla, gspo, gpg, clip_cov, kl_cov), `value_loss`, logits helpers.
+  `POLICY_LOSSES` (vanilla, gspo, gpg, clip_cov, kl_cov, sapo, geo_mean, cispo, dro, dppo_tv, dppo_kl), each taking
+  optional rollout IS weights, `value_loss`, logits helpers.
+- `rollout_correction`: `compute_rollout_correction` (verl's `algorithm.rollout_correction.*`: truncated IS weights,
+  rejection masks, `rollout_corr/*` mismatch metrics) and its `RolloutCorrectionConfig`.
 - `kl`: `kl_penalty(kind, ...)`, KL controllers, `apply_kl_in_reward`.
 - `dapo`: overlong penalty and dynamic-sampling group selection.
 - `validation`: verl's bootstrapped val-core / val-aux metrics.
@@ -34,6 +38,7 @@ from polyrl.algorithms.losses import (
     value_loss,
 )
 from polyrl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from polyrl.algorithms.validation import process_validation_metrics, validation_metrics_by_source
 
 __all__ = [
@@ -44,11 +49,13 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "PolicyLossConfig",
+    "RolloutCorrectionConfig",
     "agg_loss",
     "apply_kl_in_reward",
     "check_kl_kind",
     "check_loss_agg_mode",
     "compute_advantage",
+    "compute_rollout_correction",
     "entropy_from_logits",
     "group_ids",
     "group_mean_std",

@@ -12,6 +12,10 @@ Follows verl's `core_algos.py`. Two things the trainer relies on:
 
 GRPO is `vanilla` with a symmetric clip; DAPO's clip-higher is `clip_ratio_high=0.28`; Dr.GRPO is
 `seq-mean-token-sum-norm` aggregation.
+
+Rollout-correction importance weights (`rollout_is_weights_BT`, polyrl/algorithms/rollout_correction.py) multiply
+every loss's per-token loss matrix before aggregation, as verl passes `rollout_is_weights` to each registered loss;
+`geo_mean` turns them into one geometric-mean weight per sequence (as verl).
 """
 
 from __future__ import annotations
@@ -100,6 +104,12 @@ class PolicyLossConfig:
     """kl_cov: coefficient of the |log-ratio| penalty."""
     loss_scale_factor: float | None = None
     """seq-mean-token-sum-norm divisor (None: the response-length dimension T, as verl)."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for tokens with a non-positive advantage."""
+    dro_beta: float = 0.1
+    """dro: weight of the quadratic log-ratio penalty 0.5 * beta * (log pi - log pi_old)^2; must be > 0."""
 
     @property
     def low(self) -> float:
@@ -116,7 +126,8 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str):
-    """Register `fn(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate)`."""
+    """Register `fn(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate,
+    rollout_is_weights_BT)`; `aggregate(loss_mat_BT)` already applies the IS weights."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
@@ -138,8 +149,10 @@ def policy_loss(
     cfg: PolicyLossConfig,
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
+    rollout_is_weights_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Scalar policy loss and its metrics (detached 0-d tensors) from the loss registered as `name`."""
+    """Scalar policy loss and its metrics (detached 0-d tensors) from the loss registered as `name`;
+    `rollout_is_weights_BT` (rollout correction) multiply the per-token losses."""
     if name not in POLICY_LOSSES:
         raise ConfigError(
             f"actor_rollout_ref.actor.policy_loss.loss_mode={name!r} is not a known policy loss; "
@@ -148,7 +161,9 @@ def policy_loss(
     check_loss_agg_mode(loss_agg_mode)
     mask_BT = response_mask_BT.to(log_prob_BT.dtype)
 
-    def aggregate(loss_mat_BT: torch.Tensor, mode: str = loss_agg_mode) -> torch.Tensor:
+    def aggregate(loss_mat_BT: torch.Tensor, mode: str = loss_agg_mode, weights_BT=rollout_is_weights_BT):
+        if weights_BT is not None:
+            loss_mat_BT = loss_mat_BT * weights_BT
         return agg_loss(
             loss_mat_BT, mask_BT, mode, num_tokens=num_tokens, num_seqs=num_seqs,
             loss_scale_factor=cfg.loss_scale_factor,
@@ -161,6 +176,7 @@ def policy_loss(
         response_mask_BT=mask_BT,
         cfg=cfg,
         aggregate=aggregate,
+        rollout_is_weights_BT=rollout_is_weights_BT,
     )
 
 
@@ -169,7 +185,7 @@ def _detached(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @register_policy_loss("vanilla")
-def vanilla(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate):
+def vanilla(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
     """PPO clip with separate low/high bounds, plus dual-clip (bound -A * clip_ratio_c) for negative advantages."""
     if not cfg.clip_ratio_c > 1.0:
         raise ConfigError(
@@ -195,8 +211,10 @@ def vanilla(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cf
 
 
 @register_policy_loss("gspo")
-def gspo(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate):
-    """GSPO: per-token ratio = sg(sequence geometric-mean ratio) * pi / sg(pi); always seq-mean-token-mean (as verl)."""
+def gspo(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """GSPO (arXiv:2507.18071; verl `compute_policy_loss_gspo`): per-token ratio = sg(sequence geometric-mean ratio)
+    * pi / sg(pi), PPO-clipped. Aggregated with the configured `loss_agg_mode`, as verl 0.9.1 (verl up to 0.8 forced
+    seq-mean-token-mean, the mode the GSPO paper recommends: set it explicitly to get that)."""
     log_ratio_BT = log_prob_BT - old_log_prob_BT
     seq_len_B = response_mask_BT.sum(dim=-1).clamp(min=1)
     seq_log_ratio_B = masked_sum(log_ratio_BT, response_mask_BT, dim=-1) / seq_len_B
@@ -211,7 +229,7 @@ def gspo(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, 
         "actor/pg_clipfrac_lower": torch.zeros((), device=log_prob_BT.device),
         "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT),
     }
-    return aggregate(losses_BT, mode="seq-mean-token-mean"), _detached(metrics)
+    return aggregate(losses_BT), _detached(metrics)
 
 
 @register_policy_loss("gpg")
@@ -221,7 +239,7 @@ def gpg(*, log_prob_BT, advantages_BT, aggregate, **_):
 
 
 @register_policy_loss("clip_cov")
-def clip_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate):
+def clip_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
     """Clip-Cov: PPO clip, and cut the gradient of a random few tokens whose adv*logp covariance is in (lb, ub)."""
     if not cfg.clip_cov_ratio > 0:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.clip_cov_ratio={cfg.clip_cov_ratio} must be > 0.")
@@ -250,7 +268,7 @@ def clip_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, c
 
 
 @register_policy_loss("kl_cov")
-def kl_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate):
+def kl_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
     """KL-Cov: unclipped -A * ratio, plus ppo_kl_coef * |log-ratio| on the top kl_cov_ratio tokens by covariance."""
     if not cfg.kl_cov_ratio > 0:
         raise ConfigError(f"actor_rollout_ref.actor.policy_loss.kl_cov_ratio={cfg.kl_cov_ratio} must be > 0.")
@@ -271,6 +289,122 @@ def kl_cov(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg
         losses_BT = torch.where(penalty_mask_BT, losses_BT + cfg.ppo_kl_coef * abs_kl_BT, losses_BT)
     metrics = {"actor/ppo_kl": masked_mean(abs_kl_BT, response_mask_BT)}
     return aggregate(losses_BT), _detached(metrics)
+
+
+def _clamped_ratio(log_prob_BT, old_log_prob_BT):
+    log_ratio_BT = torch.clamp(log_prob_BT - old_log_prob_BT, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return log_ratio_BT, torch.exp(log_ratio_BT)
+
+
+@register_policy_loss("sapo")
+def sapo(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """SAPO (arXiv:2511.20347; verl `compute_policy_loss_sapo`): a soft gate instead of the hard clip,
+    loss = -A * sigmoid(tau * (r - 1)) * 4 / tau with tau = tau_pos for A > 0, else tau_neg. Always
+    seq-mean-token-mean, as verl's code does whatever loss_agg_mode says; no clip fractions (0, as verl)."""
+    for key in ("tau_pos", "tau_neg"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"actor_rollout_ref.actor.{key}={getattr(cfg, key)} must be > 0 (sapo's gate "
+                              "temperature); verl's defaults are tau_pos=1.0, tau_neg=1.05.")
+    log_ratio_BT, ratio_BT = _clamped_ratio(log_prob_BT, old_log_prob_BT)
+    tau_BT = torch.where(advantages_BT > 0, cfg.tau_pos, cfg.tau_neg).to(ratio_BT.dtype)
+    gates_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0)) * (4.0 / tau_BT)
+    zero = torch.zeros((), device=log_prob_BT.device)
+    metrics = {"actor/pg_clipfrac": zero, "actor/pg_clipfrac_lower": zero,
+               "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT)}
+    return aggregate(-gates_BT * advantages_BT, mode="seq-mean-token-mean"), _detached(metrics)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate,
+             rollout_is_weights_BT=None, **_):
+    """GMPO (arXiv:2507.20673; verl `compute_policy_loss_geo_mean`): sequence ratio = exp(mean of the token
+    log-ratios, each clipped to [-low, high] on the side its advantage sign makes pessimistic), loss = -mean(A) * ratio
+    per sequence, averaged over sequences (loss_agg_mode is ignored, as verl). IS weights become one per sequence,
+    their geometric mean. Deviation: verl averages over the micro-batch's rows (torch.mean); we divide by the
+    mini-batch's sequence count, which is the same number in one micro-batch and keeps micro-batching invariant."""
+    log_ratio_BT = log_prob_BT - old_log_prob_BT
+    sign_BT = torch.sign(advantages_BT)
+    clamped_BT = torch.clamp(log_ratio_BT, -cfg.low, cfg.high)
+    pessimistic_BT = sign_BT * torch.minimum(sign_BT * log_ratio_BT, sign_BT * clamped_BT)
+    len_B = response_mask_BT.sum(-1)
+    ratio_B = torch.exp(masked_sum(pessimistic_BT, response_mask_BT, dim=-1) / (len_B + 1e-8))
+    adv_B = masked_sum(advantages_BT, response_mask_BT, dim=-1) / (len_B + 1e-8)
+    seq_loss_B = -adv_B * ratio_B
+    if rollout_is_weights_BT is not None:
+        log_w_B = masked_sum(torch.log(rollout_is_weights_BT + 1e-10), response_mask_BT, dim=-1)
+        seq_loss_B = seq_loss_B * torch.exp(log_w_B / (len_B + 1e-8))
+    # each sequence's loss spread over its tokens, then summed per sequence and divided by the sequence count
+    per_token_BT = (seq_loss_B / len_B.clamp_min(1)).unsqueeze(-1).expand_as(log_ratio_BT)
+    clipped_BT = (log_ratio_BT != clamped_BT).float()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(clipped_BT * (advantages_BT > 0), response_mask_BT),
+        "actor/pg_clipfrac_lower": masked_mean(clipped_BT * (advantages_BT < 0), response_mask_BT),
+        "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT),
+    }
+    return aggregate(per_token_BT, mode="seq-mean-token-sum", weights_BT=None), _detached(metrics)
+
+
+@register_policy_loss("cispo")
+def cispo(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """CISPO (arXiv:2506.13585; verl `compute_policy_loss_cispo`): clip the IS weight, not the update:
+    loss = -sg(clip(r, 1 - low, 1 + high)) * A * log pi, so every token keeps a gradient."""
+    log_ratio_BT, ratio_BT = _clamped_ratio(log_prob_BT, old_log_prob_BT)
+    clipped_BT = torch.clamp(ratio_BT, 1 - cfg.low, 1 + cfg.high)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((ratio_BT != clipped_BT).float(), response_mask_BT),
+        "actor/pg_clipfrac_lower": torch.zeros((), device=log_prob_BT.device),
+        "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT),
+    }
+    return aggregate(-clipped_BT.detach() * advantages_BT * log_prob_BT), _detached(metrics)
+
+
+@register_policy_loss("dro")
+def dro(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """DRO (Richemond et al. 2024, arXiv:2405.19107; verl `dro`): loss = -(A * log pi - beta/2 * (log pi -
+    log pi_old)^2), a quadratic proximal penalty instead of a clip; the log-ratio is not clamped (as verl)."""
+    if not cfg.dro_beta > 0:
+        raise ConfigError(f"actor_rollout_ref.actor.policy_loss.dro_beta={cfg.dro_beta} must be > 0.")
+    log_ratio_BT = log_prob_BT - old_log_prob_BT
+    losses_BT = -(advantages_BT * log_prob_BT - 0.5 * cfg.dro_beta * log_ratio_BT.square())
+    metrics = {"actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT)}
+    return aggregate(losses_BT), _detached(metrics)
+
+
+def _dppo(valid_BT, log_ratio_BT, ratio_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate):
+    """DPPO's shared tail: -A * sg(min(r, clip_ratio_c)) * log pi on the tokens inside the divergence region."""
+    valid_BT = valid_BT.detach().float()
+    truncated_BT = torch.clamp(ratio_BT, max=cfg.clip_ratio_c).detach()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(1.0 - valid_BT, response_mask_BT),
+        "actor/pg_clipfrac_lower": masked_mean((ratio_BT > cfg.clip_ratio_c).float() * valid_BT, response_mask_BT),
+        "actor/ppo_kl": masked_mean(-log_ratio_BT, response_mask_BT),
+    }
+    return aggregate(-advantages_BT * truncated_BT * log_prob_BT * valid_BT), _detached(metrics)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """DPPO-Binary-TV (arXiv:2602.04879; verl `compute_policy_loss_dppo_tv`): a token takes part unless its
+    probability moved past the TV bound in the advantage's direction (p - p_old > clip_ratio_high for A > 0,
+    < -clip_ratio_low otherwise); clip_ratio* are TV thresholds here, clip_ratio_c truncates the detached ratio."""
+    log_ratio_BT, ratio_BT = _clamped_ratio(log_prob_BT, old_log_prob_BT)
+    diff_BT = torch.exp(log_prob_BT) - torch.exp(old_log_prob_BT)
+    valid_BT = torch.where(advantages_BT > 0, diff_BT <= cfg.high, diff_BT >= -cfg.low)
+    return _dppo(valid_BT, log_ratio_BT, ratio_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(*, old_log_prob_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate, **_):
+    """DPPO-Binary-KL (arXiv:2602.04879; verl `compute_policy_loss_dppo_kl`): as dppo_tv with the Bernoulli KL
+    KL([p_old, 1 - p_old] || [p, 1 - p]) against clip_ratio_high / clip_ratio_low, only when p moved in the
+    advantage's direction."""
+    log_ratio_BT, ratio_BT = _clamped_ratio(log_prob_BT, old_log_prob_BT)
+    p_BT, p_old_BT = torch.exp(log_prob_BT), torch.exp(old_log_prob_BT)
+    binary_kl_BT = p_old_BT * (old_log_prob_BT - log_prob_BT) + (1 - p_old_BT) * torch.log(
+        (1.0 - p_old_BT + 1e-8) / (1.0 - p_BT + 1e-8))
+    valid_BT = torch.where(advantages_BT > 0, (binary_kl_BT <= cfg.high) | (p_BT <= p_old_BT),
+                           (binary_kl_BT <= cfg.low) | (p_BT >= p_old_BT))
+    return _dppo(valid_BT, log_ratio_BT, ratio_BT, log_prob_BT, advantages_BT, response_mask_BT, cfg, aggregate)
 
 
 # --------------------------------------------------------------------------- value loss, logits helpers

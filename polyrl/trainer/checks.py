@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
 
 
@@ -124,6 +125,20 @@ def check_sequence_parallel(cfg) -> None:
                           f"processes; use a divisor of {procs}.")
 
 
+def check_gdpo(alg) -> None:
+    """gdpo's keys are read only by gdpo, and gdpo needs its components named."""
+    is_gdpo = alg.adv_estimator == "gdpo"
+    if is_gdpo and not alg.gdpo_reward_keys:
+        raise ConfigError("algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward function's extra "
+                          "keys to normalise separately, e.g. '[format_reward,accuracy_reward]'.")
+    for key in ("gdpo_reward_keys", "gdpo_reward_weights"):
+        if getattr(alg, key) is not None and not is_gdpo:
+            raise ConfigError(f"algorithm.{key} is read by adv_estimator=gdpo only; remove it or use gdpo.")
+    if is_gdpo and alg.gdpo_reward_weights is not None and len(alg.gdpo_reward_weights) != len(alg.gdpo_reward_keys):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(alg.gdpo_reward_weights)} values for "
+                          f"{len(alg.gdpo_reward_keys)} gdpo_reward_keys; give one weight per key.")
+
+
 def check_supported(cfg) -> None:
     """Refuse settings polyrl cannot honour here, each with the reason and the alternative."""
     arr = cfg.actor_rollout_ref
@@ -168,9 +183,8 @@ def check_supported(cfg) -> None:
                           "or custom_reward_function.path.")
     if cfg.algorithm.use_pf_ppo:
         raise ConfigError("algorithm.use_pf_ppo is not implemented; set it to False.")
-    if cfg.algorithm.rollout_correction:
-        raise ConfigError("algorithm.rollout_correction is not implemented; polyrl logs "
-                          "training/rollout_probs_diff_mean instead. Remove the key.")
+    check_rollout_correction(cfg.algorithm.rollout_correction)
+    check_gdpo(cfg.algorithm)
     if r.multi_turn.get("enable"):
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True: multi-turn/tool rollouts are not "
                           "implemented; use single-turn prompts.")

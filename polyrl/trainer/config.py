@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.data.config import DataConfig
 from polyrl.models.config import ModelConfig
 from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
@@ -57,7 +58,8 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg."""
+    """gae, grpo(_vectorized), rloo(_vectorized), reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk, gdpo,
+    optimal_token_baseline, tir_optimal_token_baseline."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -76,8 +78,12 @@ class AlgorithmConfig:
     """PF-PPO reweighting (not implemented: refused)."""
     pf_ppo: dict = field(default_factory=dict)
     """PF-PPO settings."""
-    rollout_correction: dict = field(default_factory=dict)
-    """Off-policy rollout correction (TIS/MIS); not implemented, must stay empty."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy rollout correction: IS weights, rejection, bypass mode (polyrl/algorithms/rollout_correction.py)."""
+    gdpo_reward_keys: list[str] | None = None
+    """gdpo: the reward function's extra keys, one per reward component normalised on its own."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: weight of each component in gdpo_reward_keys (default 1 each)."""
 
 
 @dataclass

@@ -8,6 +8,10 @@ Each stage is one call, timed as `timing_s/<stage>`. Where we deviate from verl 
   metrics). The ratio is then exactly 1 by construction.
 - Rollout and trainer log-probs are both `log_softmax(logits / temperature)`; their gap is logged every step as
   `training/rollout_probs_diff_mean` (the number verl's rollout-correction work is about).
+- Rollout correction (`algorithm.rollout_correction.*`, decoupled mode) needs pi_old before the update, so it turns the
+  shortcut above off: old log-probs are recomputed (verl's three-policy mode). Its rejection mask replaces the
+  response mask before the advantages. `bypass_mode=True` skips that pass instead (old := rollout log-probs) and
+  corrects inside the update.
 - A non-finite gradient norm skips that optimizer step instead of corrupting the weights (`actor/nonfinite_skipped`).
 - A checkpoint is always written at the end, with an HF-format export beside it (no merge step).
 """
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller, select_groups
+from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.config import save_config, to_dict
@@ -39,7 +44,14 @@ from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.checkpointing import CheckpointingMixin
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
-from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
+from polyrl.training.actor import (
+    Actor,
+    ForwardSettings,
+    UpdateSettings,
+    compute_logprobs,
+    compute_sum_pi_squared,
+    make_scheduler,
+)
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
 from polyrl.utils.device import pick_device
@@ -64,6 +76,10 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+
+
+# estimators whose baseline reads pi_old and sum_v pi_v^2 (old log-probs are then always recomputed)
+_NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 class PPOTrainer(CheckpointingMixin):
@@ -227,7 +243,8 @@ class PPOTrainer(CheckpointingMixin):
             samples, batch, index, gen_metrics = self.dist.share_with_sp_group(self._collect_batch(timer))
             metrics.update(gen_metrics)
             s = self._update_settings(batch)
-            if not s.old_from_current:
+            rc = cfg.algorithm.rollout_correction
+            if not s.old_from_current and not rc.bypass_mode:
                 with timer.stage("old_log_prob"):
                     r = arr.rollout
                     batch["old_log_probs"] = compute_logprobs(
@@ -237,6 +254,19 @@ class PPOTrainer(CheckpointingMixin):
                         fwd=self.actor.fwd, dp=self.dist)
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
+            if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif rc.enabled:
+                with timer.stage("rollout_correction"):
+                    weights, batch["response_mask"], rc_metrics = compute_rollout_correction(
+                        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc)
+                if weights is not None:
+                    batch["rollout_is_weights"] = weights
+                metrics.update(rc_metrics)
+            if cfg.algorithm.adv_estimator in _NEEDS_SUM_PI_SQUARED:
+                with timer.stage("sum_pi_squared"):
+                    batch["sum_pi_squared"] = compute_sum_pi_squared(
+                        self.model, batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size)
             if self.ref_model is not None:
                 with timer.stage("ref"):
                     batch["ref_log_probs"] = self._ref_logprobs(batch, s)
@@ -346,6 +376,7 @@ class PPOTrainer(CheckpointingMixin):
         scores = [parts[i]["scores"][j] for i, j in rows]
         index = [i * 1_000_000 + parts[i]["out"].prompt_index[j] for i, j in rows]  # group id: (batch, prompt)
         baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
+        gdpo_keys = cfg.algorithm.gdpo_reward_keys if cfg.algorithm.adv_estimator == "gdpo" else None
         extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
         batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         rl = torch.zeros(batch["response_mask"].shape, dtype=batch["response_mask"].dtype)  # filled on the host,
@@ -358,6 +389,13 @@ class PPOTrainer(CheckpointingMixin):
         batch["token_level_scores"] = tls
         if baselines:
             batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
+        if gdpo_keys:  # [B, K]: one column per reward component, popped again by _advantages
+            missing = [k for k in gdpo_keys if k not in extras_all]
+            if missing:
+                raise ConfigError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not "
+                                  f"return (it returns {sorted(extras_all)}); return them in its result dict.")
+            batch["reward_components"] = torch.tensor([extras_all[k] for k in gdpo_keys], dtype=torch.float32,
+                                                      device=self.device).T
         for k, v in extras_all.items():
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
         return samples, batch, index, metrics
@@ -378,14 +416,19 @@ class PPOTrainer(CheckpointingMixin):
                           clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
                           clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
                           kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length)
+                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length,
+                          tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=a.policy_loss.dro_beta)
         temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
+        alg = self.cfg.algorithm
+        # pi_old must exist before the update for rollout correction (decoupled) and OTB; bypass reads the rollout's
+        needs_old = alg.rollout_correction.enabled or alg.adv_estimator in _NEEDS_SUM_PI_SQUARED
         return UpdateSettings(
             mini_batch_size=mini, micro_batch_size=min(micro, mini), ppo_epochs=a.ppo_epochs, temperature=temperature,
             loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode, knobs=knobs, grad_clip=a.grad_clip,
             entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
-            old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward),
+            old_from_current=(a.ppo_epochs == 1 and mini >= B and not alg.use_kl_in_reward and not needs_old),
+            rollout_correction=alg.rollout_correction if alg.rollout_correction.bypass_mode else None,
             max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
@@ -409,11 +452,16 @@ class PPOTrainer(CheckpointingMixin):
         else:
             rewards = batch["token_level_scores"]
         batch["token_level_rewards"] = rewards
+        components = batch.pop("reward_components", None)
         adv, ret = compute_advantage(alg.adv_estimator, token_level_rewards_BT=rewards,
                                      response_mask_BT=batch["response_mask"], index=index, gamma=alg.gamma,
                                      lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
                                      reward_baselines_B=batch.get("reward_baselines"),
-                                     values_BT=batch.get("values"))
+                                     values_BT=batch.get("values"), old_log_probs_BT=batch.get("old_log_probs"),
+                                     sum_pi_squared_BT=batch.pop("sum_pi_squared", None),
+                                     rollout_is_weights_BT=batch.get("rollout_is_weights"),
+                                     reward_components_KB=None if components is None else components.T,
+                                     reward_weights_K=alg.gdpo_reward_weights)
         batch["advantages"], batch["returns"] = adv, ret
         return metrics
 

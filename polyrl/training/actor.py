@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from polyrl.algorithms import agg_loss, kl_penalty, policy_loss
+from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction_tensors
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.errors import ConfigError
 from polyrl.distributed.grads import clip_grad_norm_
@@ -247,6 +248,26 @@ def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_siz
     return out
 
 
+@torch.no_grad()
+def compute_sum_pi_squared(model, batch: Batch, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """sum_v pi(v)^2 at every response position, [B, T] (the OTB estimators' path-variance term), from a padded
+    forward with full logits per micro-batch: an extra pass that only those estimators pay for."""
+    was_training = model.training
+    model.eval()
+    temperature = 1.0 if temperature in (0.0, 1.0) else temperature
+    trunk, head = _trunk_and_head(model)
+    B, T = batch["responses"].shape
+    out = torch.zeros((B, T), device=batch["responses"].device)
+    for rows in split_rows(B, micro_batch_size):
+        mb = select(batch, rows)
+        hidden = trunk(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                       position_ids=mb["position_ids"], use_cache=False).last_hidden_state[:, -T - 1:-1]
+        probs = torch.softmax(head(hidden).float() / temperature, dim=-1)
+        out[rows] = probs.square().sum(-1) * mb["response_mask"]
+    model.train(was_training)
+    return out
+
+
 def make_scheduler(optimizer, *, total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float,
                    num_cycles: float):
     def factor(step: int) -> float:
@@ -281,6 +302,7 @@ class UpdateSettings:
     calculate_entropy: bool = True
     old_from_current: bool = False  # on-policy single pass: old log-probs are the current ones (no extra pass)
     max_token_len: int | None = None  # use_dynamic_bsz: micro-batches cut by this token budget instead of rows
+    rollout_correction: RolloutCorrectionConfig | None = None  # bypass mode: correct pi_theta vs pi_rollout here
 
 
 class Actor:
@@ -355,10 +377,20 @@ class Actor:
                         counts[key] = counts.get(key, 0) + 1
                         sums["_gap_max"] = torch.maximum(sums.get("_gap_max", gap.new_zeros(())), gap.max())
                     old = logp.detach() if s.old_from_current else mb["old_log_probs"]
+                    loss_mode, is_weights, loss_mask = s.loss_mode, mb.get("rollout_is_weights"), mask
+                    if s.rollout_correction is not None:  # bypass: pi_old is pi_rollout; weights and mask vs pi_theta
+                        is_weights, loss_mask, rc_metrics = rollout_correction_tensors(
+                            logp.detach(), mb["rollout_log_probs"], mask, s.rollout_correction)
+                        if s.rollout_correction.loss_type == "reinforce":
+                            loss_mode = "gpg"  # -A * log pi, times the IS weights: verl's bypass REINFORCE
+                        else:
+                            is_weights = None  # ppo_clip: the PPO ratio already is pi_theta / pi_rollout
+                        for k, v in rc_metrics.items():
+                            add(k, v, frac)
                     pg_loss, pg_metrics = policy_loss(
-                        s.loss_mode, old_log_prob_BT=old, log_prob_BT=logp, advantages_BT=mb["advantages"],
-                        response_mask_BT=mask, loss_agg_mode=s.loss_agg_mode, cfg=s.knobs,
-                        num_tokens=num_tokens, num_seqs=num_seqs)
+                        loss_mode, old_log_prob_BT=old, log_prob_BT=logp, advantages_BT=mb["advantages"],
+                        response_mask_BT=loss_mask, loss_agg_mode=s.loss_agg_mode, cfg=s.knobs,
+                        num_tokens=num_tokens, num_seqs=num_seqs, rollout_is_weights_BT=is_weights)
                     loss = pg_loss
                     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=s.knobs.loss_scale_factor)
                     if ent is not None:

@@ -76,7 +76,7 @@ class FSDPConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """Policy loss: vanilla, gspo, gpg, clip_cov, kl_cov."""
+    """Policy loss: vanilla, gspo, gpg, clip_cov, kl_cov, sapo, geo_mean, cispo, dro, dppo_tv, dppo_kl."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of tokens clipped."""
     clip_cov_lb: float = 1.0
@@ -87,6 +87,8 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens with a KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: KL coefficient."""
+    dro_beta: float = 0.1
+    """dro: weight of the quadratic penalty 0.5 * beta * (log pi - log pi_old)^2 (must be > 0)."""
 
 
 @dataclass
@@ -122,7 +124,11 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     """Upper clip epsilon (DAPO clip-higher: 0.28); defaults to clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip constant for negative advantages."""
+    """Dual-clip constant for negative advantages (dppo_tv/dppo_kl: truncation of the detached ratio)."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive-advantage tokens."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for non-positive-advantage tokens."""
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None
