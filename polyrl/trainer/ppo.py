@@ -39,9 +39,11 @@ from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.checkpointing import CheckpointingMixin
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
+from polyrl.trainer.oom import OOMGuard, StageContext
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
+from polyrl.training.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager
 from polyrl.utils.profiler import Profiler
@@ -64,6 +66,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    resolve_switches(cfg)  # token-budget micro-batches unless a size is set; the budgets themselves: plan_memory
 
 
 class PPOTrainer(CheckpointingMixin):
@@ -99,6 +102,9 @@ class PPOTrainer(CheckpointingMixin):
         arr.actor.optim.total_training_steps = self.total_steps
 
         model = load_policy(arr.model, device=self.device)
+        # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
+        plan_memory(cfg, model, self.device, world_size=self.dist.world_size,
+                    log=print if self.dist.is_rank0 else lambda _: None)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
@@ -117,6 +123,7 @@ class PPOTrainer(CheckpointingMixin):
         self.actor = Actor(model, optimizer, scheduler, dp=self.dist,
                            fwd=ForwardSettings.from_config(arr.model, arr.actor))
         self.ref_model = self._make_reference(model)
+        self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
@@ -230,16 +237,17 @@ class PPOTrainer(CheckpointingMixin):
             if not s.old_from_current:
                 with timer.stage("old_log_prob"):
                     r = arr.rollout
-                    batch["old_log_probs"] = compute_logprobs(
+                    batch["old_log_probs"] = self.oom.run("old_log_prob", lambda: compute_logprobs(
                         self.model, batch, temperature=s.temperature,
                         micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
                         max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                        fwd=self.actor.fwd, dp=self.dist)
+                        fwd=self.actor.fwd, dp=self.dist), ctx=StageContext(batch, s.micro_batch_size))
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if self.ref_model is not None:
                 with timer.stage("ref"):
-                    batch["ref_log_probs"] = self._ref_logprobs(batch, s)
+                    batch["ref_log_probs"] = self.oom.run("ref", lambda: self._ref_logprobs(batch, s),
+                                                          ctx=StageContext(batch, s.micro_batch_size))
             if self.critic is not None:
                 with timer.stage("values"):
                     batch["values"] = self.critic.compute_values(batch)
@@ -257,7 +265,12 @@ class PPOTrainer(CheckpointingMixin):
                                                                             batch["response_mask"])
             with timer.stage("update_actor"):
                 if self.global_step >= cfg.trainer.critic_warmup:
-                    metrics.update(self.actor.update(batch, s, generator=self.generator))
+                    # settings re-read on a retry: trainer/oom.py may have shrunk the token budget
+                    metrics.update(self.oom.run(
+                        "update_actor", lambda: self.actor.update(batch, self._update_settings(batch),
+                                                                  generator=self.generator),
+                        ctx=StageContext(batch, s.micro_batch_size, model=self.model), generators=[self.generator],
+                        optimizer=self.actor.optimizer))
             if s.old_from_current:
                 metrics["training/old_log_prob_source_current"] = 1.0
             with timer.stage("update_weights"):
@@ -300,13 +313,11 @@ class PPOTrainer(CheckpointingMixin):
                 prompts = [prompts[i] for i in keep]
             num_gen += 1
             with timer.stage("gen"):
-                self.engine.resume()
                 sampling = SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k,
                                           top_p=r.top_p, max_new_tokens=r.response_length,
                                           stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
-                out = self.engine.generate([p.prompt_ids for p in prompts], sampling)
-                if r.free_cache_engine:
-                    self.engine.release_memory()
+                out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
+                                   ctx=StageContext(engine=self.engine))
             with timer.stage("reward"):
                 scores, extras, texts = self._score(prompts, out)
             if cfg.trainer.rollout_data_dir:
@@ -361,6 +372,14 @@ class PPOTrainer(CheckpointingMixin):
         for k, v in extras_all.items():
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
         return samples, batch, index, metrics
+
+    def _generate(self, prompt_ids, sampling):
+        """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""
+        self.engine.resume()
+        out = self.engine.generate(prompt_ids, sampling)
+        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        return out
 
     def _score(self, prompts, out):
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)

@@ -28,6 +28,7 @@ from polyrl.training.fused_head import fused_logprobs, fused_logprobs_grad_in_fo
 from polyrl.training.logprobs import chunked_logprobs
 from polyrl.training.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
+from polyrl.utils.oom_hook import oom_point
 
 
 
@@ -111,6 +112,7 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
     runs its 1/sp of the packed row and the LM head on the predictions it holds; every rank of the SP group returns
     the whole micro-batch's values (gradients flow back only to the rank that computed each one: ulysses.py).
     """
+    oom_point()  # test hook: POLYRL_INJECT_OOM can fail this forward (utils/oom_hook.py)
     fwd = fwd or ForwardSettings()
     temperature = 1.0 if temperature in (0.0, 1.0) else temperature
     trunk, head = _trunk_and_head(model)
