@@ -61,7 +61,7 @@ def _cfg(**actor):
 def test_plan_memory_fills_auto_keys_logs_each_once_and_keeps_user_values(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda device: (4 * GiB, 8 * GiB))
     model = load_causal_lm(str(tiny_model_dir))
-    cfg, lines = _cfg(ppo_max_token_len_per_gpu=999), []
+    cfg, lines = _cfg(ppo_max_token_len_per_gpu=999, use_kl_loss=True), []
     memory.plan_memory(cfg, model, torch.device("cpu"), log=lines.append)
     arr = cfg.actor_rollout_ref
     assert arr.actor.ppo_max_token_len_per_gpu == 999 and not any("ppo_max_token_len" in s for s in lines)

@@ -185,7 +185,7 @@ class OOMGuard:
             optimizer=None) -> Any:
         ctx = ctx or StageContext()
         states = _rng_states(generators, ctx.engine)
-        attempt = 0
+        attempt, last = 0, None
         while True:
             steps = _StepCounter(optimizer)
             ACTIVE.update(stage=stage, attempt=attempt, point=0)
@@ -203,7 +203,8 @@ class OOMGuard:
             self.free_memory()
             change = SHRINKERS[stage](self.cfg, ctx)
             if change is None:
-                raise OutOfMemoryStop(stop_sentence(stage, self.cfg, "with nothing left to shrink", None)) from None
+                floor = f"even at {last.key}={last.new}" if last else "with nothing left to shrink"
+                raise OutOfMemoryStop(stop_sentence(stage, self.cfg, floor, None)) from None
             if self.distributed:
                 raise OutOfMemoryStop(stop_sentence(stage, self.cfg, "on one of several processes, which cannot "
                                                     "retry alone", change)) from None
@@ -216,4 +217,4 @@ class OOMGuard:
                          f"{change.key}={change.new} (was {change.old}); set it to avoid the retry.")
             _restore(states)
             self.num_retries += 1
-            attempt += 1
+            attempt, last = attempt + 1, change

@@ -99,11 +99,12 @@ def _round_down(tokens: float, floor: int, cap: int) -> int:
 
 def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
-           checkpointing: bool | None, chunk_size: int = 2048) -> dict[str, Choice]:
+           checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
 
     `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
-    rollout replica) in bytes."""
+    rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
+    without."""
     cuda = device.type == "cuda"
     out: dict[str, Choice] = {}
     if compile_layers is None:
@@ -120,21 +121,22 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
     floor = max_seq_len  # one whole sequence must fit a micro-batch
     if checkpointing is None:
         fast = spare / update_bytes_per_token(shape, checkpointing=False, compiled=compile_layers)
-        checkpointing = fast < max(MIN_FAST_TOKENS, 2 * max_seq_len)
+        want = update_tokens or max(MIN_FAST_TOKENS, 2 * max_seq_len)
+        checkpointing = fast < want
         out["checkpointing"] = Choice(
             "actor_rollout_ref.model.enable_gradient_checkpointing", checkpointing,
-            f"without it only {max(0, int(fast))} tokens fit per micro-batch ({gib})" if checkpointing
-            else f"{int(min(fast, 1e9))} tokens fit per micro-batch without it ({gib})")
+            f"without it {max(0, int(fast))} tokens fit per micro-batch, {want} wanted ({gib})" if checkpointing
+            else f"{int(min(fast, 1e9))} tokens fit per micro-batch without it, {want} wanted ({gib})")
     per_token = update_bytes_per_token(shape, checkpointing=checkpointing, compiled=compile_layers)
     budget = _round_down(spare / per_token, floor, MAX_UPDATE_TOKENS)
     out["update_tokens"] = Choice(
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget,
-        f"{per_token / 2**20:.2f} MiB of activations per token, {gib}"
+        f"{per_token / 2**10:.1f} KiB of activations per token, {gib}"
         + (f"; capped at {MAX_UPDATE_TOKENS}" if budget == MAX_UPDATE_TOKENS else "")
         + ("; raised to one whole sequence (may not fit)" if budget == floor and spare / per_token < floor else ""))
     lp = _round_down(spare / logprob_bytes_per_token(shape), floor, MAX_LOGPROB_TOKENS)
     out["logprob_tokens"] = Choice("log_prob_max_token_len_per_gpu", lp,
-                                   f"{logprob_bytes_per_token(shape) / 2**20:.2f} MiB per token without gradients")
+                                   f"{logprob_bytes_per_token(shape) / 2**10:.1f} KiB per token without gradients")
     if engine_on_device:
         # during rollout the trainer holds weights + optimizer state (already in `free` / `static`); the engine needs
         # its weights, a prefill reserve and the KV cache of every row at full length (more only queues rows)
@@ -171,7 +173,8 @@ def plan_memory(cfg, model, device: torch.device, *, world_size: int = 1, log=pr
     shape = ModelShape.of(model)
     max_seq_len = data.max_prompt_length + data.max_response_length
     extra = 0
-    if (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not m.lora_rank and not m.lora_adapter_path:
+    uses_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    if uses_ref and not m.lora_rank and not m.lora_adapter_path:
         extra += shape.num_params * shape.param_bytes  # the reference is a frozen copy
     if world_size > 1:
         extra += shape.num_params * shape.param_bytes // world_size  # sharded copy beside the full rollout replica
@@ -183,7 +186,7 @@ def plan_memory(cfg, model, device: torch.device, *, world_size: int = 1, log=pr
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native",
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
-                     checkpointing=m.enable_gradient_checkpointing)
+                     checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu)
     made: list[Choice] = []
 
     def take(name, holder, attr, key=None):
@@ -197,8 +200,13 @@ def plan_memory(cfg, model, device: torch.device, *, world_size: int = 1, log=pr
         a.use_torch_compile = True
     take("checkpointing", m, "enable_gradient_checkpointing")
     take("update_tokens", a, "ppo_max_token_len_per_gpu")
-    take("logprob_tokens", r, "log_prob_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
-    take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+    take("logprob_tokens", r, "log_prob_max_token_len_per_gpu",
+         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+    if uses_ref:
+        take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
+             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+    elif ref.log_prob_max_token_len_per_gpu is None:  # no reference model: never read
+        ref.log_prob_max_token_len_per_gpu = choices["logprob_tokens"].value
     if r.gpu_memory_utilization is None:
         if "engine" in choices:
             take("engine", r, "gpu_memory_utilization")
