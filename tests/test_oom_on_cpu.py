@@ -19,6 +19,7 @@ from polyrl.training import memory
 from polyrl.training.actor import compute_logprobs
 from polyrl.utils.oom_hook import INJECT_ENV, oom_point
 
+from test_flow_pipeline_on_cpu import pipe_dir  # noqa: F401 (fixture)
 from test_trainer_on_cpu import _actor, _batch, _settings
 
 GiB = 2**30
@@ -176,3 +177,32 @@ def test_repeated_oom_stops_with_one_sentence_exit_2_and_checkpoints_intact(tiny
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert not (ckpt / "global_step_2").exists()
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
+
+
+def _flow_step(pipe_dir, logs):
+    from test_flow_pipeline_on_cpu import _config, brightness
+
+    from polyrl.flow.pipeline import load_pipeline_policy
+    from polyrl.flow.trainer import FlowGRPOTrainer
+
+    torch.manual_seed(0)
+    cfg = _config(1.0, True, False)
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    policy = load_pipeline_policy(pipe_dir, height=p.height, width=p.width, max_sequence_length=p.max_sequence_length)
+    policy.add_lora(4, 8, cfg.actor_rollout_ref.model.target_modules)
+    prompts = [('a sign that reads "hi"', {}), ('a card that reads "ok"', {})]
+    trainer = FlowGRPOTrainer(cfg, policy, brightness, prompts, prompts[:1])
+    trainer.oom.log = logs.append
+    trainer.step()
+    return torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]), trainer
+
+
+def test_flow_update_oom_turns_checkpointing_on_and_gives_the_same_update(pipe_dir, monkeypatch):
+    logs = []
+    plain, trainer = _flow_step(pipe_dir, logs)
+    assert trainer.cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False and not logs  # auto: off
+    monkeypatch.setenv(INJECT_ENV, "update_actor")
+    retried, trainer = _flow_step(pipe_dir, logs)
+    assert trainer.oom.num_retries == 1 and trainer.policy.transformer.gradient_checkpointing
+    assert len(logs) == 1 and "actor_rollout_ref.model.enable_gradient_checkpointing=True" in logs[0]
+    torch.testing.assert_close(retried, plain, rtol=0, atol=1e-6)

@@ -18,6 +18,10 @@ Deviations from the papers/upstream, on purpose:
 - one SDE window per batch (flow_grpo); verl-omni draws one per sample. The last grid step is always ODE.
 - samples in zero-std groups (advantage exactly 0) are skipped in the update: their loss gradient is 0 anyway.
 - no EMA of the weights (flow_grpo's SD3 eval uses one).
+
+Memory: gradient checkpointing defaults to auto (None): the run starts without it (fastest), and an out-of-memory
+error in the update turns it on, then halves the micro-batch (trainer/oom.py, `FLOW_SHRINKERS`); an OOM in the
+rollout halves its chunk. Each change is warned once with the key that avoids it.
 """
 
 from __future__ import annotations
@@ -39,10 +43,38 @@ from polyrl.flow import sde as sde_lib
 from polyrl.flow.config import FlowConfig
 from polyrl.flow.parallel import weight_dtype
 from polyrl.flow.pipeline import FlowPolicy
+from polyrl.trainer.oom import Change, OOMGuard, StageContext
 from polyrl.training.master_weights import MasterWeights
 from polyrl.utils.timing import StepTimer
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
+
+
+def _shrink_flow_update(cfg, ctx: StageContext) -> Change | None:
+    """Gradient checkpointing first (the micro-batch shapes stay those of the rollout), then half the micro-batch."""
+    arr = cfg.actor_rollout_ref
+    if not arr.model.enable_gradient_checkpointing:
+        ctx.model.enable_gradient_checkpointing()
+        arr.model.enable_gradient_checkpointing = True
+        return Change("actor_rollout_ref.model.enable_gradient_checkpointing", False, True)
+    old = arr.actor.ppo_micro_batch_size_per_gpu
+    arr.actor.ppo_micro_batch_size_per_gpu = max(1, old // 2)
+    return Change("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
+
+
+def _shrink_flow_gen(cfg, ctx: StageContext) -> Change | None:
+    arr = cfg.actor_rollout_ref
+    old = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+    arr.rollout.log_prob_micro_batch_size_per_gpu = max(1, old // 2)
+    return Change("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
+
+
+FLOW_SHRINKERS = {"gen": _shrink_flow_gen, "update_actor": _shrink_flow_update}
+
+
+def _smaller_images(cfg) -> str:
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    return f"actor_rollout_ref.rollout.pipeline.height={p.height // 2} and width={p.width // 2}"
 
 
 def check_batches(cfg: FlowConfig, world_size: int) -> None:
@@ -125,6 +157,14 @@ class FlowGRPOTrainer:
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
         self._order: list[int] = []
+        model = cfg.actor_rollout_ref.model
+        if model.enable_gradient_checkpointing is None:
+            model.enable_gradient_checkpointing = False
+            if self.dist.is_rank0:
+                print("polyrl: auto actor_rollout_ref.model.enable_gradient_checkpointing=False (fastest; an "
+                      "out-of-memory error in the update turns it on)", flush=True)
+        self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[self.optimizer],
+                            shrinkers=FLOW_SHRINKERS, last_resort=_smaller_images)
 
     # ------------------------------------------------------------------ data
 
@@ -294,7 +334,9 @@ class FlowGRPOTrainer:
             mine = dp_data.shard_prompts(len(batch), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
                                          self.dist.rank, self.dist.world_size)  # fmt: skip
             with self.timer.stage("gen"):
-                rollout = self.generate([batch[i] for i in mine], mine)
+                gen = lambda: self.generate([batch[i] for i in mine], mine)  # noqa: E731
+                # an async scorer already holds the chunks made before an OOM: no retry then
+                rollout = gen() if self.async_scorer else self.oom.run("gen", gen, generators=[self._noise_gen])
             with self.timer.stage("reward"):
                 scores_B = self.score(rollout)
             with self.timer.stage("adv"):
@@ -310,7 +352,8 @@ class FlowGRPOTrainer:
                 )  # fmt: skip
                 adv_B = all_adv[torch.tensor(rollout.sample_ids)]
             with self.timer.stage("update_actor"):
-                metrics = self.update_actor(rollout, adv_B)
+                metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B),
+                                       ctx=StageContext(model=self.policy.transformer), optimizer=self.optimizer)
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0

@@ -122,14 +122,16 @@ SHRINKERS: dict[str, Callable[[Any, StageContext], Change | None]] = {
 }
 
 
-def stop_sentence(stage: str, cfg, reason: str, change: Change | None) -> str:
+def shorter_responses(cfg) -> str:
+    """The LLM trainer's last resort: half the response length (every stage's memory grows with it)."""
+    return f"data.max_response_length={max(1, cfg.data.max_response_length // 2)}"
+
+
+def stop_sentence(stage: str, reason: str, change: Change | None, last_resort: str) -> str:
     """The one sentence a run ends with: what ran out, and the key and value to set."""
-    if change is not None:
-        return (f"The {stage} stage ran out of GPU memory {reason}; set {change.key}={change.new} and run again "
-                "(trainer.resume_mode=auto continues from the last checkpoint).")
-    half = max(1, cfg.data.max_response_length // 2)
-    return (f"The {stage} stage ran out of GPU memory {reason}; set data.max_response_length={half} (or use more "
-            "GPUs) and run again (trainer.resume_mode=auto continues from the last checkpoint).")
+    fix = f"{change.key}={change.new}" if change is not None else f"{last_resort} (or use more GPUs)"
+    return (f"The {stage} stage ran out of GPU memory {reason}; set {fix} and run again "
+            "(trainer.resume_mode=auto continues from the last checkpoint).")
 
 
 # ---------------------------------------------------------------------------------------------------- the guard
@@ -165,9 +167,13 @@ class _StepCounter:
 
 
 class OOMGuard:
-    def __init__(self, cfg, *, distributed: bool = False, optimizers=(), device: torch.device | None = None,
+    """Runs stages with `shrinkers` (stage name -> shrinker; the LLM trainer's by default); `last_resort(cfg)` is the
+    key=value a stop suggests when nothing is left to shrink."""
+
+    def __init__(self, cfg, *, distributed: bool = False, optimizers=(), shrinkers=None, last_resort=shorter_responses,
                  log=None):
-        self.cfg, self.distributed, self.optimizers, self.device = cfg, distributed, list(optimizers), device
+        self.cfg, self.distributed, self.optimizers = cfg, distributed, list(optimizers)
+        self.shrinkers, self.last_resort = shrinkers or SHRINKERS, last_resort
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.warned: set[str] = set()
         self.num_retries = 0
@@ -201,16 +207,15 @@ class OOMGuard:
                 ACTIVE.update(stage=None)
                 steps.close()
             self.free_memory()
-            change = SHRINKERS[stage](self.cfg, ctx)
+            change = self.shrinkers[stage](self.cfg, ctx)
             if change is None:
                 floor = f"even at {last.key}={last.new}" if last else "with nothing left to shrink"
-                raise OutOfMemoryStop(stop_sentence(stage, self.cfg, floor, None)) from None
-            if self.distributed:
-                raise OutOfMemoryStop(stop_sentence(stage, self.cfg, "on one of several processes, which cannot "
-                                                    "retry alone", change)) from None
-            if steps.count:
-                raise OutOfMemoryStop(stop_sentence(stage, self.cfg, f"after {steps.count} optimizer step(s) of this "
-                                                    "update, which cannot be redone", change)) from None
+                raise OutOfMemoryStop(stop_sentence(stage, floor, None, self.last_resort(self.cfg))) from None
+            why = ("on one of several processes, which cannot retry alone" if self.distributed else
+                   f"after {steps.count} optimizer step(s) of this update, which cannot be redone" if steps.count
+                   else None)
+            if why:
+                raise OutOfMemoryStop(stop_sentence(stage, why, change, "")) from None
             if change.key not in self.warned:
                 self.warned.add(change.key)
                 self.log(f"polyrl: warning: {stage} ran out of GPU memory ({failed}); retrying with "
