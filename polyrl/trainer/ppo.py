@@ -103,8 +103,7 @@ class PPOTrainer(CheckpointingMixin):
 
         model = load_policy(arr.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
-        plan_memory(cfg, model, self.device, world_size=self.dist.world_size,
-                    log=print if self.dist.is_rank0 else lambda _: None)
+        plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 

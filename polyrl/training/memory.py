@@ -62,7 +62,8 @@ class ModelShape:
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         params = list(model.parameters())
-        return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, num_layers=c.num_hidden_layers,
+        return cls(hidden=c.hidden_size, intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+                   num_layers=c.num_hidden_layers,
                    vocab=c.vocab_size, kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * 2,
                    num_params=sum(p.numel() for p in params),
                    num_trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -164,9 +165,12 @@ def resolve_switches(cfg) -> None:
                                         and ref.log_prob_micro_batch_size is None)
 
 
-def plan_memory(cfg, model, device: torch.device, *, world_size: int = 1, log=print) -> list[Choice]:
+def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> list[Choice]:
     """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`); print each choice
-    once. Returns the choices made (empty when the user set every key)."""
+    once. Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv)
+    every rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
+    must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
+    world_size = dist.world_size if dist is not None else 1
     resolve_switches(cfg)
     arr, data = cfg.actor_rollout_ref, cfg.data
     a, r, ref, m = arr.actor, arr.rollout, arr.ref, arr.model
@@ -181,6 +185,8 @@ def plan_memory(cfg, model, device: torch.device, *, world_size: int = 1, log=pr
     if cfg.critic.enable:
         extra += shape.num_params * shape.param_bytes * 4
     free, total = device_memory(device)
+    if world_size > 1:
+        free = int(dist.all_reduce(torch.tensor(free, dtype=torch.float64, device=device), op="min"))
     rows = data.train_batch_size * r.n // max(1, world_size)
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
