@@ -7,12 +7,13 @@ a value for each auto key, writes it into the config and prints it once with its
 The memory model (bytes on one device during the update; the engine's KV cache is released by then):
 - static: Adam state and gradients (3 x master bytes per trainable parameter), a reference copy, the engine's bf16
   weights, a critic, and the LM head's chunk workspace (`logprob_chunk_size` x vocab logits);
-- per token of a micro-batch: each decoder layer keeps `2 (6h + 3i)` bytes of activations in bf16 autocast
-  (q/k/v/o, norms, gate/up/act), x0.6 when its layers are compiled (fused elementwise ops save less); with gradient
+- per token of a micro-batch: each decoder layer keeps `2 (6h + 3i)` bytes of activations with compiled layers in
+  bf16 autocast (q/k/v/o, norms, gate/up/act), x1.4 eager (unfused elementwise ops save more); with gradient
   checkpointing only each layer's fp32 input stays (4h), plus one layer re-run in backward.
-Checked against NOTES_training.md (Qwen2.5-1.5B, 29.7k tokens in one micro-batch: eager 86.6 GiB, compiled
-60.5 GiB peak): the model gives 2.0 / 1.2 MB per token, measured 2.1 / 1.2. A wrong guess costs one retry, not the
-run (trainer/oom.py shrinks the budget on an out-of-memory error).
+Checked against BENCHMARKS.md (H200, Qwen2.5-1.5B, compiled, no checkpointing: budget 49152 peaked at 122.8 GiB and
+65536 ran out; the H100 fits 24576 and not 49152, issue 18): 1.93 MiB per token here, 1.96 measured; eager/compiled
+1.4 from NOTES_training.md (86.6 / 60.5 GiB). A wrong guess costs one retry, not the run (trainer/oom.py halves the
+budget on an out-of-memory error).
 
 On CPU (tests) the same arithmetic runs on host memory; `device_memory` is the one function to replace in a test.
 """
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 GiB = 2**30
-MAX_UPDATE_TOKENS = 32768  # past this, bigger micro-batches no longer raise MFU (NOTES_training.md: 55% at 32k)
+MAX_UPDATE_TOKENS = 49152  # the best hand-tuned H200 rows' budget; past it, bigger micro-batches gain nothing
 MAX_LOGPROB_TOKENS = 65536  # no-grad passes keep one layer's activations at a time
 MIN_FAST_TOKENS = 8192  # below this many tokens per micro-batch, checkpointing beats tiny micro-batches
-COMPILED_ACTIVATION_RATIO = 0.6  # NOTES_training.md: 60.5 vs 86.6 GiB peak, compiled vs eager
+EAGER_ACTIVATION_RATIO = 1.4  # NOTES_training.md: 86.6 vs 60.5 GiB peak, eager vs compiled
 CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err on the small side
 HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
 
@@ -71,12 +72,12 @@ class ModelShape:
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
-    """Bytes per token one decoder layer saves for backward (bf16 autocast, no checkpointing)."""
+    """Bytes per token one compiled decoder layer saves for backward (bf16 autocast, no checkpointing)."""
     return 2 * (6 * shape.hidden + 3 * shape.intermediate)
 
 
 def update_bytes_per_token(shape: ModelShape, *, checkpointing: bool, compiled: bool) -> float:
-    layer = layer_activation_bytes(shape) * (COMPILED_ACTIVATION_RATIO if compiled else 1.0)
+    layer = layer_activation_bytes(shape) * (1.0 if compiled else EAGER_ACTIVATION_RATIO)
     if checkpointing:
         return (shape.num_layers * 4 * shape.hidden + layer) * CHECKPOINT_SAFETY
     return shape.num_layers * layer
@@ -111,7 +112,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
     if compile_layers is None:
         compile_layers = cuda
         out["compile"] = Choice("actor_rollout_ref.actor.use_torch_compile", compile_layers,
-                                "CUDA: compiled layers are ~26% faster and use ~40% less activation memory" if cuda
+                                "CUDA: compiled layers are ~26% faster and keep ~30% less activation memory" if cuda
                                 else "CPU: compiling costs more than it saves on small runs")
     engine = shape.num_params * 2 if engine_on_device else 0
     optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
