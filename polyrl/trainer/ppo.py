@@ -455,11 +455,11 @@ class PPOTrainer(CheckpointingMixin):
                                   max_new_tokens=self.cfg.actor_rollout_ref.rollout.response_length,
                                   stop_token_ids=self.stop_ids)
         with self.timer.stage("testing"):
-            self.engine.resume()
             val = self.val_data
             if self.dist.is_distributed:  # each rank validates a slice; gathered below
                 val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
-            out = self.engine.generate([s.prompt_ids for s in val], sampling)
+            out = self.oom.run("gen", lambda: self._generate([s.prompt_ids for s in val], sampling),
+                               ctx=StageContext(engine=self.engine))
             scores, extras, texts = self._score(val, out)
         rows = [val[pi] for pi in out.prompt_index]
         preds = [t.strip() for t in texts]

@@ -38,9 +38,11 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes on `device`; host memory for CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
-    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    free = os.sysconf("SC_AVPHYS_PAGES") * size
-    return free, pages * size
+    try:
+        size = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * size, os.sysconf("SC_PHYS_PAGES") * size
+    except (ValueError, OSError):  # no such sysconf name (macOS): on CPU the numbers only cap the budgets
+        return 8 * GiB, 16 * GiB
 
 
 @dataclass(frozen=True)
