@@ -10,6 +10,8 @@ Each stage is one call, timed as `timing_s/<stage>`. Where we deviate from verl 
   `training/rollout_probs_diff_mean` (the number verl's rollout-correction work is about).
 - A non-finite gradient norm skips that optimizer step instead of corrupting the weights (`actor/nonfinite_skipped`).
 - A checkpoint is always written at the end, with an HF-format export beside it (no merge step).
+- Memory keys left unset are chosen from the free device memory (training/memory.py); a stage that runs out of memory
+  is re-run with a smaller token budget / KV cache, or the run stops with one sentence (trainer/oom.py).
 """
 
 from __future__ import annotations
