@@ -91,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="1.5b", choices=["1.5b", "tiny"], help="tiny + --device cpu: a smoke test")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args(argv)
+    torch._dynamo.config.cache_size_limit = 64  # every run compiles its own layers: keep them all compiled
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir, tok_dir, _ = setup(work, init_std=0.01, num_prompts=args.prompts, prompt_tokens=128, shape=args.shape,
