@@ -87,9 +87,10 @@ def _update_with_guard(base, batch, cfg, logs):
     actor = _actor(model, sgd=True)
     a = cfg.actor_rollout_ref.actor
     guard = OOMGuard(cfg, optimizers=[actor.optimizer], log=logs.append)
-    guard.run("update_actor", lambda: actor.update(batch, _settings(mini_batch_size=a.ppo_mini_batch_size,
-                                                                    max_token_len=a.ppo_max_token_len_per_gpu)),
-              ctx=StageContext(batch, 8, model=model), optimizer=actor.optimizer)
+    ctx = StageContext(batch, 8, model=model, progress=lambda: actor.mini_batches_applied)  # as ppo.py
+    guard.run("update_actor", lambda: actor.update(batch, _settings(
+        mini_batch_size=a.ppo_mini_batch_size, max_token_len=a.ppo_max_token_len_per_gpu,
+        skip_mini_batches=ctx.done)), ctx=ctx)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), guard
 
 
@@ -108,11 +109,22 @@ def test_injected_oom_in_update_retries_with_half_the_budget_and_gives_the_same_
     assert len(logs) == 1 and "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32" in logs[0]
     assert (plain - torch.cat([p.detach().flatten() for p in base.parameters()])).abs().max() > 1e-4
     torch.testing.assert_close(retried, plain, rtol=0, atol=1e-6)
-    # an OOM after an optimizer step of the same update cannot be redone: one sentence with the key to set
+    # two mini-batches (two optimizer steps): an OOM in the second resumes there, the first is not applied twice
+    monkeypatch.delenv(INJECT_ENV)
+    plain, _ = _update_with_guard(base, batch, _cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512,
+                                                    ppo_mini_batch_size=4), logs)
     monkeypatch.setenv(INJECT_ENV, "update_actor:1:3")  # the second mini-batch's forward
+    retried, guard = _update_with_guard(base, batch, _cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512,
+                                                          ppo_mini_batch_size=4), logs)
+    assert guard.num_retries == 1
+    torch.testing.assert_close(retried, plain, rtol=0, atol=1e-6)
+    # the FlowGRPO update cannot resume: an OOM after an optimizer step stops with one sentence and the key to set
+    model = copy.deepcopy(base)
+    actor = _actor(model, sgd=True)
+    cfg = _cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512, ppo_mini_batch_size=4)
     with pytest.raises(OutOfMemoryStop, match=r"after 1 optimizer step.*ppo_max_token_len_per_gpu=\d+"):
-        _update_with_guard(base, batch, _cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512,
-                                             ppo_mini_batch_size=4), logs)
+        OOMGuard(cfg, log=logs.append).run("update_actor", lambda: actor.update(batch, _settings(
+            mini_batch_size=4, max_token_len=512)), ctx=StageContext(batch, 8, model=model), optimizer=actor.optimizer)
 
 
 def test_injected_oom_in_rollout_halves_the_kv_cache_and_samples_the_same(monkeypatch):

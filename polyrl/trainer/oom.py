@@ -5,13 +5,14 @@
 2. asks the stage's shrinker (`SHRINKERS`, one function per stage) to make the cause smaller: it edits the config key
    in place (so later steps start from the value that fit, and the warning names that key), e.g. halves a token
    budget, halves the engine's KV cache, or turns gradient checkpointing on;
-3. runs the stage again from its start, with the RNG states it started with.
-A warning is printed once per key. A stage restart changes its result only as a different micro-batch split does:
-the log-prob passes are pure, and the update starts each mini-batch from zero gradients with normalisers fixed per
-mini-batch (actor.py). The update is retried only while no optimizer step has run in it; after one, or under
-several processes (the other ranks would wait in a collective), and when nothing is left to shrink, the run stops
-with `OutOfMemoryStop`: a `UserError`, so the CLI prints one sentence naming the key and a value to set, and exits
-with status 2. Nothing here writes a checkpoint, so those on disk stay as they were.
+3. runs the stage again with the RNG states it started with: from its start, or, for the LLM update, from the
+   mini-batch that failed (`StageContext.progress`: the mini-batches before it took their optimizer steps).
+A warning is printed once per key. A retry changes the result only as a different micro-batch split does: the
+log-prob passes are pure, and a mini-batch restarts from zero gradients with normalisers fixed per mini-batch
+(actor.py); the retried update's metrics cover the mini-batches it ran. A stage that took optimizer steps and cannot
+resume (the FlowGRPO update), an OOM under several processes (the other ranks would wait in a collective), or nothing
+left to shrink stops the run with `OutOfMemoryStop`: a `UserError`, so the CLI prints one sentence naming the key and
+a value to set, and exits with status 2. Nothing here writes a checkpoint, so those on disk stay as they were.
 
 Test hook (no config key): POLYRL_INJECT_OOM, see utils/oom_hook.py.
 """
@@ -49,6 +50,8 @@ class StageContext:
     micro_batch_size: int | None = None  # the row count used when no *_micro_batch_size_per_gpu is set
     engine: Any = None
     model: Any = None
+    progress: Callable[[], int] | None = None  # units of the stage done for good (the update's applied mini-batches)
+    done: int = 0  # `progress` when the last attempt failed: where the next one resumes
 
     def longest(self) -> int:
         return int(self.batch["attention_mask"].sum(1).max()) if self.batch is not None else 1
@@ -206,6 +209,8 @@ class OOMGuard:
             finally:
                 ACTIVE.update(stage=None)
                 steps.close()
+            if ctx.progress is not None:
+                ctx.done = ctx.progress()
             self.free_memory()
             change = self.shrinkers[stage](self.cfg, ctx)
             if change is None:

@@ -266,12 +266,12 @@ class PPOTrainer(CheckpointingMixin):
                                                                             batch["response_mask"])
             with timer.stage("update_actor"):
                 if self.global_step >= cfg.trainer.critic_warmup:
-                    # settings re-read on a retry: trainer/oom.py may have shrunk the token budget
-                    metrics.update(self.oom.run(
-                        "update_actor", lambda: self.actor.update(batch, self._update_settings(batch),
-                                                                  generator=self.generator),
-                        ctx=StageContext(batch, s.micro_batch_size, model=self.model), generators=[self.generator],
-                        optimizer=self.actor.optimizer))
+                    # a retry (trainer/oom.py) re-reads the shrunk budget and resumes after the applied mini-batches
+                    ctx = StageContext(batch, s.micro_batch_size, model=self.model,
+                                       progress=lambda: self.actor.mini_batches_applied)
+                    metrics.update(self.oom.run("update_actor", lambda: self.actor.update(
+                        batch, self._update_settings(batch, skip_mini_batches=ctx.done), generator=self.generator),
+                        ctx=ctx, generators=[self.generator]))
             if s.old_from_current:
                 metrics["training/old_log_prob_source_current"] = 1.0
             with timer.stage("update_weights"):
@@ -389,7 +389,7 @@ class PPOTrainer(CheckpointingMixin):
         scores, extras = self.reward.score(samples, response_lengths=out.lengths)
         return scores, extras, texts  # the decoded responses, for logging and majority votes
 
-    def _update_settings(self, batch) -> UpdateSettings:
+    def _update_settings(self, batch, skip_mini_batches: int = 0) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
         mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.data.world_size)  # this shard's part of a mini-batch
@@ -406,7 +406,8 @@ class PPOTrainer(CheckpointingMixin):
             entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
             kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
             old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward),
-            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+            skip_mini_batches=skip_mini_batches)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref

@@ -283,6 +283,7 @@ class UpdateSettings:
     calculate_entropy: bool = True
     old_from_current: bool = False  # on-policy single pass: old log-probs are the current ones (no extra pass)
     max_token_len: int | None = None  # use_dynamic_bsz: micro-batches cut by this token budget instead of rows
+    skip_mini_batches: int = 0  # already applied by an attempt that ran out of memory (trainer/oom.py resumes)
 
 
 class Actor:
@@ -301,6 +302,7 @@ class Actor:
                         or cfg.num_attention_heads, dp.sp_size)
             self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mini_batches_applied = 0  # of the current update: where an out-of-memory retry resumes
         if self.fwd.compile_layers:
             compile_decoder_layers(model)
 
@@ -322,7 +324,8 @@ class Actor:
             s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
-        skipped = 0
+        skipped, num_seen = 0, 0
+        self.mini_batches_applied = s.skip_mini_batches
 
         def add(key, value, weight=1.0):
             sums[key] = sums.get(key, 0.0) + value.detach().float() * weight
@@ -331,6 +334,9 @@ class Actor:
         for _ in range(s.ppo_epochs):
             order = torch.randperm(B, generator=generator) if s.shuffle else torch.arange(B)
             for mini_rows in split_rows(B, s.mini_batch_size):
+                num_seen += 1
+                if num_seen <= s.skip_mini_batches:  # its optimizer step is done (the shuffles replay the same)
+                    continue
                 mini = select(batch, order[mini_rows].to(batch["responses"].device))
                 num_tokens = mini["response_mask"].sum()
                 num_seqs = mini["responses"].shape[0]
@@ -389,6 +395,7 @@ class Actor:
                     self.optimizer.zero_grad(set_to_none=True)
                 add("actor/grad_norm", grad_norm)
                 counts["_mini"] = counts.get("_mini", 0) + 1
+                self.mini_batches_applied += 1
         self.scheduler.step()
         num_mini = counts.pop("_mini")
         gap_max = sums.pop("_gap_max", None)
