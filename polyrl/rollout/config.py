@@ -72,7 +72,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Sequences per micro-batch when recomputing old log-probs."""
     log_prob_use_dynamic_bsz: bool | None = None
-    """Cut log-prob micro-batches by token budget; None (auto): on unless a micro-batch size is set."""
+    """Cut log-prob micro-batches by token budget; None: as the actor, unless a micro-batch size is set."""
     log_prob_max_token_len_per_gpu: int | None = None
     """Token budget per log-prob micro-batch; None: auto from free memory (training/memory.py)."""
     calculate_log_probs: bool = True

@@ -174,7 +174,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Sequences per reference forward."""
     log_prob_use_dynamic_bsz: bool | None = None
-    """Cut reference micro-batches by token budget; None (auto): on unless a micro-batch size is set."""
+    """Cut reference micro-batches by token budget; None: as the actor, unless a micro-batch size is set."""
     log_prob_max_token_len_per_gpu: int | None = None
     """Token budget per reference micro-batch (dynamic_batch.py); None: auto from free memory (memory.py)."""
     ulysses_sequence_parallel_size: int = 1

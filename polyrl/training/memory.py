@@ -155,17 +155,17 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
 
 
 def resolve_switches(cfg) -> None:
-    """The auto switches that need no memory numbers: token-budget micro-batches unless a micro-batch size is set.
-    Runs before the batch-size checks (it decides which of them apply)."""
+    """The auto switches that need no memory numbers: token-budget micro-batches unless a micro-batch size is set;
+    the log-prob passes follow the actor unless their own size is set (verl's interpolated default). Runs before the
+    batch-size checks (it decides which of them apply)."""
     arr = cfg.actor_rollout_ref
-    a, r, ref = arr.actor, arr.rollout, arr.ref
+    a = arr.actor
     if a.use_dynamic_bsz is None:
         a.use_dynamic_bsz = a.ppo_micro_batch_size_per_gpu is None and a.ppo_micro_batch_size is None
-    if r.log_prob_use_dynamic_bsz is None:
-        r.log_prob_use_dynamic_bsz = r.log_prob_micro_batch_size_per_gpu is None and r.log_prob_micro_batch_size is None
-    if ref.log_prob_use_dynamic_bsz is None:
-        ref.log_prob_use_dynamic_bsz = (ref.log_prob_micro_batch_size_per_gpu is None
-                                        and ref.log_prob_micro_batch_size is None)
+    for role in (arr.rollout, arr.ref):
+        if role.log_prob_use_dynamic_bsz is None:
+            role.log_prob_use_dynamic_bsz = a.use_dynamic_bsz and (role.log_prob_micro_batch_size_per_gpu is None
+                                                                   and role.log_prob_micro_batch_size is None)
 
 
 def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> list[Choice]:
