@@ -198,24 +198,23 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu)
     made: list[Choice] = []
 
-    def take(name, holder, attr, key=None):
+    def take(name, holder, attr, key=None, read=True):
+        """Fill an auto key; log it only where it is read (a budget without token-budget micro-batches is not)."""
         if getattr(holder, attr) is None and name in choices:
             c = choices[name]
             setattr(holder, attr, c.value)
-            made.append(Choice(key or c.key, c.value, c.reason))
+            if read:
+                made.append(Choice(key or c.key, c.value, c.reason))
 
     take("compile", a, "use_torch_compile")
     if a.use_torch_compile is None:  # fsdp_config.use_torch_compile=True decided it
         a.use_torch_compile = True
     take("checkpointing", m, "enable_gradient_checkpointing")
-    take("update_tokens", a, "ppo_max_token_len_per_gpu")
+    take("update_tokens", a, "ppo_max_token_len_per_gpu", read=a.use_dynamic_bsz)
     take("logprob_tokens", r, "log_prob_max_token_len_per_gpu",
-         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
-    if uses_ref:
-        take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
-             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
-    elif ref.log_prob_max_token_len_per_gpu is None:  # no reference model: never read
-        ref.log_prob_max_token_len_per_gpu = choices["logprob_tokens"].value
+         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", read=r.log_prob_use_dynamic_bsz)
+    take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
+         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", read=uses_ref and ref.log_prob_use_dynamic_bsz)
     if r.gpu_memory_utilization is None:
         if "engine" in choices:
             take("engine", r, "gpu_memory_utilization")
