@@ -118,13 +118,13 @@ def test_injected_oom_in_update_retries_with_half_the_budget_and_gives_the_same_
                                                           ppo_mini_batch_size=4), logs)
     assert guard.num_retries == 1
     torch.testing.assert_close(retried, plain, rtol=0, atol=1e-6)
-    # the FlowGRPO update cannot resume: an OOM after an optimizer step stops with one sentence and the key to set
-    model = copy.deepcopy(base)
-    actor = _actor(model, sgd=True)
-    cfg = _cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512, ppo_mini_batch_size=4)
-    with pytest.raises(OutOfMemoryStop, match=r"after 1 optimizer step.*ppo_max_token_len_per_gpu=\d+"):
-        OOMGuard(cfg, log=logs.append).run("update_actor", lambda: actor.update(batch, _settings(
-            mini_batch_size=4, max_token_len=512)), ctx=StageContext(batch, 8, model=model), optimizer=actor.optimizer)
+    # under several processes the other ranks would wait in a collective: stop with one sentence and the key to set
+    monkeypatch.setenv(INJECT_ENV, "ref")
+    cfg = _cfg()
+    ref = cfg.actor_rollout_ref.ref
+    ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu = True, 96
+    with pytest.raises(OutOfMemoryStop, match=r"several processes.*ref.log_prob_max_token_len_per_gpu=48 "):
+        OOMGuard(cfg, distributed=True).run("ref", lambda: None, ctx=StageContext(batch))
 
 
 def test_injected_oom_in_rollout_halves_the_kv_cache_and_samples_the_same(monkeypatch):

@@ -157,6 +157,7 @@ class FlowGRPOTrainer:
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
         self._order: list[int] = []
+        self.mini_batches_applied = 0  # of the current update (trainer/oom.py)
         model = cfg.actor_rollout_ref.model
         if model.enable_gradient_checkpointing is None:
             model.enable_gradient_checkpointing = False
@@ -228,8 +229,9 @@ class FlowGRPOTrainer:
         images = self.policy.decode(rollout.traj.final_B)
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
-    def update_actor(self, rollout: Rollout, adv_B: torch.Tensor) -> dict[str, float]:
+    def update_actor(self, rollout: Rollout, adv_B: torch.Tensor, skip_mini_batches: int = 0) -> dict[str, float]:
         """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated).
+        `skip_mini_batches`: already applied by an attempt that ran out of memory (trainer/oom.py resumes after them).
 
         With several processes each rank holds its slice of every mini-batch: the loss normaliser counts the global
         mini-batch and each rank's loss is scaled by the process count (FSDP averages gradients over ranks), so the
@@ -247,13 +249,18 @@ class FlowGRPOTrainer:
         # without reshard (the last block's) and the next backward, so the module's list is not always these
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.policy.transformer.train()
+        self.mini_batches_applied, num_seen = skip_mini_batches, 0
         for _ in range(actor.ppo_epochs):
             for lo in range(0, len(rollout.prompts), mini):
+                num_seen += 1
+                if num_seen <= skip_mini_batches:
+                    continue
                 idx = torch.arange(lo, min(lo + mini, len(rollout.prompts)))
                 if actor.skip_zero_adv:
                     idx = idx[adv_B[idx] != 0]
                 counts = self.dist.all_gather_object(len(idx))
                 if sum(counts) == 0:
+                    self.mini_batches_applied += 1
                     continue
                 num_terms = sum(counts) * len(traj.step_indices)
                 metric_sums: dict[str, torch.Tensor] = {}
@@ -273,6 +280,7 @@ class FlowGRPOTrainer:
                 for key, val in metric_sums.items():
                     totals[key] = totals.get(key, 0.0) + float(val)
                 num_terms_all += num_terms
+                self.mini_batches_applied += 1
         self.policy.transformer.eval()
         totals = self._sum_over_ranks(totals)
         metrics = {k: v / max(num_terms_all, 1) for k, v in totals.items()}
@@ -351,9 +359,9 @@ class FlowGRPOTrainer:
                     global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
                 )  # fmt: skip
                 adv_B = all_adv[torch.tensor(rollout.sample_ids)]
-            with self.timer.stage("update_actor"):
-                metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B),
-                                       ctx=StageContext(model=self.policy.transformer), optimizer=self.optimizer)
+            with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
+                ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
+                metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0

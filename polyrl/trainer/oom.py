@@ -5,14 +5,14 @@
 2. asks the stage's shrinker (`SHRINKERS`, one function per stage) to make the cause smaller: it edits the config key
    in place (so later steps start from the value that fit, and the warning names that key), e.g. halves a token
    budget, halves the engine's KV cache, or turns gradient checkpointing on;
-3. runs the stage again with the RNG states it started with: from its start, or, for the LLM update, from the
-   mini-batch that failed (`StageContext.progress`: the mini-batches before it took their optimizer steps).
+3. runs the stage again with the RNG states it started with: from its start, or, for an update, from the mini-batch
+   that failed (`StageContext.progress`: the mini-batches before it have taken their optimizer steps).
 A warning is printed once per key. A retry changes the result only as a different micro-batch split does: the
 log-prob passes are pure, and a mini-batch restarts from zero gradients with normalisers fixed per mini-batch
-(actor.py); the retried update's metrics cover the mini-batches it ran. A stage that took optimizer steps and cannot
-resume (the FlowGRPO update), an OOM under several processes (the other ranks would wait in a collective), or nothing
-left to shrink stops the run with `OutOfMemoryStop`: a `UserError`, so the CLI prints one sentence naming the key and
-a value to set, and exits with status 2. Nothing here writes a checkpoint, so those on disk stay as they were.
+(actor.py); the retried update's metrics cover the mini-batches it ran. An OOM under several processes (the other
+ranks would wait in a collective) or with nothing left to shrink stops the run with `OutOfMemoryStop`: a `UserError`,
+so the CLI prints one sentence naming the key and a value to set, and exits with status 2. Nothing here writes a
+checkpoint, so those on disk stay as they were.
 
 Test hook (no config key): POLYRL_INJECT_OOM, see utils/oom_hook.py.
 """
@@ -153,22 +153,6 @@ def _restore(states) -> None:
             holder.num_calls = state  # the native engine seeds each generate() call from its call counter
 
 
-class _StepCounter:
-    """Counts optimizer steps inside a stage: a stage that stepped cannot be run again from its start."""
-
-    def __init__(self, optimizer):
-        self.count, self.handle = 0, None
-        if optimizer is not None:
-            self.handle = optimizer.register_step_post_hook(self._tick)
-
-    def _tick(self, *_):
-        self.count += 1
-
-    def close(self):
-        if self.handle is not None:
-            self.handle.remove()
-
-
 class OOMGuard:
     """Runs stages with `shrinkers` (stage name -> shrinker; the LLM trainer's by default); `last_resort(cfg)` is the
     key=value a stop suggests when nothing is left to shrink."""
@@ -190,13 +174,11 @@ class OOMGuard:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def run(self, stage: str, fn: Callable[[], Any], *, ctx: StageContext | None = None, generators=(),
-            optimizer=None) -> Any:
+    def run(self, stage: str, fn: Callable[[], Any], *, ctx: StageContext | None = None, generators=()) -> Any:
         ctx = ctx or StageContext()
         states = _rng_states(generators, ctx.engine)
         attempt, last = 0, None
         while True:
-            steps = _StepCounter(optimizer)
             ACTIVE.update(stage=stage, attempt=attempt, point=0)
             failed = None
             try:
@@ -208,7 +190,6 @@ class OOMGuard:
                 failed = str(e).splitlines()[0][:200]  # keep a string: the exception pins the stage's tensors
             finally:
                 ACTIVE.update(stage=None)
-                steps.close()
             if ctx.progress is not None:
                 ctx.done = ctx.progress()
             self.free_memory()
@@ -216,11 +197,9 @@ class OOMGuard:
             if change is None:
                 floor = f"even at {last.key}={last.new}" if last else "with nothing left to shrink"
                 raise OutOfMemoryStop(stop_sentence(stage, floor, None, self.last_resort(self.cfg))) from None
-            why = ("on one of several processes, which cannot retry alone" if self.distributed else
-                   f"after {steps.count} optimizer step(s) of this update, which cannot be redone" if steps.count
-                   else None)
-            if why:
-                raise OutOfMemoryStop(stop_sentence(stage, why, change, "")) from None
+            if self.distributed:
+                raise OutOfMemoryStop(stop_sentence(stage, "on one of several processes, which cannot retry alone",
+                                                    change, "")) from None
             if change.key not in self.warned:
                 self.warned.add(change.key)
                 self.log(f"polyrl: warning: {stage} ran out of GPU memory ({failed}); retrying with "
