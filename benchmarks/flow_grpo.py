@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
+    ap.add_argument("--auto-memory", action="store_true",
+                    help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
     ap.add_argument("--rollout-micro", type=int, help="images per sampling forward (default: --micro)")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
@@ -140,8 +142,12 @@ def main() -> None:
         policy.add_lora(64, 128, cfg.actor_rollout_ref.model.target_modules)
         for p in policy.trainable_parameters():  # LoRA weights in fp32 (the base stays bf16)
             p.data = p.data.float()
-    if not args.no_ckpt:
-        transformer.enable_gradient_checkpointing()
+    if args.auto_memory:
+        cfg.actor_rollout_ref.model.enable_gradient_checkpointing = None  # the trainer decides (trainer/oom.py)
+    else:
+        cfg.actor_rollout_ref.model.enable_gradient_checkpointing = not args.no_ckpt
+        if not args.no_ckpt:
+            transformer.enable_gradient_checkpointing()
     actor.use_torch_compile = args.compile
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -172,6 +178,8 @@ def main() -> None:
         "max_memory_gb": rows[-1].get("perf/max_memory_allocated_gb", 0.0),
         "ratio_mean": rows[-1].get("actor/ratio_mean"), "pg_clipfrac": rows[-1].get("actor/pg_clipfrac"),
         "grad_norm": rows[-1].get("actor/grad_norm"),
+        "oom_retries": trainer.oom.num_retries, "grad_ckpt": cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+        "micro": actor.ppo_micro_batch_size_per_gpu, "rollout_micro": ro.log_prob_micro_batch_size_per_gpu,
     }  # fmt: skip
     dist.close()
     if not dist.is_rank0:
@@ -184,9 +192,10 @@ def main() -> None:
                                                      " (FSDP2)" if dist.is_distributed else "")
         shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
                  f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, {procs}, "
-                 f"{images} img/step/GPU, micro {args.micro}"
-                 f"{f' (rollout {args.rollout_micro})' if args.rollout_micro else ''}, "
-                 f"{'no ckpt' if args.no_ckpt else 'grad ckpt'}"
+                 f"{images} img/step/GPU, micro {actor.ppo_micro_batch_size_per_gpu}"
+                 f"{f' (rollout {ro.log_prob_micro_batch_size_per_gpu})' if ro.log_prob_micro_batch_size_per_gpu else ''}, "
+                 f"{'grad ckpt' if cfg.actor_rollout_ref.model.enable_gradient_checkpointing else 'no ckpt'}"
+                 f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
                  f"{', compiled blocks (update dynamic, rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
                  f"update {timing['timing_s/update_actor']:.1f}s, ratio_mean {result['ratio_mean']:.6f}; "

@@ -101,8 +101,15 @@ def rollout_name() -> str:
         return "hf"
 
 
+# the hand-set keys of the rows before issue 18 (--extra overrides them); --defaults leaves all of them to auto
+HAND_SET = ["actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"]
+
+
 def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, max_token_len, device="cuda",
-               extra=None):
+               extra=None, defaults=False):
+    """One PPOTrainer run. `defaults`: only model, data, batch and length keys (memory.py picks the rest), as a
+    new user's `polyrl train` would; else the keys in HAND_SET plus `max_token_len`."""
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.ppo import PPOTrainer
@@ -116,16 +123,12 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
         f"data.max_response_length={length}",
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.model.tokenizer_path={tok_dir}",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len}",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.rollout.name={rollout}",
         f"actor_rollout_ref.rollout.n={n}",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
         f"custom_reward_function.path={work / 'reward.py'}",
         "trainer.logger=[file]",
         f"trainer.run_dir={run}",
@@ -136,6 +139,8 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
         f"trainer.device={device}",
         "trainer.progress_bar=False",
     ]
+    if not defaults:
+        overrides += HAND_SET + [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len}"]
     trainer = PPOTrainer(build_config(PPOConfig(), overrides + list(extra or [])))
     out = []
     for _ in range(steps):
@@ -200,6 +205,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--init-std", type=float, default=0.01)
     ap.add_argument("--max-token-len", type=int, default=16384)
+    ap.add_argument("--defaults", action="store_true",
+                    help="only model/data/batch/length keys: token budgets, grad ckpt, compile, engine memory on auto")
     ap.add_argument("--work", default="/tmp/grpo_bench")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-first", action="store_true", help="run TRL before polyrl (checks order effects)")
@@ -242,16 +249,19 @@ def main(argv=None):
                 try:
                     ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
                                     steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                    extra=args.extra, device=args.device)
+                                    extra=args.extra, device=args.device, defaults=args.defaults)
                 except Exception as e:  # noqa: BLE001
-                    if rollout != "native":
-                        raise
+                    from polyrl.errors import UserError
+                    from polyrl.utils.oom_hook import is_oom
+
+                    if rollout != "native" or is_oom(e) or isinstance(e, UserError):
+                        raise  # hf needs more memory than native: an OOM there would only OOM again
                     print(f"[{length}] native rollout failed ({e!r}); retrying with rollout.name=hf", flush=True)
                     torch.cuda.empty_cache()
                     rollout = res["rollout"] = "hf"
                     ms = run_polyrl(work, model_dir, tok_dir, length=length, prompts=args.prompts, n=args.n,
                                     steps=args.steps, rollout=rollout, max_token_len=args.max_token_len,
-                                    extra=args.extra, device=args.device)
+                                    extra=args.extra, device=args.device, defaults=args.defaults)
                 m = ms[-1]
                 keep = ("timing_s/", "perf/", "actor/grad_norm", "response_length/mean", "critic/score/mean", "training/")
                 res["polyrl"] = {k: v for k, v in m.items() if k.startswith(keep)}
@@ -264,7 +274,12 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 import traceback
 
-                traceback.print_exc()
+                from polyrl.errors import UserError
+
+                if isinstance(e, UserError):  # e.g. out of memory with nothing left to shrink: its one sentence
+                    print(f"[{length}] polyrl stopped: {e}", flush=True)
+                else:
+                    traceback.print_exc()
                 res["polyrl_error"] = repr(e)[:500]
                 torch.cuda.empty_cache()
 
@@ -313,6 +328,8 @@ def record(args, report, length, device):
         shape = (f"GRPO step, {model} shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
                  f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
                  f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s"
+                 + ("; defaults (auto memory settings)" if args.defaults else
+                    f"; grad ckpt, ppo_max_token_len_per_gpu={args.max_token_len}")
                  + (f"; {' '.join(args.extra)}" if args.extra else ""))
         append_row(device, "grpo_step perf/throughput tok/s/GPU", shape, f"{p:.0f}",
                    peer=f"TRL 1.16 GRPOTrainer (no vLLM): {t:.0f}" if t else "TRL: not measured",

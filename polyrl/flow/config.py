@@ -52,8 +52,8 @@ class ModelConfig:
     """peft init_lora_weights ("gaussian" as verl-omni, or true for Kaiming)."""
     dtype: str = "float32"
     """Transformer weight dtype: float32, bfloat16 or float16."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in backward (diffusers gradient checkpointing)."""
+    enable_gradient_checkpointing: bool | None = None
+    """Recompute activations in backward (diffusers); None: auto, off until an OOM in the update turns it on."""
 
 
 @dataclass

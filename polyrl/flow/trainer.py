@@ -18,6 +18,10 @@ Deviations from the papers/upstream, on purpose:
 - one SDE window per batch (flow_grpo); verl-omni draws one per sample. The last grid step is always ODE.
 - samples in zero-std groups (advantage exactly 0) are skipped in the update: their loss gradient is 0 anyway.
 - no EMA of the weights (flow_grpo's SD3 eval uses one).
+
+Memory: gradient checkpointing defaults to auto (None): the run starts without it (fastest), and an out-of-memory
+error in the update turns it on, then halves the micro-batch (trainer/oom.py, `FLOW_SHRINKERS`); an OOM in the
+rollout halves its chunk. Each change is warned once with the key that avoids it.
 """
 
 from __future__ import annotations
@@ -39,10 +43,38 @@ from polyrl.flow import sde as sde_lib
 from polyrl.flow.config import FlowConfig
 from polyrl.flow.parallel import weight_dtype
 from polyrl.flow.pipeline import FlowPolicy
+from polyrl.trainer.oom import Change, OOMGuard, StageContext
 from polyrl.training.master_weights import MasterWeights
 from polyrl.utils.timing import StepTimer
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
+
+
+def _shrink_flow_update(cfg, ctx: StageContext) -> Change | None:
+    """Gradient checkpointing first (the micro-batch shapes stay those of the rollout), then half the micro-batch."""
+    arr = cfg.actor_rollout_ref
+    if not arr.model.enable_gradient_checkpointing:
+        ctx.model.enable_gradient_checkpointing()
+        arr.model.enable_gradient_checkpointing = True
+        return Change("actor_rollout_ref.model.enable_gradient_checkpointing", False, True)
+    old = arr.actor.ppo_micro_batch_size_per_gpu
+    arr.actor.ppo_micro_batch_size_per_gpu = max(1, old // 2)
+    return Change("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
+
+
+def _shrink_flow_gen(cfg, ctx: StageContext) -> Change | None:
+    arr = cfg.actor_rollout_ref
+    old = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+    arr.rollout.log_prob_micro_batch_size_per_gpu = max(1, old // 2)
+    return Change("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
+
+
+FLOW_SHRINKERS = {"gen": _shrink_flow_gen, "update_actor": _shrink_flow_update}
+
+
+def _smaller_images(cfg) -> str:
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    return f"actor_rollout_ref.rollout.pipeline.height={p.height // 2} and width={p.width // 2}"
 
 
 def check_batches(cfg: FlowConfig, world_size: int) -> None:
@@ -125,6 +157,15 @@ class FlowGRPOTrainer:
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
         self._order: list[int] = []
+        self.mini_batches_applied = 0  # of the current update (trainer/oom.py)
+        model = cfg.actor_rollout_ref.model
+        if model.enable_gradient_checkpointing is None:
+            model.enable_gradient_checkpointing = False
+            if self.dist.is_rank0:
+                print("polyrl: auto actor_rollout_ref.model.enable_gradient_checkpointing=False (fastest; an "
+                      "out-of-memory error in the update turns it on)", flush=True)
+        self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[self.optimizer],
+                            shrinkers=FLOW_SHRINKERS, last_resort=_smaller_images)
 
     # ------------------------------------------------------------------ data
 
@@ -188,8 +229,9 @@ class FlowGRPOTrainer:
         images = self.policy.decode(rollout.traj.final_B)
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
-    def update_actor(self, rollout: Rollout, adv_B: torch.Tensor) -> dict[str, float]:
+    def update_actor(self, rollout: Rollout, adv_B: torch.Tensor, skip_mini_batches: int = 0) -> dict[str, float]:
         """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated).
+        `skip_mini_batches`: already applied by an attempt that ran out of memory (trainer/oom.py resumes after them).
 
         With several processes each rank holds its slice of every mini-batch: the loss normaliser counts the global
         mini-batch and each rank's loss is scaled by the process count (FSDP averages gradients over ranks), so the
@@ -207,13 +249,18 @@ class FlowGRPOTrainer:
         # without reshard (the last block's) and the next backward, so the module's list is not always these
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.policy.transformer.train()
+        self.mini_batches_applied, num_seen = skip_mini_batches, 0
         for _ in range(actor.ppo_epochs):
             for lo in range(0, len(rollout.prompts), mini):
+                num_seen += 1
+                if num_seen <= skip_mini_batches:
+                    continue
                 idx = torch.arange(lo, min(lo + mini, len(rollout.prompts)))
                 if actor.skip_zero_adv:
                     idx = idx[adv_B[idx] != 0]
                 counts = self.dist.all_gather_object(len(idx))
                 if sum(counts) == 0:
+                    self.mini_batches_applied += 1
                     continue
                 num_terms = sum(counts) * len(traj.step_indices)
                 metric_sums: dict[str, torch.Tensor] = {}
@@ -233,6 +280,7 @@ class FlowGRPOTrainer:
                 for key, val in metric_sums.items():
                     totals[key] = totals.get(key, 0.0) + float(val)
                 num_terms_all += num_terms
+                self.mini_batches_applied += 1
         self.policy.transformer.eval()
         totals = self._sum_over_ranks(totals)
         metrics = {k: v / max(num_terms_all, 1) for k, v in totals.items()}
@@ -294,7 +342,9 @@ class FlowGRPOTrainer:
             mine = dp_data.shard_prompts(len(batch), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
                                          self.dist.rank, self.dist.world_size)  # fmt: skip
             with self.timer.stage("gen"):
-                rollout = self.generate([batch[i] for i in mine], mine)
+                gen = lambda: self.generate([batch[i] for i in mine], mine)  # noqa: E731
+                # an async scorer already holds the chunks made before an OOM: no retry then
+                rollout = gen() if self.async_scorer else self.oom.run("gen", gen, generators=[self._noise_gen])
             with self.timer.stage("reward"):
                 scores_B = self.score(rollout)
             with self.timer.stage("adv"):
@@ -309,8 +359,9 @@ class FlowGRPOTrainer:
                     global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
                 )  # fmt: skip
                 adv_B = all_adv[torch.tensor(rollout.sample_ids)]
-            with self.timer.stage("update_actor"):
-                metrics = self.update_actor(rollout, adv_B)
+            with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
+                ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
+                metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0

@@ -18,8 +18,8 @@ class ModelConfig:
     use_shared_prompt: bool = True
     """polyrl: in packed passes, a prompt's n samples share one copy of its tokens (exact; ~10% fewer trunk tokens
     at prompt 128 / response 1024, n=8). Not under Ulysses sequence parallelism."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    enable_gradient_checkpointing: bool | None = None
+    """Recompute activations in backward; None: auto (polyrl train: on only when memory is short; sft: off)."""
     enable_activation_offload: bool = False
     """Offload checkpointed activations to CPU memory (GPU only)."""
     lora_rank: int = 0

@@ -12,7 +12,7 @@ def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_mod
     if cfg.name == "hf":
         from polyrl.rollout.hf import HFRollout
 
-        return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed)
+        return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed, max_batch_size=cfg.max_num_seqs)
     if cfg.name == "native":
         from polyrl.rollout.native.engine import NativeEngine
 

@@ -49,8 +49,8 @@ class RolloutConfig:
     quantization: str | None = None
     """fp8: the engine's decode GEMMs use e4m3 weights quantised from the trainer's weights at every sync; training
     stays bf16 with fp32 masters (rollout.name=native). Pair with algorithm.rollout_correction."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory the engine may use for weights + KV cache."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of GPU memory the engine may use for weights + KV cache; None: auto from the batch (memory.py)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
     enforce_eager: bool = False
@@ -68,7 +68,7 @@ class RolloutConfig:
     max_model_len: int | None = None
     """Max prompt + response length the KV cache is sized for."""
     max_num_seqs: int = 256
-    """Max sequences decoded at once."""
+    """Max sequences decoded at once (hf engine: rows per generate call)."""
     enable_chunked_prefill: bool = True
     """Split long prefills into chunks of max_num_batched_tokens."""
     enable_prefix_caching: bool = True
@@ -77,10 +77,10 @@ class RolloutConfig:
     """Deprecated global form of log_prob_micro_batch_size_per_gpu."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Sequences per micro-batch when recomputing old log-probs."""
-    log_prob_use_dynamic_bsz: bool = False
-    """Cut log-prob micro-batches by token budget."""
-    log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget per log-prob micro-batch."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut log-prob micro-batches by token budget; None: as the actor, unless a micro-batch size is set."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget per log-prob micro-batch; None: auto from free memory (training/memory.py)."""
     calculate_log_probs: bool = True
     """Return per-token log-probs from the engine (used for training/rollout_probs_diff_mean)."""
     seed: int = 0

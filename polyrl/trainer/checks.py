@@ -91,7 +91,8 @@ def check_batch_sizes(cfg) -> None:
             raise ConfigError(
                 f"The {per_gpu} sequences per GPU per mini-batch (ppo_mini_batch_size {a.ppo_mini_batch_size} * n "
                 f"{r.n} / {ws} GPUs) are not divisible by actor.ppo_micro_batch_size_per_gpu={micro}.")
-    elif a.ppo_max_token_len_per_gpu < d.max_prompt_length + d.max_response_length:
+    elif (a.ppo_max_token_len_per_gpu is not None  # None: auto (training/memory.py), never below one sequence
+          and a.ppo_max_token_len_per_gpu < d.max_prompt_length + d.max_response_length):
         raise ConfigError(
             f"actor.ppo_max_token_len_per_gpu={a.ppo_max_token_len_per_gpu} is below one full sequence "
             f"(max_prompt_length {d.max_prompt_length} + max_response_length {d.max_response_length}); raise it.")

@@ -14,6 +14,8 @@ Each stage is one call, timed as `timing_s/<stage>`. Where we deviate from verl 
   corrects inside the update.
 - A non-finite gradient norm skips that optimizer step instead of corrupting the weights (`actor/nonfinite_skipped`).
 - A checkpoint is always written at the end, with an HF-format export beside it (no merge step).
+- Memory keys left unset are chosen from the free device memory (training/memory.py); a stage that runs out of memory
+  is re-run with a smaller token budget / KV cache, or the run stops with one sentence (trainer/oom.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.checkpointing import CheckpointingMixin
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
+from polyrl.trainer.oom import OOMGuard, StageContext
 from polyrl.training.actor import (
     Actor,
     ForwardSettings,
@@ -54,6 +57,7 @@ from polyrl.training.actor import (
 )
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
+from polyrl.training.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager
 from polyrl.utils.profiler import Profiler
@@ -76,6 +80,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    resolve_switches(cfg)  # token-budget micro-batches unless a size is set; the budgets themselves: plan_memory
 
 
 # estimators whose baseline reads pi_old and sum_v pi_v^2 (old log-probs are then always recomputed)
@@ -115,6 +120,8 @@ class PPOTrainer(CheckpointingMixin):
         arr.actor.optim.total_training_steps = self.total_steps
 
         model = load_policy(arr.model, device=self.device)
+        # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
+        plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
@@ -133,6 +140,7 @@ class PPOTrainer(CheckpointingMixin):
         self.actor = Actor(model, optimizer, scheduler, dp=self.dist,
                            fwd=ForwardSettings.from_config(arr.model, arr.actor))
         self.ref_model = self._make_reference(model)
+        self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
@@ -247,11 +255,11 @@ class PPOTrainer(CheckpointingMixin):
             if not s.old_from_current and not rc.bypass_mode:
                 with timer.stage("old_log_prob"):
                     r = arr.rollout
-                    batch["old_log_probs"] = compute_logprobs(
+                    batch["old_log_probs"] = self.oom.run("old_log_prob", lambda: compute_logprobs(
                         self.model, batch, temperature=s.temperature,
                         micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
                         max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                        fwd=self.actor.fwd, dp=self.dist)
+                        fwd=self.actor.fwd, dp=self.dist), ctx=StageContext(batch, s.micro_batch_size))
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
@@ -269,7 +277,8 @@ class PPOTrainer(CheckpointingMixin):
                         self.model, batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size)
             if self.ref_model is not None:
                 with timer.stage("ref"):
-                    batch["ref_log_probs"] = self._ref_logprobs(batch, s)
+                    batch["ref_log_probs"] = self.oom.run("ref", lambda: self._ref_logprobs(batch, s),
+                                                          ctx=StageContext(batch, s.micro_batch_size))
             if self.critic is not None:
                 with timer.stage("values"):
                     batch["values"] = self.critic.compute_values(batch)
@@ -287,7 +296,12 @@ class PPOTrainer(CheckpointingMixin):
                                                                             batch["response_mask"])
             with timer.stage("update_actor"):
                 if self.global_step >= cfg.trainer.critic_warmup:
-                    metrics.update(self.actor.update(batch, s, generator=self.generator))
+                    # a retry (trainer/oom.py) re-reads the shrunk budget and resumes after the applied mini-batches
+                    ctx = StageContext(batch, s.micro_batch_size, model=self.model,
+                                       progress=lambda: self.actor.mini_batches_applied)
+                    metrics.update(self.oom.run("update_actor", lambda: self.actor.update(
+                        batch, self._update_settings(batch, skip_mini_batches=ctx.done), generator=self.generator),
+                        ctx=ctx, generators=[self.generator]))
             if s.old_from_current:
                 metrics["training/old_log_prob_source_current"] = 1.0
             with timer.stage("update_weights"):
@@ -330,13 +344,11 @@ class PPOTrainer(CheckpointingMixin):
                 prompts = [prompts[i] for i in keep]
             num_gen += 1
             with timer.stage("gen"):
-                self.engine.resume()
                 sampling = SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k,
                                           top_p=r.top_p, max_new_tokens=r.response_length,
                                           stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
-                out = self.engine.generate([p.prompt_ids for p in prompts], sampling)
-                if r.free_cache_engine:
-                    self.engine.release_memory()
+                out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
+                                   ctx=StageContext(engine=self.engine))
             with timer.stage("reward"):
                 scores, extras, texts = self._score(prompts, out)
             if cfg.trainer.rollout_data_dir:
@@ -400,6 +412,14 @@ class PPOTrainer(CheckpointingMixin):
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
         return samples, batch, index, metrics
 
+    def _generate(self, prompt_ids, sampling):
+        """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""
+        self.engine.resume()
+        out = self.engine.generate(prompt_ids, sampling)
+        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        return out
+
     def _score(self, prompts, out):
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
@@ -407,7 +427,7 @@ class PPOTrainer(CheckpointingMixin):
         scores, extras = self.reward.score(samples, response_lengths=out.lengths)
         return scores, extras, texts  # the decoded responses, for logging and majority votes
 
-    def _update_settings(self, batch) -> UpdateSettings:
+    def _update_settings(self, batch, skip_mini_batches: int = 0) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
         mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.data.world_size)  # this shard's part of a mini-batch
@@ -429,7 +449,8 @@ class PPOTrainer(CheckpointingMixin):
             kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
             old_from_current=(a.ppo_epochs == 1 and mini >= B and not alg.use_kl_in_reward and not needs_old),
             rollout_correction=alg.rollout_correction if alg.rollout_correction.bypass_mode else None,
-            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+            skip_mini_batches=skip_mini_batches)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref
@@ -485,11 +506,11 @@ class PPOTrainer(CheckpointingMixin):
                                   max_new_tokens=self.cfg.actor_rollout_ref.rollout.response_length,
                                   stop_token_ids=self.stop_ids)
         with self.timer.stage("testing"):
-            self.engine.resume()
             val = self.val_data
             if self.dist.is_distributed:  # each rank validates a slice; gathered below
                 val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
-            out = self.engine.generate([s.prompt_ids for s in val], sampling)
+            out = self.oom.run("gen", lambda: self._generate([s.prompt_ids for s in val], sampling),
+                               ctx=StageContext(engine=self.engine))
             scores, extras, texts = self._score(val, out)
         rows = [val[pi] for pi in out.prompt_index]
         preds = [t.strip() for t in texts]

@@ -29,6 +29,7 @@ from polyrl.training.fused_head import fused_logprobs, fused_logprobs_grad_in_fo
 from polyrl.training.logprobs import chunked_logprobs
 from polyrl.training.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
+from polyrl.utils.oom_hook import oom_point
 
 
 
@@ -112,6 +113,7 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
     runs its 1/sp of the packed row and the LM head on the predictions it holds; every rank of the SP group returns
     the whole micro-batch's values (gradients flow back only to the rank that computed each one: ulysses.py).
     """
+    oom_point()  # test hook: POLYRL_INJECT_OOM can fail this forward (utils/oom_hook.py)
     fwd = fwd or ForwardSettings()
     temperature = 1.0 if temperature in (0.0, 1.0) else temperature
     trunk, head = _trunk_and_head(model)
@@ -303,6 +305,7 @@ class UpdateSettings:
     old_from_current: bool = False  # on-policy single pass: old log-probs are the current ones (no extra pass)
     max_token_len: int | None = None  # use_dynamic_bsz: micro-batches cut by this token budget instead of rows
     rollout_correction: RolloutCorrectionConfig | None = None  # bypass mode: correct pi_theta vs pi_rollout here
+    skip_mini_batches: int = 0  # already applied by an attempt that ran out of memory (trainer/oom.py resumes)
 
 
 class Actor:
@@ -321,6 +324,7 @@ class Actor:
                         or cfg.num_attention_heads, dp.sp_size)
             self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mini_batches_applied = 0  # of the current update: where an out-of-memory retry resumes
         if self.fwd.compile_layers:
             compile_decoder_layers(model)
 
@@ -342,7 +346,8 @@ class Actor:
             s = dataclasses.replace(s, knobs=dataclasses.replace(s.knobs, loss_scale_factor=float(T)))
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
-        skipped = 0
+        skipped, num_seen = 0, 0
+        self.mini_batches_applied = s.skip_mini_batches
 
         def add(key, value, weight=1.0):
             sums[key] = sums.get(key, 0.0) + value.detach().float() * weight
@@ -351,6 +356,9 @@ class Actor:
         for _ in range(s.ppo_epochs):
             order = torch.randperm(B, generator=generator) if s.shuffle else torch.arange(B)
             for mini_rows in split_rows(B, s.mini_batch_size):
+                num_seen += 1
+                if num_seen <= s.skip_mini_batches:  # its optimizer step is done (the shuffles replay the same)
+                    continue
                 mini = select(batch, order[mini_rows].to(batch["responses"].device))
                 num_tokens = mini["response_mask"].sum()
                 num_seqs = mini["responses"].shape[0]
@@ -419,6 +427,7 @@ class Actor:
                     self.optimizer.zero_grad(set_to_none=True)
                 add("actor/grad_norm", grad_norm)
                 counts["_mini"] = counts.get("_mini", 0) + 1
+                self.mini_batches_applied += 1
         self.scheduler.step()
         num_mini = counts.pop("_mini")
         gap_max = sums.pop("_gap_max", None)

@@ -111,10 +111,10 @@ class ActorConfig:
     """Deprecated global micro batch; use ppo_micro_batch_size_per_gpu."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Sequences per forward/backward on each GPU."""
-    use_dynamic_bsz: bool = False
-    """Cut micro-batches by token budget instead of sequence count."""
-    ppo_max_token_len_per_gpu: int = 16384
-    """Token budget per micro-batch with use_dynamic_bsz (real tokens when packed; balanced: dynamic_batch.py)."""
+    use_dynamic_bsz: bool | None = None
+    """Cut micro-batches by token budget instead of sequence count; None (auto): on unless a micro-batch size is set."""
+    ppo_max_token_len_per_gpu: int | None = None
+    """Token budget per micro-batch with use_dynamic_bsz (packed: real tokens); None: auto from free memory (memory.py)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     clip_ratio: float = 0.2
@@ -149,8 +149,8 @@ class ActorConfig:
     """Shuffle sequences between PPO epochs."""
     data_loader_seed: int | None = None
     """Seed for the epoch shuffle."""
-    use_torch_compile: bool = False
-    """torch.compile each decoder layer (dynamic shapes); measured +26% update tok/s on H200 (NOTES_training.md)."""
+    use_torch_compile: bool | None = None
+    """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallel degree (needs as many GPUs)."""
     entropy_from_logits_with_chunking: bool = False
@@ -179,10 +179,10 @@ class RefConfig:
     """Deprecated global form of log_prob_micro_batch_size_per_gpu."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Sequences per reference forward."""
-    log_prob_use_dynamic_bsz: bool = False
-    """Cut reference micro-batches by token budget."""
-    log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget per reference micro-batch (balanced: training/dynamic_batch.py)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut reference micro-batches by token budget; None: as the actor, unless a micro-batch size is set."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget per reference micro-batch (dynamic_batch.py); None: auto from free memory (memory.py)."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses degree for the reference."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -1,0 +1,228 @@
+"""Memory-aware defaults: token budgets, gradient checkpointing, compile and the engine's memory share.
+
+Every key handled here defaults to None ("auto"); an explicit user value is never touched. `plan_memory` reads the
+model's shape, the sequence lengths and the memory actually free on the device (after the policy is loaded), picks
+a value for each auto key, writes it into the config and prints it once with its reason.
+
+The memory model (bytes on one device during the update; the engine's KV cache is released by then):
+- static: Adam state and gradients (3 x master bytes per trainable parameter), a reference copy, the engine's bf16
+  weights, a critic, and the LM head's chunk workspace (`logprob_chunk_size` x vocab logits);
+- per token of a micro-batch: each decoder layer keeps `2 (6h + 3i)` bytes of activations with compiled layers in
+  bf16 autocast (q/k/v/o, norms, gate/up/act), x1.4 eager (unfused elementwise ops save more); with gradient
+  checkpointing only each layer's fp32 input stays (4h), plus one layer re-run in backward.
+Checked against BENCHMARKS.md (H200, Qwen2.5-1.5B, compiled, no checkpointing: budget 49152 peaked at 122.8 GiB and
+65536 ran out; the H100 fits 24576 and not 49152, issue 18): 1.93 MiB per token here, 1.96 measured; eager/compiled
+1.4 from NOTES_training.md (86.6 / 60.5 GiB). A wrong guess costs one retry, not the run (trainer/oom.py halves the
+budget on an out-of-memory error).
+
+On CPU (tests) the same arithmetic runs on host memory; `device_memory` is the one function to replace in a test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+MAX_UPDATE_TOKENS = 49152  # the best hand-tuned H200 rows' budget; past it, bigger micro-batches gain nothing
+MAX_LOGPROB_TOKENS = 65536  # no-grad passes keep one layer's activations at a time
+MIN_FAST_TOKENS = 8192  # below this many tokens per micro-batch, checkpointing beats tiny micro-batches
+EAGER_ACTIVATION_RATIO = 1.4  # NOTES_training.md: 86.6 vs 60.5 GiB peak, eager vs compiled
+CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err on the small side
+HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes on `device`; host memory for CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    try:
+        size = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * size, os.sysconf("SC_PHYS_PAGES") * size
+    except (ValueError, OSError):  # no such sysconf name (macOS): on CPU the numbers only cap the budgets
+        return 8 * GiB, 16 * GiB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on: the decoder's dims and parameter counts."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    vocab: int
+    kv_bytes_per_token: int  # bf16 K and V over all layers
+    num_params: int
+    num_trainable: int
+    param_bytes: int  # bytes per master weight
+
+    @classmethod
+    def of(cls, model) -> "ModelShape":
+        c = model.config
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        params = list(model.parameters())
+        return cls(hidden=c.hidden_size, intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+                   num_layers=c.num_hidden_layers,
+                   vocab=c.vocab_size, kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * 2,
+                   num_params=sum(p.numel() for p in params),
+                   num_trainable=sum(p.numel() for p in params if p.requires_grad),
+                   param_bytes=params[0].element_size())
+
+
+def layer_activation_bytes(shape: ModelShape) -> int:
+    """Bytes per token one compiled decoder layer saves for backward (bf16 autocast, no checkpointing)."""
+    return 2 * (6 * shape.hidden + 3 * shape.intermediate)
+
+
+def update_bytes_per_token(shape: ModelShape, *, checkpointing: bool, compiled: bool) -> float:
+    layer = layer_activation_bytes(shape) * (1.0 if compiled else EAGER_ACTIVATION_RATIO)
+    if checkpointing:
+        return (shape.num_layers * 4 * shape.hidden + layer) * CHECKPOINT_SAFETY
+    return shape.num_layers * layer
+
+
+def logprob_bytes_per_token(shape: ModelShape) -> float:
+    """A no-grad pass: the residual stream plus one layer's transient activations."""
+    return 2 * 4 * shape.hidden + layer_activation_bytes(shape)
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str
+    value: object
+    reason: str
+
+
+def _round_down(tokens: float, floor: int, cap: int) -> int:
+    return int(max(floor, min(cap, tokens // 1024 * 1024)))
+
+
+def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
+           engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
+           checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048) -> dict[str, Choice]:
+    """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
+
+    `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
+    rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
+    without."""
+    cuda = device.type == "cuda"
+    out: dict[str, Choice] = {}
+    if compile_layers is None:
+        compile_layers = cuda
+        out["compile"] = Choice("actor_rollout_ref.actor.use_torch_compile", compile_layers,
+                                "CUDA: compiled layers are ~26% faster and keep ~30% less activation memory" if cuda
+                                else "CPU: compiling costs more than it saves on small runs")
+    engine = shape.num_params * 2 if engine_on_device else 0
+    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
+    head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
+    static = optimizer + engine + head + extra_static
+    spare = free - HEADROOM * total - static
+    gib = f"{free / GiB:.1f} GiB free of {total / GiB:.1f}, {static / GiB:.1f} GiB more for optimizer/engine/copies"
+    floor = max_seq_len  # one whole sequence must fit a micro-batch
+    if checkpointing is None:
+        fast = spare / update_bytes_per_token(shape, checkpointing=False, compiled=compile_layers)
+        want = update_tokens or max(MIN_FAST_TOKENS, 2 * max_seq_len)
+        checkpointing = fast < want
+        out["checkpointing"] = Choice(
+            "actor_rollout_ref.model.enable_gradient_checkpointing", checkpointing,
+            f"without it {max(0, int(fast))} tokens fit per micro-batch, {want} wanted ({gib})" if checkpointing
+            else f"{int(min(fast, 1e9))} tokens fit per micro-batch without it, {want} wanted ({gib})")
+    per_token = update_bytes_per_token(shape, checkpointing=checkpointing, compiled=compile_layers)
+    budget = _round_down(spare / per_token, floor, MAX_UPDATE_TOKENS)
+    out["update_tokens"] = Choice(
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget,
+        f"{per_token / 2**10:.1f} KiB of activations per token, {gib}"
+        + (f"; capped at {MAX_UPDATE_TOKENS}" if budget == MAX_UPDATE_TOKENS else "")
+        + ("; raised to one whole sequence (may not fit)" if budget == floor and spare / per_token < floor else ""))
+    lp = _round_down(spare / logprob_bytes_per_token(shape), floor, MAX_LOGPROB_TOKENS)
+    out["logprob_tokens"] = Choice("log_prob_max_token_len_per_gpu", lp,
+                                   f"{logprob_bytes_per_token(shape) / 2**10:.1f} KiB per token without gradients")
+    if engine_on_device:
+        # during rollout the trainer holds weights + optimizer state (already in `free` / `static`); the engine needs
+        # its weights, a prefill reserve and the KV cache of every row at full length (more only queues rows)
+        kv = num_rollout_rows * (max_seq_len + 32) * shape.kv_bytes_per_token
+        want = engine + 2 * GiB + 1.25 * kv
+        room = free - HEADROOM * total - (static - engine)
+        util = max(0.05, min(want, room) / total)
+        out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
+                               f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
+                               f"+ {engine / GiB:.1f} GiB weights; {room / GiB:.1f} GiB left beside the trainer")
+    return out
+
+
+def resolve_switches(cfg) -> None:
+    """The auto switches that need no memory numbers: token-budget micro-batches unless a micro-batch size is set;
+    the log-prob passes follow the actor unless their own size is set (verl's interpolated default). Runs before the
+    batch-size checks (it decides which of them apply)."""
+    arr = cfg.actor_rollout_ref
+    a = arr.actor
+    if a.use_dynamic_bsz is None:
+        a.use_dynamic_bsz = a.ppo_micro_batch_size_per_gpu is None and a.ppo_micro_batch_size is None
+    for role in (arr.rollout, arr.ref):
+        if role.log_prob_use_dynamic_bsz is None:
+            role.log_prob_use_dynamic_bsz = a.use_dynamic_bsz and (role.log_prob_micro_batch_size_per_gpu is None
+                                                                   and role.log_prob_micro_batch_size is None)
+
+
+def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> list[Choice]:
+    """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`); print each choice
+    once. Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv)
+    every rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
+    must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
+    world_size = dist.world_size if dist is not None else 1
+    resolve_switches(cfg)
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    a, r, ref, m = arr.actor, arr.rollout, arr.ref, arr.model
+    shape = ModelShape.of(model)
+    max_seq_len = data.max_prompt_length + data.max_response_length
+    extra = 0
+    uses_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    if uses_ref and not m.lora_rank and not m.lora_adapter_path:
+        extra += shape.num_params * shape.param_bytes  # the reference is a frozen copy
+    if world_size > 1:
+        extra += shape.num_params * shape.param_bytes // world_size  # sharded copy beside the full rollout replica
+    if cfg.critic.enable:
+        extra += shape.num_params * shape.param_bytes * 4
+    free, total = device_memory(device)
+    if world_size > 1:
+        free = int(dist.all_reduce(torch.tensor(free, dtype=torch.float64, device=device), op="min"))
+    rows = data.train_batch_size * r.n // max(1, world_size)
+    compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
+    choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
+                     engine_on_device=device.type == "cuda" and r.name == "native",
+                     extra_static=extra, world_size=world_size, compile_layers=compile_set,
+                     checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu)
+    made: list[Choice] = []
+
+    def take(name, holder, attr, key=None, read=True):
+        """Fill an auto key; log it only where it is read (a budget without token-budget micro-batches is not)."""
+        if getattr(holder, attr) is None and name in choices:
+            c = choices[name]
+            setattr(holder, attr, c.value)
+            if read:
+                made.append(Choice(key or c.key, c.value, c.reason))
+
+    take("compile", a, "use_torch_compile")
+    if a.use_torch_compile is None:  # fsdp_config.use_torch_compile=True decided it
+        a.use_torch_compile = True
+    take("checkpointing", m, "enable_gradient_checkpointing")
+    take("update_tokens", a, "ppo_max_token_len_per_gpu", read=a.use_dynamic_bsz)
+    take("logprob_tokens", r, "log_prob_max_token_len_per_gpu",
+         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", read=r.log_prob_use_dynamic_bsz)
+    take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
+         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", read=uses_ref and ref.log_prob_use_dynamic_bsz)
+    if r.gpu_memory_utilization is None:
+        if "engine" in choices:
+            take("engine", r, "gpu_memory_utilization")
+        else:  # no engine memory on this device (CPU, or the hf engine that shares the actor's weights)
+            r.gpu_memory_utilization = 0.5
+    if made and m.enable_gradient_checkpointing and any(c.key.endswith("checkpointing") for c in made):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # (an explicit True was applied by load_policy)
+    for c in made:
+        log(f"polyrl: auto {c.key}={c.value} ({c.reason})")
+    return made
