@@ -153,7 +153,8 @@ def test_engine_kwargs_native_reach_the_engine(reference):
     from polyrl.rollout.native.fp8_linear import FP8Linear
 
     m = reference[0]
-    cfg = RolloutConfig(quantization="fp8", engine_kwargs={"native": {"fp8_min_elements": 8192, "num_kv_tokens": 320}})
+    cfg = RolloutConfig(quantization="fp8", gpu_memory_utilization=0.5,
+                        engine_kwargs={"native": {"fp8_min_elements": 8192, "num_kv_tokens": 320}})
     eng = make_rollout(cfg, m, pad_token_id=0, device=torch.device("cpu"), max_model_len=256)
     kinds = {name: isinstance(getattr(parent, name), FP8Linear) for parent, name in
              ((eng.model.layers[0].attn, "qkv"), (eng.model.layers[0].attn, "o"),
