@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 from polyrl.errors import ConfigError
+from polyrl.trainer.async_config import check_async
 
 
 def _gpus_available() -> int:
@@ -21,9 +22,12 @@ def _gpus_available() -> int:
 
 
 def world_size(cfg) -> int:
+    """The trainer's processes: the job's, less the off-policy pipeline's rollout pool."""
     import os
 
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from polyrl.distributed.launch import rollout_pool_size
+
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
 def check_batch_sizes(cfg) -> None:
@@ -107,6 +111,7 @@ def check_supported(cfg) -> None:
     arr = cfg.actor_rollout_ref
     r = arr.rollout
     ngpu = _gpus_available()
+    check_async(cfg)
     if r.name in ("vllm", "sglang", "trtllm"):
         installed = importlib.util.find_spec(r.name) is not None
         raise ConfigError(

@@ -67,7 +67,9 @@ def resolve_defaults(cfg: PPOConfig) -> None:
 
 
 class PPOTrainer(CheckpointingMixin):
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, dist: DistEnv | None = None):
+        """`dist`: the process view to train in; None joins the torchrun job (the off-policy pipeline passes each
+        role a one-process view of its own, trainer/async_ppo.py)."""
         resolve_defaults(cfg)
         check_supported(cfg)
         check_batch_sizes(cfg)
@@ -75,7 +77,7 @@ class PPOTrainer(CheckpointingMixin):
         arr, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
         offload = arr.actor.fsdp_config.cpu_offload or arr.ref.fsdp_config.cpu_offload
-        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
+        self.dist = dist or DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
                                   sp_size=arr.actor.ulysses_sequence_parallel_size, timeout_s=arr.nccl_timeout)
         dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
         arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
@@ -120,9 +122,7 @@ class PPOTrainer(CheckpointingMixin):
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
-        self.engine = make_rollout(arr.rollout, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id,
-                                   device=self.device,
-                                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        self.engine = self._make_engine()
         self.stop_ids = self._stop_token_ids()
         rm = cfg.reward_model
         overlong = rm.overlong_buffer
@@ -191,6 +191,12 @@ class PPOTrainer(CheckpointingMixin):
                       grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
                       micro_batch_size=min(micro, mini))
 
+    def _make_engine(self):
+        cfg = self.cfg
+        return make_rollout(cfg.actor_rollout_ref.rollout, self._rollout_model(),
+                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+
     def _rollout_model(self):
         """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy); with several
         processes this rank's full replica, refilled tensor by tensor after each update."""
@@ -228,13 +234,9 @@ class PPOTrainer(CheckpointingMixin):
             metrics.update(gen_metrics)
             s = self._update_settings(batch)
             if not s.old_from_current:
-                with timer.stage("old_log_prob"):
-                    r = arr.rollout
-                    batch["old_log_probs"] = compute_logprobs(
-                        self.model, batch, temperature=s.temperature,
-                        micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
-                        max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                        fwd=self.actor.fwd, dp=self.dist)
+                if "old_log_probs" not in batch:  # off-policy batches bring their behaviour policy's (async_ppo.py)
+                    with timer.stage("old_log_prob"):
+                        batch["old_log_probs"] = self._old_logprobs(self.model, batch, s)
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if self.ref_model is not None:
@@ -387,6 +389,13 @@ class PPOTrainer(CheckpointingMixin):
             kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
             old_from_current=(a.ppo_epochs == 1 and mini >= B and not self.cfg.algorithm.use_kl_in_reward),
             max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+
+    def _old_logprobs(self, model, batch, s: UpdateSettings) -> torch.Tensor:
+        r = self.cfg.actor_rollout_ref.rollout
+        return compute_logprobs(model, batch, temperature=s.temperature,
+                                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+                                max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                fwd=self.actor.fwd, dp=self.dist)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref
