@@ -99,11 +99,11 @@ def _process(argv: list[str], **env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _job(argv: list[str]) -> list[subprocess.Popen]:
+def _job(argv: list[str], **env) -> list[subprocess.Popen]:
     """`polyrl train argv` as the 2 processes of one gloo job: [rollout (rank 1), trainer (rank 0)]."""
     port = str(_free_port())
     return [_process(argv, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port) for rank in (1, 0)]
+                     MASTER_PORT=port, **env) for rank in (1, 0)]
 
 
 def _wait(procs, timeout=240) -> tuple[list[int], str]:
@@ -138,3 +138,58 @@ def test_age_zero_equals_the_on_policy_trainer_bit_for_bit(tiny_model_dir, synth
     assert max((w_ref[k] - base[k]).abs().max() for k in base) > 1e-4  # 3 steps moved them: equality means much
     for k in w_ref:
         assert torch.equal(w_ref[k], w_got[k]), k
+
+
+KILLING_REWARD = '''
+import os
+
+from polyrl.rewards.rule import default_compute_score
+
+calls = 0
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The built-in score; the process dies abruptly at sample KILL_AT_SAMPLE (the rollout process scores)."""
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("KILL_AT_SAMPLE", "0")):
+        os._exit(9)
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_one_step_off_policy_tags_versions_and_resumes_after_the_rollout_dies(tiny_model_dir, synth_data_dir,
+                                                                              tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(KILLING_REWARD)
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 5, "actor_rollout_ref.hybrid_engine=False",
+                 "trainer.save_freq=2", f"custom_reward_function.path={reward}")
+    # batches hold 16 samples: the rollout process dies scoring batch 3 (after step 2's checkpoint); batch 2, sent
+    # before, may or may not have reached the trainer by then (a send completes when the receiver takes it)
+    codes, log = _wait(_job(argv, KILL_AT_SAMPLE=str(3 * 16 + 1)))
+    assert codes[0] != 0 and codes[1] != 0, log[-4000:]
+    first = _steps(tmp_path)
+    done = len(first)
+    assert done in (2, 3) and [r["step"] for r in first] == list(range(1, done + 1))
+    assert f"The rollout process (rank 1) stopped before batch {done}" in log and "rerun the same command" in log, \
+        log[-4000:]
+    # one step off: batch 0 comes from the initial weights, batch 1 too (generated while step 1 trained), batch 2
+    # from step 1's weights; stale batches train against their behaviour policy's log-probs
+    assert [r["async/weight_version/max"] for r in first] == [0, 0, 1][:done]
+    assert [r["async/staleness/mean"] for r in first] == [0.0, 1.0, 1.0][:done]
+    assert first[1]["async/staleness/frac_1"] == 1.0 and "timing_s/behaviour_log_prob" in first[1]
+    assert "timing_s/behaviour_log_prob" not in first[0] and first[0]["training/old_log_prob_source_current"] == 1
+    # the behaviour log-probs are the generating weights' (the engine's own numbers), not the trained weights'
+    assert first[1]["training/rollout_probs_diff_mean"] < 1e-5
+    for r in first:
+        for key in ("timing_s/exposed_generation", "timing_s/update_weights", "timing_s/gen", "timing_s/rollout_idle"):
+            assert key in r, key
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+    codes, log = _wait(_job(argv))  # the same command again: resumes from step 2's checkpoint
+    assert codes == [0, 0], log[-4000:]
+    assert "resumed from" in log and "at step 2" in log
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, done + 1)) + [3, 4, 5]
+    assert [r["async/weight_version/max"] for r in rows[done:]] == [2, 2, 3]  # batch 2 again, from step 2's weights
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "5"
