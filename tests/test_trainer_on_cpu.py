@@ -154,11 +154,11 @@ def test_user_errors_print_one_sentence(tiny_model_dir, synth_data_dir, tmp_path
     assert code == 2 and "train_batch_size=3" in err[-1] and "ppo_mini_batch_size=2" in err[-1]
 
 
-def test_quickstart_learns(tmp_path, monkeypatch):
+def test_quickstart_learns(tmp_path, monkeypatch, quickstart_cache):
     """The embedded default's own path, shortened: held-out greedy accuracy must rise by >= 20 points."""
     from polyrl.trainer.quickstart import run_quickstart
 
-    monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("POLYRL_CACHE", str(quickstart_cache))
     r = run_quickstart(str(tmp_path / "qs"), fast=True)  # the default engine: rollout.name=native
     assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
     assert (tmp_path / "qs" / "metrics.jsonl").is_file()
