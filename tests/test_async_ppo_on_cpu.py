@@ -219,3 +219,29 @@ def test_quickstart_learns_one_step_off_policy(tmp_path, monkeypatch, quickstart
     assert sum(scores[-5:]) / 5 - sum(scores[:5]) / 5 >= 0.15, scores
     assert acc[-1] - acc[0] >= 0.20, acc
     assert max(r.get("async/staleness/max", 0) for r in rows) == 1.0
+
+
+def test_pipeline_keys_are_refused_when_they_cannot_apply():
+    from polyrl.config import build_config
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.async_config import check_async
+    from polyrl.trainer.config import PPOConfig
+
+    for argv, words in [(["async_training.max_trajectory_age_steps=2"], "hybrid_engine=False"),
+                        (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True"],
+                         "partial_rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2"], "1 rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
+                         "lora_rank=0")]:
+        with pytest.raises(ConfigError, match=words):
+            check_async(build_config(PPOConfig(), argv))
+    check_async(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"]))  # the plain switch passes
+
+
+def test_launch_counts_the_rollout_process():
+    from polyrl.config import build_config
+    from polyrl.distributed.launch import processes_wanted
+    from polyrl.trainer.config import PPOConfig
+
+    assert processes_wanted(build_config(PPOConfig(), [])) == 1
+    assert processes_wanted(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"])) == 2

@@ -242,6 +242,7 @@ class RolloutWorker:
         cfg.critic.enable = False
         cfg.trainer.resume_mode = "disable"
         cfg.trainer.logger = []
+        cfg.actor_rollout_ref.rollout.free_cache_engine = False  # the GPU is the engine's: keep the KV cache
         cfg.trainer.run_dir = os.path.join(cfg.trainer.run_dir, "rollout")
         self.max_age = cfg.async_training.max_trajectory_age_steps
         self.roll = PPOTrainer(cfg, dist=dist_env)
