@@ -61,6 +61,7 @@ from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
 from polyrl.utils.timing import StepTimer
 
 TRAINER_RANK, ROLLOUT_RANK = 0, 1
+PIPELINE_MIN_TIMEOUT_S = 3600
 
 
 class RolloutProcessLost(UserError):
@@ -203,10 +204,10 @@ class AsyncPPOTrainer(PPOTrainer):
         return metrics
 
     def finish(self) -> None:
-        """Wait for the last weights to arrive, then leave the job together with the rollout process."""
+        """Wait for the last weights sent to arrive. No barrier: the rollout process leaves once its last batch is
+        taken, and the final checkpoint / validation may take longer than any timeout it could wait with."""
         with self._lost_guard("after the last step"):
             self._sender.wait()
-            dist.barrier()
 
     def _lost_guard(self, when: str):
         return _lost_guard(f"The rollout process (rank {ROLLOUT_RANK}) stopped {when} (see its own output above)",
@@ -239,6 +240,7 @@ class RolloutWorker:
         resolve_defaults(cfg)
         # no reference model, critic, logs or resumed state here: the trainer owns those, and sends the start position
         cfg.actor_rollout_ref.actor.use_kl_loss = False
+        cfg.algorithm.use_kl_in_reward = False
         cfg.critic.enable = False
         cfg.trainer.resume_mode = "disable"
         cfg.trainer.logger = []
@@ -272,9 +274,8 @@ class RolloutWorker:
             for w in pending:  # the previous batch has long arrived; keep at most one message in flight
                 w.wait()
             pending = send_object(msg, TRAINER_RANK)
-        for w in pending:
+        for w in pending:  # the trainer has taken the last batch: nothing more to do here
             w.wait()
-        dist.barrier()
 
     def _batch(self, k: int) -> dict:
         roll = self.roll
@@ -315,10 +316,10 @@ def join_job(cfg) -> tuple[int, DistEnv]:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a wait here can last a whole step (and a validation): at least an hour
+        timeout = max(cfg.actor_rollout_ref.nccl_timeout, PIPELINE_MIN_TIMEOUT_S)
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.actor_rollout_ref.nccl_timeout),
-                                device_id=device if cuda else None)
+                                timeout=datetime.timedelta(seconds=timeout), device_id=device if cuda else None)
     # rank 0 of a world of its own: each role seeds, samples and reduces as one on-policy process would
     return rank, DistEnv(rank=0, world_size=1, local_rank=local, device=device)
 
