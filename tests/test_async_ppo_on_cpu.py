@@ -196,28 +196,20 @@ def test_one_step_off_policy_tags_versions_and_resumes_after_the_rollout_dies(ti
 
 
 def test_quickstart_learns_one_step_off_policy(tmp_path, monkeypatch, quickstart_cache):
-    """The quickstart's GRPO run (12 steps) on 2 processes, generation one step behind: the reward rises and held-out
-    greedy accuracy gains as much as the on-policy quickstart test asks of 20 steps (20 points)."""
-    from polyrl.data.dataset import write_parquet
-    from polyrl.data.synthetic import make_rows
-    from polyrl.trainer.quickstart import FAST, QuickstartSettings, build_base_model, grpo_overrides, \
-        warm_up_with_sft
+    """`polyrl quickstart actor_rollout_ref.hybrid_engine=False`, 12 GRPO steps on 2 processes (torchrun), generation
+    one step behind: the reward rises and held-out greedy accuracy gains as much as the on-policy quickstart test asks
+    of 20 steps (20 points)."""
+    from polyrl.trainer.quickstart import FAST, QuickstartSettings, run_quickstart
 
     monkeypatch.setenv("POLYRL_CACHE", str(quickstart_cache))  # the on-policy quickstart test's SFT model
-    s = QuickstartSettings(**{**FAST, "grpo_steps": 12})  # the same SFT model; fewer steps than the quickstart
-    train = make_rows(s.task, s.num_train, seed=s.seed, split="train")
-    write_parquet(train, tmp_path / "data" / "train.parquet")
-    write_parquet(make_rows(s.task, s.num_val, seed=s.seed, split="val"), tmp_path / "data" / "val.parquet")
-    sft = warm_up_with_sft(build_base_model(s), train, s)
-    argv = grpo_overrides(sft, tmp_path / "data", tmp_path / "run", s) + ["actor_rollout_ref.hybrid_engine=False"]
-    codes, log = _wait(_job(argv), timeout=600)
-    assert codes == [0, 0], log[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    acc = [r[k] for r in rows for k in r if k.startswith("val-core/") and "/acc/mean@" in k]
+    s = QuickstartSettings(**{**FAST, "grpo_steps": 12})
+    r = run_quickstart(str(tmp_path / "qs"), settings=s, extra_overrides=["actor_rollout_ref.hybrid_engine=False"])
+    assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
+    assert (Path(r["hf_model"]) / "config.json").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "qs" / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == s.grpo_steps
     assert sum(scores[-4:]) / 4 - sum(scores[:4]) / 4 >= 0.1, scores
-    assert acc[-1] - acc[0] >= 0.20, acc
     assert max(r.get("async/staleness/max", 0) for r in rows) == 1.0
 
 
@@ -245,3 +237,17 @@ def test_launch_counts_the_rollout_process():
 
     assert processes_wanted(build_config(PPOConfig(), [])) == 1
     assert processes_wanted(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"])) == 2
+
+
+def test_an_error_in_the_rollout_process_reaches_the_trainer_as_one_sentence(tiny_model_dir, synth_data_dir,
+                                                                              tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise ValueError('no score today')\n")
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 1, "actor_rollout_ref.hybrid_engine=False",
+                 f"custom_reward_function.path={reward}")
+    (rollout_code, trainer_code), log = _wait(_job(argv))
+    assert rollout_code != 0 and trainer_code != 0
+    last = [line for line in log.splitlines() if line.startswith("polyrl: error: The rollout process failed")]
+    assert len(last) == 1 and "batch 0" in last[0] and "no score today" in last[0], log[-3000:]
+

@@ -73,6 +73,9 @@ class PPOTrainer(CheckpointingMixin):
         resolve_defaults(cfg)
         check_supported(cfg)
         check_batch_sizes(cfg)
+        if not cfg.actor_rollout_ref.hybrid_engine and dist is None:  # its roles come with their own `dist`
+            raise ConfigError("actor_rollout_ref.hybrid_engine=False is the 2-process off-policy pipeline; start it "
+                              "with `polyrl train` (trainer/async_ppo.py), not by building a PPOTrainer.")
         self.cfg = cfg
         arr, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
