@@ -7,7 +7,8 @@ Two one-way streams, so neither side can block the other by sending at the same 
   dtype per bucket) and sent with `isend`, so the trainer goes on to its next stage while they travel (over NCCL on
   GPUs). Both ends derive the same bucket plan from the same `(name, shape, dtype)` list: only values travel.
 
-A peer that died shows up as an exception inside a send or receive; `PeerLost` turns it into one sentence.
+A peer that died shows up as a RuntimeError inside a send or receive (gloo sees the connection close); the
+pipeline (trainer/async_ppo.py) turns that into one sentence.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ import torch.distributed as dist
 
 OBJECT_TAG = 1
 WEIGHT_TAG = 2
-
-
-class PeerLost(RuntimeError):
-    """The other process of the pipeline stopped (crashed, killed, or timed out) during a send or receive."""
 
 
 def send_object(obj: Any, dst: int) -> list:

@@ -44,6 +44,7 @@ rollout process that dies makes the trainer stop with one sentence saying so; re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -54,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.distributed import DistEnv
-from polyrl.distributed.p2p import PeerLost, WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
+from polyrl.distributed.p2p import WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
@@ -83,13 +84,8 @@ def staleness_metrics(versions: list[int], trained_version: int, max_age: int) -
     return out
 
 
-def engine_state(engine) -> dict:
-    """The engine's sampling-RNG position (as checkpoints store it): a generator state or native's call counter."""
-    gen = getattr(engine, "generator", None)
-    return {"generator": gen.get_state()} if gen is not None else {"num_calls": int(getattr(engine, "num_calls", 0))}
-
-
 def set_engine_state(engine, state: dict) -> None:
+    """The inverse of `CheckpointingMixin._engine_generator_state`: put the engine's sampling RNG at `state`."""
     if state.get("generator") is not None and getattr(engine, "generator", None) is not None:
         engine.generator.set_state(state["generator"])
     if "num_calls" in state and hasattr(engine, "num_calls"):
@@ -171,7 +167,7 @@ class AsyncPPOTrainer(PPOTrainer):
         """Handshake: where to start (a resumed step, its data position) and the start-up weights."""
         self.engine.version = self.global_step
         hello = {"global_step": self.global_step, "total_steps": self.total_steps,
-                 "sampler": self.sampler.state_dict(), "engine": engine_state(self.engine)}
+                 "sampler": self.sampler.state_dict(), "engine": self._engine_generator_state()}
         with self._lost_guard("at start-up"):
             for w in send_object(hello, ROLLOUT_RANK):
                 w.wait()
@@ -200,7 +196,8 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def step(self) -> dict[str, float]:
         metrics = super().step()
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (metrics["perf/time_per_step"] * 2)
+        num_gpus = 2  # the trainer's and the rollout process's
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (metrics["perf/time_per_step"] * num_gpus)
         return metrics
 
     def finish(self) -> None:
@@ -210,24 +207,18 @@ class AsyncPPOTrainer(PPOTrainer):
             self._sender.wait()
 
     def _lost_guard(self, when: str):
-        return _lost_guard(f"The rollout process (rank {ROLLOUT_RANK}) stopped {when} (see its own output above)",
-                           self.cfg.trainer.default_local_dir)
+        return _rollout_lost(f"The rollout process (rank {ROLLOUT_RANK}) stopped {when} (see its own output above)",
+                             self.cfg.trainer.default_local_dir)
 
 
-class _lost_guard:
-    """Turns a dead peer's broken connection into `RolloutProcessLost` with where to resume."""
-
-    def __init__(self, what: str, ckpt_dir: str):
-        self.what, self.ckpt_dir = what, ckpt_dir
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if exc is None or not isinstance(exc, (RuntimeError, PeerLost)) or isinstance(exc, UserError):
-            return False
-        raise RolloutProcessLost(f"{self.what}; rerun the same command to resume from the last checkpoint in "
-                                 f"{self.ckpt_dir} (trainer.save_freq sets how often one is written).") from exc
+@contextlib.contextmanager
+def _rollout_lost(what: str, ckpt_dir: str):
+    """A dead peer's broken connection (a RuntimeError from gloo) becomes `RolloutProcessLost`: where to resume."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RolloutProcessLost(f"{what}; rerun the same command to resume from the last checkpoint in {ckpt_dir} "
+                                 "(trainer.save_freq sets how often one is written).") from e
 
 
 # ------------------------------------------------------------------------------------------------ rollout side
@@ -289,7 +280,7 @@ class RolloutWorker:
         return {"batch_index": k, "samples": samples, "index": index, "metrics": metrics, "timings": timings,
                 "batch": {key: v.cpu() for key, v in batch.items()},
                 "weight_versions": [self.version] * batch["responses"].shape[0],
-                "sampler": roll.sampler.state_dict(), "engine": engine_state(roll.engine)}
+                "sampler": roll.sampler.state_dict(), "engine": roll._engine_generator_state()}
 
     @torch.no_grad()
     def _load_weights(self, version: int) -> None:
