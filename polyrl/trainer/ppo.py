@@ -81,7 +81,8 @@ class PPOTrainer(CheckpointingMixin):
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
         offload = arr.actor.fsdp_config.cpu_offload or arr.ref.fsdp_config.cpu_offload
         self.dist = dist or DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
-                                  sp_size=arr.actor.ulysses_sequence_parallel_size, timeout_s=arr.nccl_timeout)
+                                          sp_size=arr.actor.ulysses_sequence_parallel_size,
+                                          timeout_s=arr.nccl_timeout)
         dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
         arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
