@@ -227,7 +227,7 @@ class PPOTrainer(CheckpointingMixin):
 
     # ------------------------------------------------------------------------------------------------ the RL step
     def step(self) -> dict[str, float]:
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        cfg = self.cfg
         timer = self.timer
         metrics: dict[str, float] = {}
         self.profiler.step_start(self.global_step + 1)
