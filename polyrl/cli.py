@@ -35,9 +35,16 @@ def _train(argv: list[str]) -> int:
         _check_before_launch(cfg, processes_wanted(cfg))  # config errors as one sentence here, not once per rank
         return maybe_launch(cfg, argv)
     maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
-    trainer = PPOTrainer(cfg)
-    trainer.fit()
-    trainer.dist.finish()
+    if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline: this process is its trainer or rollout
+        from polyrl.trainer.async_ppo import train_async
+
+        trainer = train_async(cfg)
+        if trainer is None:
+            return 0
+    else:
+        trainer = PPOTrainer(cfg)
+        trainer.fit()
+        trainer.dist.finish()
     if os.environ.get("RANK", "0") == "0":
         print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint "
               f"{getattr(trainer, 'final_checkpoint', '-')}")

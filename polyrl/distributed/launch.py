@@ -36,7 +36,15 @@ def processes_wanted(cfg) -> int:
     if t.n_gpus_per_node < 1 or t.nnodes < 1:
         raise ConfigError(f"trainer.n_gpus_per_node={t.n_gpus_per_node} and trainer.nnodes={t.nnodes} must both be "
                           "at least 1.")
-    return t.n_gpus_per_node * t.nnodes
+    return t.n_gpus_per_node * t.nnodes + rollout_pool_size(cfg)
+
+
+def rollout_pool_size(cfg) -> int:
+    """Processes of the off-policy pipeline's rollout pool (trainer/async_ppo.py); 0 while the engine is colocated."""
+    arr = getattr(cfg, "actor_rollout_ref", None)
+    if arr is None or arr.hybrid_engine:
+        return 0
+    return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
 
 
 def maybe_launch(cfg, argv: list[str], *, module: str = "polyrl.train") -> int | None:
@@ -50,7 +58,7 @@ def maybe_launch(cfg, argv: list[str], *, module: str = "polyrl.train") -> int |
         from polyrl.distributed.ray_cluster import launch_on_ray
 
         return launch_on_ray(cfg, argv, module=module)
-    return subprocess.call(torchrun_command(cfg.trainer.n_gpus_per_node, ["-m", module, *argv]))
+    return subprocess.call(torchrun_command(processes_wanted(cfg), ["-m", module, *argv]))
 
 
 def main(argv: list[str]) -> int:

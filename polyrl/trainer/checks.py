@@ -13,6 +13,7 @@ import importlib.util
 
 from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
+from polyrl.trainer.async_config import check_async
 
 
 def _gpus_available() -> int:
@@ -22,9 +23,12 @@ def _gpus_available() -> int:
 
 
 def world_size(cfg) -> int:
+    """The trainer's processes: the job's, less the off-policy pipeline's rollout pool."""
     import os
 
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from polyrl.distributed.launch import rollout_pool_size
+
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
 NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements"}
@@ -145,6 +149,7 @@ def check_supported(cfg) -> None:
     arr = cfg.actor_rollout_ref
     r = arr.rollout
     ngpu = _gpus_available()
+    check_async(cfg)
     if r.name in ("vllm", "sglang", "trtllm"):
         installed = importlib.util.find_spec(r.name) is not None
         raise ConfigError(

@@ -13,6 +13,7 @@ from polyrl.data.config import DataConfig
 from polyrl.models.config import ModelConfig
 from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
 from polyrl.rollout.config import RolloutConfig
+from polyrl.trainer.async_config import AsyncTrainingConfig, RolloutPoolConfig
 from polyrl.training.config import ActorConfig, CriticConfig, RefConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
@@ -20,7 +21,8 @@ from polyrl.utils.profiler import GlobalProfilerConfig
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
-    """Actor, reference and rollout share the devices (the only mode here)."""
+    """Actor, reference and rollout share the devices (on-policy). False: the one-step off-policy pipeline, rollout
+    on GPUs of its own (rollout.*, async_training.*; trainer/async_ppo.py)."""
     nccl_timeout: int = 600
     """Collective timeout in seconds."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -194,5 +196,9 @@ class PPOConfig:
     """Advantage estimator and KL-in-reward."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, logging and checkpoints."""
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    """The rollout GPUs of the off-policy pipeline (actor_rollout_ref.hybrid_engine=False)."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Staleness and weight streaming of the off-policy pipeline."""
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     """Profiler (torch, torch_memory, nsys)."""

@@ -88,16 +88,22 @@ _NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 class PPOTrainer(CheckpointingMixin):
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, dist: DistEnv | None = None):
+        """`dist`: the process view to train in; None joins the torchrun job (the off-policy pipeline passes each
+        role a one-process view of its own, trainer/async_ppo.py)."""
         resolve_defaults(cfg)
         check_supported(cfg)
         check_batch_sizes(cfg)
+        if not cfg.actor_rollout_ref.hybrid_engine and dist is None:  # its roles come with their own `dist`
+            raise ConfigError("actor_rollout_ref.hybrid_engine=False is the 2-process off-policy pipeline; start it "
+                              "with `polyrl train` (trainer/async_ppo.py), not by building a PPOTrainer.")
         self.cfg = cfg
         arr, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
         offload = arr.actor.fsdp_config.cpu_offload or arr.ref.fsdp_config.cpu_offload
-        self.dist = DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
-                                  sp_size=arr.actor.ulysses_sequence_parallel_size, timeout_s=arr.nccl_timeout)
+        self.dist = dist or DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
+                                          sp_size=arr.actor.ulysses_sequence_parallel_size,
+                                          timeout_s=arr.nccl_timeout)
         dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
         arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
@@ -144,9 +150,7 @@ class PPOTrainer(CheckpointingMixin):
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
-        self.engine = make_rollout(arr.rollout, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id,
-                                   device=self.device,
-                                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        self.engine = self._make_engine()
         self.stop_ids = self._stop_token_ids()
         rm = cfg.reward_model
         overlong = rm.overlong_buffer
@@ -215,6 +219,12 @@ class PPOTrainer(CheckpointingMixin):
                       grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
                       micro_batch_size=min(micro, mini))
 
+    def _make_engine(self):
+        cfg = self.cfg
+        return make_rollout(cfg.actor_rollout_ref.rollout, self._rollout_model(),
+                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+
     def _rollout_model(self):
         """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy); with several
         processes this rank's full replica, refilled tensor by tensor after each update."""
@@ -241,7 +251,7 @@ class PPOTrainer(CheckpointingMixin):
 
     # ------------------------------------------------------------------------------------------------ the RL step
     def step(self) -> dict[str, float]:
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        cfg = self.cfg
         timer = self.timer
         metrics: dict[str, float] = {}
         self.profiler.step_start(self.global_step + 1)
@@ -253,13 +263,11 @@ class PPOTrainer(CheckpointingMixin):
             s = self._update_settings(batch)
             rc = cfg.algorithm.rollout_correction
             if not s.old_from_current and not rc.bypass_mode:
-                with timer.stage("old_log_prob"):
-                    r = arr.rollout
-                    batch["old_log_probs"] = self.oom.run("old_log_prob", lambda: compute_logprobs(
-                        self.model, batch, temperature=s.temperature,
-                        micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
-                        max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                        fwd=self.actor.fwd, dp=self.dist), ctx=StageContext(batch, s.micro_batch_size))
+                if "old_log_probs" not in batch:  # off-policy batches bring their behaviour policy's (async_ppo.py)
+                    with timer.stage("old_log_prob"):
+                        batch["old_log_probs"] = self.oom.run(
+                            "old_log_prob", lambda: self._old_logprobs(self.model, batch, s),
+                            ctx=StageContext(batch, s.micro_batch_size))
                 metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
             if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
@@ -451,6 +459,13 @@ class PPOTrainer(CheckpointingMixin):
             rollout_correction=alg.rollout_correction if alg.rollout_correction.bypass_mode else None,
             max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
             skip_mini_batches=skip_mini_batches)
+
+    def _old_logprobs(self, model, batch, s: UpdateSettings) -> torch.Tensor:
+        r = self.cfg.actor_rollout_ref.rollout
+        return compute_logprobs(model, batch, temperature=s.temperature,
+                                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+                                max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                                fwd=self.actor.fwd, dp=self.dist)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref

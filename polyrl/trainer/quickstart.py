@@ -178,12 +178,17 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
         base = build_base_model(s)
         sft_dir = warm_up_with_sft(base, train_rows, s, progress=bar)
         bar.set_description("quickstart: GRPO")
-        cfg = build_config(PPOConfig(), grpo_overrides(sft_dir, data_dir, run, s) + list(extra_overrides or []))
-        trainer = PPOTrainer(cfg)
-        before = trainer.validate()
-        trainer.tracker.log(before, step=0)
-        trainer.cfg.trainer.val_before_train = False
-        after = trainer.fit(progress=bar)
+        overrides = grpo_overrides(sft_dir, data_dir, run, s) + list(extra_overrides or [])
+        cfg = build_config(PPOConfig(), overrides)
+        if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
+            before, after, final = _run_as_job(cfg, overrides, run)
+        else:
+            trainer = PPOTrainer(cfg)
+            before = trainer.validate()
+            trainer.tracker.log(before, step=0)
+            trainer.cfg.trainer.val_before_train = False
+            after = trainer.fit(progress=bar)
+            final = str(getattr(trainer, "final_checkpoint", ""))
     finally:
         bar.close()
     key = next(k for k in before if k.startswith("val-core/") and "/acc/mean@" in k)
@@ -193,10 +198,24 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
         "wall_s": time.perf_counter() - t0,
         "run_dir": str(run),
         "metric": key,
-        "hf_model": str(getattr(trainer, "final_checkpoint", "")) + "/huggingface",
+        "hf_model": final + "/huggingface",
     }
     (run / "quickstart.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _run_as_job(cfg, overrides: list[str], run: Path) -> tuple[dict, dict, str]:
+    """`polyrl train overrides` as the job the config asks for (torchrun); the validation before the first step and
+    after the last are read back from its metrics.jsonl."""
+    from polyrl.distributed.launch import maybe_launch
+    from polyrl.errors import UserError
+
+    if maybe_launch(cfg, overrides) != 0:
+        raise UserError(f"The quickstart's training job failed; its output is above and its run directory is {run}.")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if any(k.startswith("val-core/") for k in r)]
+    latest = (Path(cfg.trainer.default_local_dir) / "latest_checkpointed_iteration.txt").read_text().strip()
+    return val[0], val[-1], str(Path(cfg.trainer.default_local_dir) / f"global_step_{latest}")
 
 
 def main(argv: list[str]) -> int:

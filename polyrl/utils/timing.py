@@ -22,8 +22,10 @@ class StageHooks(Protocol):
 
 
 def _sync() -> None:
+    # the current stream, not the device: work queued elsewhere (the off-policy pipeline's weight isend, waiting for
+    # the rollout process to take it) must not be charged to, or stall, the stage that happens to end next
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 class StepTimer:

@@ -1,0 +1,208 @@
+"""One-step off-policy vs on-policy colocated: the whole GRPO step on 2 GPUs, in tokens/s/GPU (issue 17).
+
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode colocated
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode offpolicy
+    (add --shape 7b for the Qwen2.5-7B shape; --rows-out BENCHMARKS.md appends a row; --shape tiny --device cpu is
+    a smoke test of the same path over gloo)
+
+Both modes train the same global batch (`--prompts` x n=8, prompt 128 tokens) from the same random-init checkpoint
+(grpo_step.py's setup: Qwen2.5 shape, char tokenizer, digit-fraction reward). Response lengths are forced from a
+long-tailed lognormal like NeMo RL's (mean ~`--mean-len`, clipped to [16, `--max-len`], a new draw per batch), so
+the decode tail is what it would be in a real run while the random weights never stop early.
+- colocated: today's trainer, data-parallel over both GPUs (FSDP2; each GPU generates and trains half the batch).
+- offpolicy: `actor_rollout_ref.hybrid_engine=False`: GPU 1 generates batch k+1 (and its behaviour log-probs) while
+  GPU 0 trains on batch k; weights stream GPU 0 -> GPU 1 over NCCL after each update.
+Throughput = (prompt + response tokens of the step's batch) / (step wall time x 2 GPUs), averaged over the steps after
+the first `--warmup` (the off-policy pipeline's first step cannot overlap: nothing was generated ahead yet). The
+script prints each step's stages, the exposed generation time and the rollout's idle time, then one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class ForcedLengths:
+    """Wraps an engine: every generate call draws per-sample forced lengths from the long-tailed distribution."""
+
+    def __init__(self, engine, mean_len: int, max_len: int, seed: int):
+        self.inner, self.mean_len, self.max_len, self.calls, self.seed = engine, mean_len, max_len, 0, seed
+
+    def lengths(self, num: int) -> list[int]:
+        sigma = 0.9  # lognormal mean = exp(mu + sigma^2 / 2)
+        rng = np.random.default_rng(self.seed + self.calls)
+        self.calls += 1
+        x = rng.lognormal(np.log(self.mean_len) - sigma ** 2 / 2, sigma, num)
+        return np.clip(x, 16, self.max_len).astype(int).tolist()
+
+    def generate(self, prompt_ids, sampling):
+        import dataclasses
+
+        forced = self.lengths(len(prompt_ids) * sampling.n)
+        return self.inner.generate(prompt_ids, dataclasses.replace(sampling, forced_lengths=forced, ignore_eos=True,
+                                                                   max_new_tokens=self.max_len))
+
+    def __getattr__(self, name):  # update_weights, release_memory, resume, num_calls, model ...
+        return getattr(self.inner, name)
+
+
+def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
+    run = work / f"run_{args.mode}"
+    mem = args.gpu_mem_rollout if args.mode == "offpolicy" else args.gpu_mem_colocated
+    out = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={work / 'train.parquet'}",
+        f"data.train_batch_size={args.prompts}",
+        "data.max_prompt_length=128",
+        f"data.max_response_length={args.max_len}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.model.tokenizer_path={tok_dir}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={args.max_token_len}",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.rollout.name={args.rollout}",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={mem}",
+        f"custom_reward_function.path={work / 'reward.py'}",
+        "trainer.logger=[]",
+        f"trainer.run_dir={run}",
+        f"trainer.default_local_dir={run / 'ckpt'}",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=False",
+        "trainer.resume_mode=disable",
+        f"trainer.device={args.device}",
+        "trainer.progress_bar=False",
+    ]
+    if args.mode == "offpolicy":
+        out += ["actor_rollout_ref.hybrid_engine=False", f"async_training.max_trajectory_age_steps={args.max_age}"]
+    else:
+        out += ["trainer.n_gpus_per_node=2"]
+    return out + list(args.extra)
+
+
+def run(args, cfg) -> list[dict] | None:
+    """This process's part of the job; the step metrics on the process that logs them (rank 0), else None."""
+    from polyrl.trainer.ppo import PPOTrainer
+
+    make_engine = PPOTrainer._make_engine
+    PPOTrainer._make_engine = lambda self: ForcedLengths(make_engine(self), args.mean_len, args.max_len,
+                                                         seed=1000 * self.dist.rank)
+    if args.mode == "offpolicy":
+        from polyrl.trainer.async_ppo import AsyncPPOTrainer, RolloutWorker, TRAINER_RANK, join_job
+
+        rank, env = join_job(cfg)
+        if rank != TRAINER_RANK:
+            RolloutWorker(cfg, env).serve()
+            return None
+        trainer = AsyncPPOTrainer(cfg, env)
+        steps = [_timed_step(trainer) for _ in range(args.steps)]
+        trainer.finish()
+        return steps
+    trainer = PPOTrainer(cfg)
+    steps = [_timed_step(trainer) for _ in range(args.steps)]
+    trainer.dist.close()
+    return steps if trainer.dist.is_rank0 else None
+
+
+def _timed_step(trainer) -> dict:
+    t0 = time.perf_counter()
+    m = trainer.step()
+    m["bench/step_wall_s"] = time.perf_counter() - t0
+    keys = ("timing_s/step", "timing_s/gen", "timing_s/exposed_generation", "timing_s/rollout_idle",
+            "timing_s/update_actor", "timing_s/update_weights", "timing_s/behaviour_log_prob", "timing_s/old_log_prob",
+            "perf/total_num_tokens", "perf/throughput", "response_length/mean", "response_length/max")
+    if trainer.dist.is_rank0:
+        print(f"step {trainer.global_step}: " + " ".join(f"{k.split('/', 1)[1]}={m[k]:.2f}" for k in keys if k in m),
+              flush=True)
+    return m
+
+
+def main(argv=None) -> None:
+    from grpo_step import rollout_name, setup
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["colocated", "offpolicy"], required=True)
+    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b", "tiny"])
+    ap.add_argument("--prompts", type=int, default=64, help="global batch, prompts per step")
+    ap.add_argument("--n", "--samples-per-prompt", dest="n", type=int, default=8)
+    ap.add_argument("--mean-len", type=int, default=1000)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the average")
+    ap.add_argument("--max-age", type=int, default=1, help="async_training.max_trajectory_age_steps (offpolicy)")
+    ap.add_argument("--max-token-len", type=int, default=32768)
+    ap.add_argument("--gpu-mem-colocated", type=float, default=0.3)
+    ap.add_argument("--gpu-mem-rollout", type=float, default=0.6)
+    ap.add_argument("--work", default="/tmp/offpolicy_bench")
+    ap.add_argument("--rows-out", default=None)
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    args = ap.parse_args(argv)
+    from polyrl.config import build_config
+    from polyrl.trainer.config import PPOConfig
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    assert world == 2, "run under torchrun --nproc_per_node=2 (both modes use 2 GPUs)"
+    work = Path(args.work) / args.shape
+    work.mkdir(parents=True, exist_ok=True)
+    ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
+    if rank == 0:
+        setup(work, init_std=0.01, num_prompts=args.prompts * (args.steps + 1), prompt_tokens=128, shape=args.shape,
+              device=args.device)
+        ready.write_text("ok")
+    while not ready.exists():
+        time.sleep(0.5)
+    args.rollout = rollout_name() if args.device == "cuda" else "hf"
+    cfg = build_config(PPOConfig(), overrides(args, work, work / "model", work / "tokenizer"))
+    steps = run(args, cfg)
+    if steps is None:
+        return
+    timed = steps[args.warmup:]
+    tokens = sum(m["perf/total_num_tokens"] for m in timed)
+    wall = sum(m["timing_s/step"] for m in timed)
+    tps_gpu = tokens / (wall * 2)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    summary = {"mode": args.mode, "shape": args.shape, "device": f"2x {device}", "tokens_per_s_per_gpu": tps_gpu,
+               "step_s": wall / len(timed), "tokens_per_step": tokens / len(timed),
+               "exposed_generation_s": float(np.mean([m.get("timing_s/exposed_generation", 0) for m in timed])),
+               "gen_s": float(np.mean([m.get("timing_s/gen", 0) for m in timed])),
+               "update_actor_s": float(np.mean([m.get("timing_s/update_actor", 0) for m in timed])),
+               "update_weights_s": float(np.mean([m.get("timing_s/update_weights", 0) for m in timed])),
+               "rollout": args.rollout}
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=1, default=str))
+    if args.rows_out:
+        from _record import append_row
+
+        model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer"}[args.shape]
+        split = "1 rollout + 1 train GPU, max age 1" if args.mode == "offpolicy" else "colocated, 2-GPU data parallel"
+        shape = (f"GRPO whole step, {model} shape, {args.prompts}x{args.n}, prompt 128, lognormal resp mean "
+                 f"{args.mean_len} max {args.max_len}; {split}; step {summary['step_s']:.1f}s, gen "
+                 f"{summary['gen_s']:.1f}s, exposed gen {summary['exposed_generation_s']:.1f}s, update "
+                 f"{summary['update_actor_s']:.1f}s, weights {summary['update_weights_s']:.2f}s")
+        append_row(summary["device"], f"offpolicy_step ({args.mode}) tok/s/GPU", shape, f"{tps_gpu:.0f}",
+                   peer="NeMo RL Llama-3.1-8B 16xH100: 1562 on-policy, 2161 1-step off (1.38x)",
+                   path=args.rows_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The one-step off-policy pipeline (polyrl/trainer/async_ppo.py) on CPU: 2 processes over gloo, 1 trainer + 1 rollout.
+
+Jobs are started as two plain processes (RANK/WORLD_SIZE/MASTER_* set here, as torchrun would) so that a rollout
+process that dies leaves the trainer alive to say so, which is what the kill test checks.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from polyrl.distributed.p2p import WeightReceiver, WeightSender, bucket_plan, tensor_spec
+from polyrl.trainer.async_ppo import staleness_metrics, weight_versions_needed
+
+
+# ------------------------------------------------------------------------------------------------ pure functions
+def test_bucket_plan_keeps_order_splits_by_size_and_dtype():
+    spec = [("a", torch.Size([4]), torch.float32), ("b", torch.Size([2, 2]), torch.float32),
+            ("c", torch.Size([8]), torch.float32), ("d", torch.Size([2]), torch.bfloat16)]
+    plan = bucket_plan(spec, bucket_bytes=32)  # a+b fill 32 bytes; c alone; d changes dtype
+    assert [b.names for b in plan] == [("a", "b"), ("c",), ("d",)]
+    assert [b.numel for b in plan] == [8, 8, 2]
+
+
+def test_schedule_and_staleness_metrics():
+    assert weight_versions_needed(total_steps=5, max_age=1) == 3  # batch 4 is generated with version 3
+    assert weight_versions_needed(total_steps=5, max_age=0) == 4
+    m = staleness_metrics([2, 2, 3, 3], trained_version=3, max_age=1)
+    assert m["async/staleness/mean"] == 0.5 and m["async/staleness/max"] == 1.0
+    assert m["async/staleness/frac_0"] == m["async/staleness/frac_1"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------------ weight streaming
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream_weights(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from polyrl.models.loader import load_causal_lm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    model = load_causal_lm(model_dir)
+    if rank == 0:  # the trainer: weights moved away from the checkpoint, sent in buckets smaller than one tensor
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        sender = WeightSender(1, bucket_bytes=1024)
+        sender.send(model.state_dict().items())
+        sender.wait()
+        torch.save(model.state_dict(), out)
+    else:  # the rollout: starts from the checkpoint, receives in place
+        params = model.state_dict()
+        receiver = WeightReceiver(0, tensor_spec(params.items()), bucket_bytes=1024, device=torch.device("cpu"))
+        assert len(receiver.plan) > 3
+        with torch.no_grad():
+            for name, t in receiver.receive():
+                params[name].copy_(t)
+        torch.save(model.state_dict(), out + ".rollout")
+    dist.destroy_process_group()
+
+
+def test_rollout_weights_after_sync_equal_the_trainers(tiny_model_dir, tmp_path):
+    out = str(tmp_path / "w.pt")
+    mp.start_processes(_stream_weights, args=(_free_port(), str(tiny_model_dir), out), nprocs=2, start_method="fork")
+    sent, got = torch.load(out), torch.load(out + ".rollout")
+    assert set(sent) == set(got)
+    for k in sent:
+        assert torch.equal(sent[k], got[k]), k
+
+
+# ------------------------------------------------------------------------------------------------ 2-process jobs
+def _args(model_dir: Path, data_dir: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        f"data.train_files={data_dir / 'train.parquet'}",
+        "data.train_batch_size=4", "data.max_prompt_length=32", "data.max_response_length=6",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=4", "trainer.device=cpu",
+        f"trainer.run_dir={out / 'run'}", f"trainer.default_local_dir={out / 'ckpt'}",
+        f"trainer.total_training_steps={steps}", "trainer.progress_bar=False", "trainer.logger=[file]", *extra,
+    ]
+
+
+def _process(argv: list[str], **env) -> subprocess.Popen:
+    """`polyrl train argv` in a process of its own (one thread: the same float sums in every process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd()), **env}
+    return subprocess.Popen([sys.executable, "-m", "polyrl.train", *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _job(argv: list[str], **env) -> list[subprocess.Popen]:
+    """`polyrl train argv` as the 2 processes of one gloo job: [rollout (rank 1), trainer (rank 0)]."""
+    port = str(_free_port())
+    return [_process(argv, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port, **env) for rank in (1, 0)]
+
+
+def _wait(procs, timeout=240) -> tuple[list[int], str]:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], "\n".join(logs)
+
+
+def _steps(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+def test_age_zero_equals_the_on_policy_trainer_bit_for_bit(tiny_model_dir, synth_data_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    steps = 2
+    job = _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "async", steps,
+                     "actor_rollout_ref.hybrid_engine=False", "async_training.max_trajectory_age_steps=0"))
+    job.append(_process(_args(tiny_model_dir, synth_data_dir, tmp_path / "sync", steps)))
+    codes, log = _wait(job)
+    assert codes == [0, 0, 0], log[-4000:]
+    ref, got = _steps(tmp_path / "sync"), _steps(tmp_path / "async")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for a, b in zip(ref, got):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+                    "training/rollout_probs_diff_mean", "response_length/mean"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        assert b["async/staleness/max"] == 0.0 and b["async/weight_version/min"] == b["step"] - 1
+    w_ref = load_file(str(tmp_path / "sync" / "ckpt" / f"global_step_{steps}" / "model.safetensors"))
+    w_got = load_file(str(tmp_path / "async" / "ckpt" / f"global_step_{steps}" / "model.safetensors"))
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert max((w_ref[k] - base[k]).abs().max() for k in base) > 1e-4  # training moved them: equality means much
+    for k in w_ref:
+        assert torch.equal(w_ref[k], w_got[k]), k
+
+
+KILLING_REWARD = '''
+import os
+
+from polyrl.rewards.rule import default_compute_score
+
+calls = 0
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The built-in score; the process dies abruptly at sample KILL_AT_SAMPLE (the rollout process scores)."""
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("KILL_AT_SAMPLE", "0")):
+        os._exit(9)
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_one_step_off_policy_tags_versions_and_resumes_after_the_rollout_dies(tiny_model_dir, synth_data_dir,
+                                                                              tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(KILLING_REWARD)
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 5, "actor_rollout_ref.hybrid_engine=False",
+                 "trainer.save_freq=2", f"custom_reward_function.path={reward}")
+    # batches hold 16 samples: the rollout process dies scoring batch 3 (after step 2's checkpoint); batch 2, sent
+    # before, may or may not have reached the trainer by then (a send completes when the receiver takes it)
+    codes, log = _wait(_job(argv, KILL_AT_SAMPLE=str(3 * 16 + 1)))
+    assert codes[0] != 0 and codes[1] != 0, log[-4000:]
+    first = _steps(tmp_path)
+    done = len(first)
+    assert done in (2, 3) and [r["step"] for r in first] == list(range(1, done + 1))
+    assert f"The rollout process (rank 1) stopped before batch {done}" in log and "rerun the same command" in log, \
+        log[-4000:]
+    # one step off: batch 0 comes from the initial weights, batch 1 too (generated while step 1 trained), batch 2
+    # from step 1's weights; stale batches train against their behaviour policy's log-probs
+    assert [r["async/weight_version/max"] for r in first] == [0, 0, 1][:done]
+    assert [r["async/staleness/mean"] for r in first] == [0.0, 1.0, 1.0][:done]
+    assert first[1]["async/staleness/frac_1"] == 1.0 and "timing_s/behaviour_log_prob" in first[1]
+    assert "timing_s/behaviour_log_prob" not in first[0] and first[0]["training/old_log_prob_source_current"] == 1
+    # the behaviour log-probs are the generating weights' (the engine's own numbers), not the trained weights'
+    assert first[1]["training/rollout_probs_diff_mean"] < 1e-5
+    for r in first:
+        for key in ("timing_s/exposed_generation", "timing_s/update_weights", "timing_s/gen", "timing_s/rollout_idle"):
+            assert key in r, key
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+    codes, log = _wait(_job(argv))  # the same command again: resumes from step 2's checkpoint
+    assert codes == [0, 0], log[-4000:]
+    assert "resumed from" in log and "at step 2" in log
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, done + 1)) + [3, 4, 5]
+    assert [r["async/weight_version/max"] for r in rows[done:]] == [2, 2, 3]  # batch 2 again, from step 2's weights
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "5"
+
+
+def test_quickstart_learns_one_step_off_policy(tmp_path, monkeypatch, quickstart_cache):
+    """`polyrl quickstart actor_rollout_ref.hybrid_engine=False`, 12 GRPO steps on 2 processes (torchrun), generation
+    one step behind: the reward rises and held-out greedy accuracy gains as much as the on-policy quickstart test asks
+    of 20 steps (20 points)."""
+    from polyrl.trainer.quickstart import FAST, QuickstartSettings, run_quickstart
+
+    monkeypatch.setenv("POLYRL_CACHE", str(quickstart_cache))  # the on-policy quickstart test's SFT model
+    s = QuickstartSettings(**{**FAST, "grpo_steps": 12})
+    r = run_quickstart(str(tmp_path / "qs"), settings=s, extra_overrides=["actor_rollout_ref.hybrid_engine=False"])
+    assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
+    assert (Path(r["hf_model"]) / "config.json").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "qs" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
+    assert len(scores) == s.grpo_steps
+    assert sum(scores[-4:]) / 4 - sum(scores[:4]) / 4 >= 0.1, scores
+    assert max(r.get("async/staleness/max", 0) for r in rows) == 1.0
+
+
+def test_pipeline_keys_are_refused_when_they_cannot_apply():
+    from polyrl.config import build_config
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.async_config import check_async
+    from polyrl.trainer.config import PPOConfig
+
+    for argv, words in [(["async_training.max_trajectory_age_steps=2"], "hybrid_engine=False"),
+                        (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True"],
+                         "partial_rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2"], "1 rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
+                         "lora_rank=0")]:
+        with pytest.raises(ConfigError, match=words):
+            check_async(build_config(PPOConfig(), argv))
+    check_async(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"]))  # the plain switch passes
+
+
+def test_launch_counts_the_rollout_process():
+    from polyrl.config import build_config
+    from polyrl.distributed.launch import processes_wanted
+    from polyrl.trainer.config import PPOConfig
+
+    assert processes_wanted(build_config(PPOConfig(), [])) == 1
+    assert processes_wanted(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"])) == 2
+
+
+def test_an_error_in_the_rollout_process_reaches_the_trainer_as_one_sentence(tiny_model_dir, synth_data_dir,
+                                                                              tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise ValueError('no score today')\n")
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 1, "actor_rollout_ref.hybrid_engine=False",
+                 f"custom_reward_function.path={reward}")
+    (rollout_code, trainer_code), log = _wait(_job(argv))
+    assert rollout_code != 0 and trainer_code != 0
+    last = [line for line in log.splitlines() if line.startswith("polyrl: error: The rollout process failed")]
+    assert len(last) == 1 and "batch 0" in last[0] and "no score today" in last[0], log[-3000:]
+
