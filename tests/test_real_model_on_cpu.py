@@ -89,13 +89,19 @@ def test_conversion_is_a_plain_dequantised_model(smollm2_dir, smollm2):
     assert max(len(torch.unique(block)) for block in w) <= 16
 
 
-def test_find_gguf_file_folder_and_errors(tmp_path):
+def test_find_gguf_file_folder_and_errors(tmp_path, monkeypatch):
     from polyrl.errors import ConfigError
+    from polyrl.models import loader
 
     (tmp_path / "one").mkdir()
     f = tmp_path / "one" / "m.gguf"
     f.write_bytes(b"")
     assert find_gguf(f) == f and find_gguf(tmp_path / "one") == f
+    # model.path naming the file or its folder takes the GGUF loaders (the trainer's and the tokenizer's)
+    monkeypatch.setattr(loader, "load_gguf_causal_lm", lambda file, **kw: ("model", file, kw["dtype"]))
+    monkeypatch.setattr(loader, "load_gguf_tokenizer", lambda file: type("Tok", (), {"pad_token_id": 2})())
+    assert loader.load_causal_lm(str(tmp_path / "one"), dtype=torch.bfloat16) == ("model", f, torch.bfloat16)
+    assert loader.load_tokenizer(str(f)).padding_side == "left"
     (tmp_path / "one" / "config.json").write_text("{}")  # an HF directory wins over a stray .gguf
     assert find_gguf(tmp_path / "one") is None
     (tmp_path / "two").mkdir()
