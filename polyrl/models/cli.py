@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from polyrl.models.gguf import convert_to_hf, find_gguf, smollm2_gguf
 from polyrl.errors import ConfigError
+from polyrl.models.gguf import convert_to_hf, find_gguf, smollm2_gguf
 
 
 def _smollm2_source(args) -> Path:
