@@ -17,7 +17,8 @@ STAGE=/tmp/smollm2_stage; mkdir -p "$STAGE"
 GGUF=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL=/tmp/smollm2_hf
-mkdir -p /tmp/bin && printf '#!/bin/bash\nexec python3 -m polyrl.cli "$@"\n' > /tmp/bin/polyrl && chmod +x /tmp/bin/polyrl
+mkdir -p /tmp/bin  # `polyrl` runs this tree
+printf '#!/bin/bash\nexec python3 -m polyrl.cli "$@"\n' > /tmp/bin/polyrl && chmod +x /tmp/bin/polyrl
 export PATH=/tmp/bin:$PATH
 cp .gl/smollm2.gguf.part-* "$STAGE/" 2>/dev/null
 ls -la "$STAGE"

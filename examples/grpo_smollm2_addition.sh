@@ -14,7 +14,8 @@ out=${OUT:-runs/smollm2_addition}
 model=${MODEL:-$out/smollm2}  # an HF directory, or a .gguf file (loaded dequantised at every start)
 batch=${BATCH:-8}
 [ -f "$model/config.json" ] || [ -f "$model" ] || polyrl models smollm2 --out "$model"
-[ -f "$out/data/train.parquet" ] || polyrl data synth --task word_addition --out "$out/data" --train 2000 --val "${VAL:-64}"
+[ -f "$out/data/train.parquet" ] ||
+    polyrl data synth --task word_addition --out "$out/data" --train 2000 --val "${VAL:-64}"
 
 polyrl train \
     algorithm.adv_estimator=grpo \

