@@ -75,8 +75,8 @@ def load_gguf_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32, overr
     model.config.dtype = dtype
     num_params = sum(p.numel() for p in model.parameters())
     dtype_name = str(dtype).removeprefix("torch.")
-    print(f"polyrl: loaded GGUF file {file} ({num_params / 1e6:.0f}M parameters), dequantised to {dtype_name}; training "
-          "updates these dense weights and the HF export is a normal safetensors model", flush=True)
+    print(f"polyrl: loaded GGUF file {file} ({num_params / 1e6:.0f}M parameters), dequantised to {dtype_name}; "
+          "training updates these dense weights and the HF export is a normal safetensors model", flush=True)
     return model.eval()
 
 
