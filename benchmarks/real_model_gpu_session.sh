@@ -9,8 +9,10 @@
 #              multiprocess==0.70.19 xxhash      # (the device's Python version for xxhash's binary wheel)
 #   run 1: bash benchmarks/real_model_gpu_session.sh stage    carry [".gl/smollm2.gguf.part-00"]
 #   run 2: bash benchmarks/real_model_gpu_session.sh recipe   carry [".gl/smollm2.gguf.part-01", ".whl"]
-#   run 3: bash benchmarks/real_model_gpu_session.sh trl      (TRL's side is the slow one: under 10 min at 30 steps?)
+#   run 3: bash benchmarks/real_model_gpu_session.sh trl      (30 steps each side; STEPS=20 if it nears 10 min)
+# Results land in $OUT (recipe.txt, real_model_trl.txt, benchmarks_rows.diff: the rows to append here).
 set -uo pipefail
+MODE=${1:-recipe}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=/tmp/smollm2_stage; mkdir -p "$STAGE"
@@ -22,7 +24,7 @@ printf '#!/bin/bash\nexec python3 -m polyrl.cli "$@"\n' > /tmp/bin/polyrl && chm
 export PATH=/tmp/bin:$PATH
 cp .gl/smollm2.gguf.part-* "$STAGE/" 2>/dev/null
 ls -la "$STAGE"
-[ "${1:-recipe}" = stage ] && exit 0
+[ "$MODE" = stage ] && exit 0
 
 if [ ! -f "$MODEL/config.json" ]; then
     ls .whl/*.whl >/dev/null 2>&1 && pip install --no-deps -q .whl/*.whl
@@ -45,13 +47,13 @@ for line in open(sys.argv[1]):
 PY
 }
 
-if [ "$1" = recipe ]; then
+if [ "$MODE" = recipe ]; then
     for lr in 2e-5 4e-5; do
         echo "== recipe: examples/grpo_smollm2_addition.sh on cuda, 32 prompts x 8, lr $lr" | tee -a "$OUT/recipe.txt"
         rm -rf /tmp/smol_gpu_$lr
         start=$SECONDS
         OUT=/tmp/smol_gpu_$lr MODEL=$MODEL DEVICE=cuda BATCH=32 MICRO=64 STEPS=30 TEST_FREQ=5 VAL=256 LR=$lr \
-            timeout 280 bash examples/grpo_smollm2_addition.sh 2>&1 | tr '\r' '\n' | grep -v "Loading\|it/s" | tail -3
+            timeout 240 bash examples/grpo_smollm2_addition.sh 2>&1 | tr '\r' '\n' | grep -v "Loading\|it/s" | tail -3
         echo "wall (data + load + train + validation + export): $((SECONDS - start)) s" \
             | tee -a "$OUT/recipe.txt"
         curve /tmp/smol_gpu_$lr/run/metrics.jsonl | tee -a "$OUT/recipe.txt"
@@ -59,10 +61,10 @@ if [ "$1" = recipe ]; then
     done
 fi
 
-if [ "$1" = trl ]; then
+if [ "$MODE" = trl ]; then
     echo "== polyrl vs TRL 1.16, same recipe, one GPU"
     timeout 570 python3 benchmarks/real_model_trl.py --device cuda --model "$MODEL" --batch 32 --micro 64 \
-        --steps ${STEPS:-20} --eval-every 5 --val 256 --out "$OUT/real_model_trl.json" 2>&1 \
+        --steps ${STEPS:-30} --eval-every 5 --val 256 --out "$OUT/real_model_trl.json" 2>&1 \
         | grep -v "Loading\|it/s\|Warning\|warn" | tee "$OUT/real_model_trl.txt" | tail -20
     git diff BENCHMARKS.md > "$OUT/benchmarks_rows.diff"
 fi
