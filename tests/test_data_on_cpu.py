@@ -249,7 +249,7 @@ def test_synthetic_rows_schema_splits_and_scorer(task):
     assert all(is_heldout(p) for p in vp) and not any(is_heldout(p) for p in tp)
     r = train[0]
     assert r["data_source"] == TASKS[task].data_source and r["reward_model"]["style"] == "rule"
-    assert len(r["prompt"][0]["content"]) <= 16
+    assert len(r["prompt"][0]["content"]) <= (48 if task == "word_addition" else 16)  # word_addition: chat models
     assert make_rows(task, 20, seed=1) == train[:20]  # deterministic in the seed
     assert make_rows(task, 20, seed=3) != train[:20]
     assert TASKS[task].score(" " + r["reward_model"]["ground_truth"] + "\n", r["reward_model"]["ground_truth"]) == 1.0
@@ -260,6 +260,15 @@ def test_addition_answers_are_right():
     for r in make_rows("addition", 30, seed=0):
         a, b = r["prompt"][0]["content"].rstrip("=").split("+")
         assert int(r["reward_model"]["ground_truth"]) == int(a) + int(b)
+
+
+def test_word_addition_answers_and_last_number_scoring():
+    for r in make_rows("word_addition", 30, seed=0):
+        a, b = r["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" + ")
+        assert 1 <= int(a) <= 60 and 1 <= int(b) <= 60
+        assert int(r["reward_model"]["ground_truth"]) == int(a) + int(b)
+    score = TASKS["word_addition"].score
+    assert score("12 + 30 = 42.", "42") == 1.0 and score("42, no: 43", "42") == 0.0 and score("forty-two", "42") == 0.0
 
 
 def test_too_many_synthetic_rows_is_a_clear_error():

@@ -7,19 +7,31 @@ stable hash of its text falls in the held-out 20% (`is_heldout`), and each split
 training set made with seed 1 and a validation set made with seed 2 are still disjoint.
 
 The scorers compare the stripped response with the ground truth: `solution_str` is the decoded response without
-special tokens (the reward manager's caller decodes with `skip_special_tokens=True`).
+special tokens (the reward manager's caller decodes with `skip_special_tokens=True`). `word_addition` is the one
+task for real chat models (SmolLM2-135M-Instruct): a question in words, scored on the last number of the answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 from polyrl.errors import DataError
 
 HELDOUT_PERCENT = 20
+
+
+def exact_match(solution_str: str, ground_truth: str) -> float:
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def last_number_match(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the last integer in the text equals the ground truth ('12 + 30 = 42' counts; '42.' counts)."""
+    numbers = re.findall(r"-?\d+", solution_str)
+    return 1.0 if numbers and numbers[-1] == str(ground_truth).strip() else 0.0
 
 
 @dataclass(frozen=True)
@@ -30,14 +42,21 @@ class SyntheticTask:
     make: Callable[[random.Random], tuple[str, str]]
     """Draws one (prompt text, answer) pair."""
     description: str
+    match: Callable[[str, str], float] = exact_match
+    """Scores a decoded response against the ground truth."""
 
     def score(self, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-        return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+        return self.match(solution_str, ground_truth)
 
 
 def _addition(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     return f"{a}+{b}=", str(a + b)
+
+
+def _word_addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(1, 60), rng.randint(1, 60)
+    return f"What is {a} + {b}? Answer with only the number.", str(a + b)
 
 
 _LETTERS = "abcdefgh"
@@ -60,6 +79,9 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("addition", "polyrl/addition", "arithmetic", _addition, "two-digit a+b, e.g. '23+45=' -> '68'"),
         SyntheticTask("reverse", "polyrl/reverse", "string", _reverse, "reverse 3-5 letters, e.g. 'rev abc=' -> 'cba'"),
         SyntheticTask("count", "polyrl/count", "counting", _count, "count a letter, e.g. '#a abca=' -> '2'"),
+        SyntheticTask("word_addition", "polyrl/word_addition", "arithmetic", _word_addition,
+                      "a, b in 1..60 asked in words for chat models; the answer's last number must be a+b",
+                      match=last_number_match),
     ]
 }
 TASKS_BY_SOURCE = {t.data_source: t for t in TASKS.values()}

@@ -1,7 +1,8 @@
 """Load HF causal LMs and tokenizers from local directories, with LoRA and gradient checkpointing applied.
 
 The loading code is the real one (`from_pretrained(local_dir)`); the only additions are clear errors for the
-common mistakes (missing directory, hub id without files, no chat template) and peft LoRA wrapping.
+common mistakes (missing directory, hub id without files, no chat template), peft LoRA wrapping, and GGUF files
+(a path naming a `.gguf` file, or a directory holding one, loads dequantised through `polyrl.models.gguf`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.models.gguf import find_gguf, load_gguf_causal_lm, load_gguf_tokenizer
 from polyrl.utils.device import to_dtype
 
 def _check_dir(path: str | None, key: str) -> Path:
@@ -26,7 +28,7 @@ def _check_dir(path: str | None, key: str) -> Path:
                           "holding config.json and the weights.")
     if not (p / "config.json").is_file():
         raise ConfigError(f"Model directory '{path}' from '{key}' has no config.json; point '{key}' at an HF model "
-                          "directory (the one save_pretrained wrote).")
+                          "directory (the one save_pretrained wrote) or a .gguf file.")
     return p
 
 
@@ -34,8 +36,12 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path", custom_
                    trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    p = _check_dir(path, key) if not Path(path).is_dir() or (Path(path) / "config.json").is_file() else Path(path)
-    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    gguf = find_gguf(path) if path else None
+    if gguf is not None:
+        tok = load_gguf_tokenizer(gguf)
+    else:
+        p = _check_dir(path, key) if not Path(path).is_dir() or (Path(path) / "config.json").is_file() else Path(path)
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     if custom_chat_template:
         tok.chat_template = custom_chat_template
     if tok.pad_token_id is None:
@@ -51,6 +57,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, key: str = 
 
     if external_lib:
         importlib.import_module(external_lib)
+    gguf = find_gguf(path) if path else None
+    if gguf is not None:
+        return load_gguf_causal_lm(gguf, dtype=dtype, override_config=override_config)
     p = _check_dir(path, key)
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     for k, v in (override_config or {}).items():
