@@ -13,7 +13,7 @@
 # Results land in $OUT (recipe.txt, real_model_trl.txt, benchmarks_rows.diff: the rows to append here).
 set -uo pipefail
 MODE=${1:-recipe}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=/tmp/smollm2_stage; mkdir -p "$STAGE"
 GGUF=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -27,7 +27,8 @@ ls -la "$STAGE"
 [ "$MODE" = stage ] && exit 0
 
 if [ ! -f "$MODEL/config.json" ]; then
-    ls .whl/*.whl >/dev/null 2>&1 && pip install --no-deps -q .whl/*.whl
+    ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl  # the image's pip would not put them on this python's path
     cat "$STAGE"/smollm2.gguf.part-* > "$GGUF"
     echo "$SHA  $GGUF" | sha256sum -c || exit 1
     polyrl models convert "$GGUF" --out "$MODEL" 2>&1 | grep -v "it/s" | tail -2
