@@ -32,7 +32,7 @@ from polyrl.distributed import data as dp_data
 from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
-from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
+from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict, saved_weights_dtype
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
@@ -42,8 +42,9 @@ from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
-from polyrl.utils.device import pick_device
+from polyrl.utils.device import DTYPES, pick_device
 from polyrl.utils.checkpoint import CheckpointManager
+from polyrl.utils.console import bar_lifted, progress_bar
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
 from polyrl.utils.tracking import Tracker
@@ -62,8 +63,17 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
-    if cfg.trainer.run_dir is None:
-        cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+
+
+def export_dtype(name: str, model_path: str | None, *, trained: torch.dtype) -> torch.dtype:
+    """trainer.export_dtype: `auto` is the dtype the input model's weights are stored in (a bf16 model exports as
+    bf16, not as the fp32 master weights), or the trained dtype when the input does not say."""
+    if name == "auto":
+        return saved_weights_dtype(model_path) or trained
+    if name not in DTYPES:
+        raise ConfigError(f"trainer.export_dtype={name!r} is not a dtype; use auto (the input model's dtype), "
+                          "float32, bfloat16 or float16.")
+    return DTYPES[name]
 
 
 class PPOTrainer(CheckpointingMixin):
@@ -82,8 +92,9 @@ class PPOTrainer(CheckpointingMixin):
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
-        self.run_dir = Path(t.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+        self.resume_from = self._resume_path()
+        self.run_dir = self._open_run_dir()  # one per run; a resumed run goes on in its own
 
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
                                         custom_chat_template=arr.model.custom_chat_template,
@@ -105,6 +116,7 @@ class PPOTrainer(CheckpointingMixin):
             self.rollout_replica = copy.deepcopy(model)
             parallelize(model, self.dist.mesh, arr.actor.fsdp_config, self.device)
         self.model = model
+        self.export_dtype = export_dtype(t.export_dtype, arr.model.path, trained=next(model.parameters()).dtype)
         optim = arr.actor.optim
         params = param_groups(model)  # polyrl.distributed: sharded and replicated parameters in separate groups
         optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
@@ -140,12 +152,12 @@ class PPOTrainer(CheckpointingMixin):
         else:
             self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
                                         max_response_length=cfg.data.max_response_length)
-        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
         self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
                                                         "rollout": arr.rollout.profiler})
         self.timer = StepTimer(hooks=[self.profiler])
         self.generator = torch.Generator().manual_seed(t.seed)  # mini-batch shuffles
         self.global_step = 0
+        self._bar = None  # the progress bar while fit() runs (log lines are written with it lifted)
         if self.dist.is_rank0:
             save_config(cfg, self.run_dir / "config.yaml")
             self._write_env()
@@ -452,9 +464,11 @@ class PPOTrainer(CheckpointingMixin):
         t = self.cfg.trainer
         if t.validation_data_dir:
             self._dump_generations(t.validation_data_dir, val, out, texts, scores)
-        for i in range(min(t.log_val_generations, len(preds))):
-            prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=True)
-            print(f"[val {i}] prompt={prompt!r} response={preds[i]!r} score={scores[i]:.3f}", flush=True)
+        for i in range(min(t.log_val_generations, len(preds))):  # as the model saw them: special tokens included
+            prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=False)
+            response = self.tokenizer.decode(out.token_ids[i], skip_special_tokens=False)
+            with bar_lifted(self._bar):
+                print(f"[val {i}] prompt={prompt!r} response={response!r} score={scores[i]:.3f}", flush=True)
         sources, uids = [s.data_source for s in rows], [str(s.index) for s in rows]
         if self.dist.is_distributed:
             sources, uids, infos = dp_data.gather_validation(self.dist, sources, uids, infos)
@@ -491,8 +505,10 @@ class PPOTrainer(CheckpointingMixin):
             last_val = self.validate()
             self.tracker.log(last_val, step=self.global_step)
             return last_val
-        bar = progress if progress is not None else _progress(t.progress_bar and self.dist.is_rank0, self.total_steps,
-                                                              self.global_step)
+        bar = progress if progress is not None else progress_bar(self.total_steps, initial=self.global_step,
+                                                                 desc="polyrl train",
+                                                                 enabled=t.progress_bar and self.dist.is_rank0)
+        self._bar = bar
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
@@ -506,7 +522,8 @@ class PPOTrainer(CheckpointingMixin):
                 if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
                     self.save_checkpoint()
                     metrics.update(self.timer.pop())
-                self.tracker.log(metrics, step=self.global_step)
+                with bar_lifted(bar):  # the logger's line never shares the bar's line
+                    self.tracker.log(metrics, step=self.global_step)
                 if bar is not None:
                     bar.update(1)
                     score = metrics.get("critic/score/mean")
@@ -517,6 +534,7 @@ class PPOTrainer(CheckpointingMixin):
         finally:
             if bar is not None and progress is None:
                 bar.close()
+            self._bar = None
             self.tracker.close()
             self.profiler.close()
         if self.dist.is_rank0:
@@ -544,12 +562,3 @@ def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
     groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
     chosen = set(groups[:num_groups])
     return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
-
