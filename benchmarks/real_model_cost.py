@@ -11,12 +11,15 @@ heads, intermediate 1536, vocab 49,152, tied embeddings) in bf16 beside a charac
 bytes per token as the real model. A random model rarely samples EOS, so its responses run to the 48-token limit: an
 upper bound on a real model's step, whose answers are often shorter.
 The first step is a warm-up (allocations, kernel choice) and is reported apart; the summary is the mean of the rest.
+On a shared CPU the wall time depends on the other load: the script also prints the process's CPU seconds per step
+(all threads; about wall x cores on an idle machine) and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
@@ -134,9 +137,11 @@ def main(argv=None):
     num_params = sum(p.numel() for p in trainer.model.parameters())
     steps = []
     for i in range(a.steps):
+        cpu0 = time.process_time()
         m = trainer.step()
         row = {k: m[k] for k in ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "perf/throughput",
                                  "response_length/mean", "critic/score/mean") if k in m}
+        row["cpu_s"] = time.process_time() - cpu0  # all threads' CPU time: wall x cores on an idle machine
         steps.append(row)
         print(f"step {i + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in row.items()), flush=True)
     timed = steps[1:] or steps  # the warm-up step stands alone when only one was run
@@ -148,6 +153,8 @@ def main(argv=None):
     summary = {"device": device, "model": str(model), "params": num_params, "setup_s": setup_s,
                "warmup_step_s": steps[0]["timing_s/step"], "step_s": mean("timing_s/step"), "gen_s": mean("timing_s/gen"),
                "update_actor_s": mean("timing_s/update_actor"), "tokens_per_s": mean("perf/throughput"),
+               "cpu_s_per_step": mean("cpu_s"), "threads": torch.get_num_threads(),
+               "load_avg_1min": os.getloadavg()[0],
                "response_length_mean": mean("response_length/mean"), "shape": f"{a.prompts}x{a.n}x{a.response_length}",
                "rollout": a.rollout, "extra": a.extra}
     summary["update_share"] = summary["update_actor_s"] / summary["step_s"]
@@ -155,7 +162,8 @@ def main(argv=None):
     print(f"{device}: {num_params / 1e6:.0f}M params, {a.prompts} prompts x {a.n} x <= {a.response_length} tokens: "
           f"{summary['step_s']:.1f} s/step (gen {summary['gen_s']:.1f} s, update {summary['update_actor_s']:.1f} s = "
           f"{summary['update_share']:.0%}), warm-up step {summary['warmup_step_s']:.1f} s, setup {setup_s:.1f} s, "
-          f"mean response {summary['response_length_mean']:.1f} tokens", flush=True)
+          f"mean response {summary['response_length_mean']:.1f} tokens; {summary['cpu_s_per_step']:.0f} CPU-s/step, "
+          f"load average {summary['load_avg_1min']:.1f}", flush=True)
     if a.rows_out:
         from _record import append_row
 

@@ -28,9 +28,10 @@ def bf16_model_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def _args(model_dir, data_dir, steps, *extra):
+def _args(model_dir, data_dir, steps, *extra, val=True):
     return ["algorithm.adv_estimator=grpo", f"data.train_files={data_dir / 'train.parquet'}",
-            f"data.val_files={data_dir / 'val.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=32",
+            *([f"data.val_files={data_dir / 'val.parquet'}"] if val else []), "data.train_batch_size=4",
+            "data.max_prompt_length=32",
             "data.max_response_length=6", f"actor_rollout_ref.model.path={model_dir}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.rollout.n=2",
@@ -80,31 +81,31 @@ def test_each_run_gets_its_own_directory_unless_it_resumes(bf16_model_dir, synth
                                                            capsys):
     monkeypatch.chdir(tmp_path)  # the default run and checkpoint folders are relative
     quiet = ["trainer.logger=[file]", "actor_rollout_ref.rollout.name=hf"]
-    assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 1, *quiet)]) == 0
+    assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 1, *quiet, val=False)]) == 0
     root = tmp_path / "runs" / "polyrl" / "run"
     (first,) = root.iterdir()
-    assert _steps(first) == [0, 1]
+    assert _steps(first) == [1]
     with open(first / "metrics.jsonl", "a") as f:  # a row the run logged after its last checkpoint, then crashed
         f.write(json.dumps({"step": 2, "critic/score/mean": -1.0}) + "\n")
 
     # the same command, two steps: it resumes step 1's checkpoint and goes on in the first run's directory
-    assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 2, *quiet)]) == 0
+    assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 2, *quiet, val=False)]) == 0
     assert list(root.iterdir()) == [first]
     rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["critic/score/mean"] != -1.0
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["critic/score/mean"] != -1.0
 
     # a fresh run (no resume) of the same experiment gets a directory of its own; export dtype as asked
     assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 1, *quiet, "trainer.resume_mode=disable",
-                                     "trainer.export_dtype=float32")]) == 0
+                                     "trainer.export_dtype=float32", val=False)]) == 0
     (second,) = set(root.iterdir()) - {first}
-    assert _steps(second) == [0, 1] and _steps(first) == [0, 1, 2]
+    assert _steps(second) == [1] and _steps(first) == [1, 2]
     export = tmp_path / "checkpoints" / "polyrl" / "run" / "global_step_1" / "huggingface"
     assert saved_weights_dtype(str(export)) == torch.float32
     capsys.readouterr()
 
     # a named run directory holding another run is refused when nothing is resumed
     assert cli_main(["train", *_args(bf16_model_dir, synth_data_dir, 1, *quiet, "trainer.resume_mode=disable",
-                                     f"trainer.run_dir={first}")]) == 2
+                                     f"trainer.run_dir={first}", val=False)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"trainer.run_dir={first}" in err and "metrics.jsonl" in err, err
-    assert _steps(first) == [0, 1, 2]
+    assert _steps(first) == [1, 2]
