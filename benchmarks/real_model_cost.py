@@ -151,7 +151,8 @@ def main(argv=None):
 
     device = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
     summary = {"device": device, "model": str(model), "params": num_params, "setup_s": setup_s,
-               "warmup_step_s": steps[0]["timing_s/step"], "step_s": mean("timing_s/step"), "gen_s": mean("timing_s/gen"),
+               "warmup_step_s": steps[0]["timing_s/step"], "step_s": mean("timing_s/step"),
+               "gen_s": mean("timing_s/gen"),
                "update_actor_s": mean("timing_s/update_actor"), "tokens_per_s": mean("perf/throughput"),
                "cpu_s_per_step": mean("cpu_s"), "threads": torch.get_num_threads(),
                "load_avg_1min": os.getloadavg()[0],

@@ -3,7 +3,8 @@ processes) and how a run resumes from it. A mixin of `PPOTrainer` (it reads the 
 RNGs, engine and DistEnv); the atomic write itself is `polyrl.utils.checkpoint.CheckpointManager`'s.
 
 Layout (verl's): `default_local_dir/global_step_N/` plus `latest_checkpointed_iteration.txt`; with several
-processes `global_step_N/dcp/` holds torch.distributed.checkpoint shards that load at any process count.
+processes `global_step_N/dcp/` holds torch.distributed.checkpoint shards that load at any process count. The last
+checkpoint's `huggingface/` export is written in `trainer.export_dtype` (by default the input model's dtype).
 """
 
 from __future__ import annotations
@@ -11,10 +12,24 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import torch
+
 from polyrl.errors import ConfigError
+from polyrl.models.loader import merged_state_dict, save_hf, saved_weights_dtype
 from polyrl.trainer import run_dirs
-from polyrl.models.loader import merged_state_dict, save_hf
 from polyrl.utils.checkpoint import rng_state, set_rng_state
+from polyrl.utils.device import DTYPES
+
+
+def export_dtype(name: str, model_path: str | None, *, trained: torch.dtype) -> torch.dtype:
+    """trainer.export_dtype: `auto` is the dtype the input model's weights are stored in (a bf16 model exports as
+    bf16, not as the fp32 master weights), or the trained dtype when the input does not say."""
+    if name == "auto":
+        return saved_weights_dtype(model_path) or trained
+    if name not in DTYPES:
+        raise ConfigError(f"trainer.export_dtype={name!r} is not a dtype; use auto (the input model's dtype), "
+                          "float32, bfloat16 or float16.")
+    return DTYPES[name]
 
 
 class CheckpointingMixin:

@@ -32,17 +32,17 @@ from polyrl.distributed import data as dp_data
 from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
-from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict, saved_weights_dtype
+from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
-from polyrl.trainer.checkpointing import CheckpointingMixin
+from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, make_scheduler
 from polyrl.training.batch import build_batch
 from polyrl.training.critic import explained_variance
-from polyrl.utils.device import DTYPES, pick_device
+from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager
 from polyrl.utils.console import bar_lifted, progress_bar
 from polyrl.utils.profiler import Profiler
@@ -63,17 +63,6 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
-
-
-def export_dtype(name: str, model_path: str | None, *, trained: torch.dtype) -> torch.dtype:
-    """trainer.export_dtype: `auto` is the dtype the input model's weights are stored in (a bf16 model exports as
-    bf16, not as the fp32 master weights), or the trained dtype when the input does not say."""
-    if name == "auto":
-        return saved_weights_dtype(model_path) or trained
-    if name not in DTYPES:
-        raise ConfigError(f"trainer.export_dtype={name!r} is not a dtype; use auto (the input model's dtype), "
-                          "float32, bfloat16 or float16.")
-    return DTYPES[name]
 
 
 class PPOTrainer(CheckpointingMixin):
