@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import sys
 import time
@@ -112,7 +113,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--response-length", type=int, default=48)
-    ap.add_argument("--micro", type=int, default=32, help="ppo_micro_batch_size_per_gpu (sequences)")
+    ap.add_argument("--micro", type=int, default=8,
+                    help="ppo_micro_batch_size_per_gpu (sequences); 32 peaks above 12 GB of host memory on CPU")
     ap.add_argument("--steps", type=int, default=2, help="steps to time; the first is the warm-up")
     ap.add_argument("--rollout", default="native", choices=["native", "hf"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -143,6 +145,7 @@ def main(argv=None):
                                  "response_length/mean", "critic/score/mean") if k in m}
         row["cpu_s"] = time.process_time() - cpu0  # all threads' CPU time: wall x cores on an idle machine
         steps.append(row)
+        row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # host memory so far (KiB)
         print(f"step {i + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in row.items()), flush=True)
     timed = steps[1:] or steps  # the warm-up step stands alone when only one was run
 
@@ -156,6 +159,7 @@ def main(argv=None):
                "update_actor_s": mean("timing_s/update_actor"), "tokens_per_s": mean("perf/throughput"),
                "cpu_s_per_step": mean("cpu_s"), "threads": torch.get_num_threads(),
                "load_avg_1min": os.getloadavg()[0],
+               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # Linux: KiB
                "response_length_mean": mean("response_length/mean"), "shape": f"{a.prompts}x{a.n}x{a.response_length}",
                "rollout": a.rollout, "extra": a.extra}
     summary["update_share"] = summary["update_actor_s"] / summary["step_s"]
@@ -164,7 +168,7 @@ def main(argv=None):
           f"{summary['step_s']:.1f} s/step (gen {summary['gen_s']:.1f} s, update {summary['update_actor_s']:.1f} s = "
           f"{summary['update_share']:.0%}), warm-up step {summary['warmup_step_s']:.1f} s, setup {setup_s:.1f} s, "
           f"mean response {summary['response_length_mean']:.1f} tokens; {summary['cpu_s_per_step']:.0f} CPU-s/step, "
-          f"load average {summary['load_avg_1min']:.1f}", flush=True)
+          f"load average {summary['load_avg_1min']:.1f}, peak host memory {summary['peak_rss_gb']:.1f} GB", flush=True)
     if a.rows_out:
         from _record import append_row
 
