@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Where verl's defaults (ours) and TRL's differ, both sides are set here, to the same values: weight decay (verl 0.01,
+# TRL 0.0), LR schedule (verl constant, TRL linear decay), warm-up (both 0) and gradient checkpointing (verl off,
+# TRL on). The benchmark times steps; these choices only keep the two optimizers doing the same work.
+WEIGHT_DECAY = 0.01
+LR_SCHEDULE = "constant"
+GRADIENT_CHECKPOINTING = True
 
 REWARD_SRC = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -115,6 +123,7 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
     from polyrl.trainer.ppo import PPOTrainer
 
     run = work / f"polyrl_{length}"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run each call (a run directory holds one run)
     overrides = [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={work / 'train.parquet'}",
@@ -124,6 +133,9 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.model.tokenizer_path={tok_dir}",
         "actor_rollout_ref.actor.optim.lr=1e-6",
+        f"actor_rollout_ref.actor.optim.weight_decay={WEIGHT_DECAY}",
+        f"actor_rollout_ref.actor.optim.lr_scheduler_type={LR_SCHEDULE}",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
@@ -167,7 +179,9 @@ def run_trl(work, model_dir, tok_dir, rows, *, length, prompts, n, steps):
     micro = 16
     args = GRPOConfig(output_dir=str(work / f"trl_{length}"), per_device_train_batch_size=micro,
                       gradient_accumulation_steps=prompts * n // micro, num_generations=n,
-                      max_completion_length=length, learning_rate=1e-6, bf16=True, gradient_checkpointing=True,
+                      max_completion_length=length, learning_rate=1e-6, weight_decay=WEIGHT_DECAY,
+                      lr_scheduler_type=LR_SCHEDULE, warmup_steps=0, bf16=True,
+                      gradient_checkpointing=GRADIENT_CHECKPOINTING,
                       beta=0.0, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
                       disable_tqdm=True, use_vllm=False, temperature=1.0, seed=0)
 

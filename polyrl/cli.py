@@ -36,6 +36,9 @@ def _train(argv: list[str]) -> int:
         _check_before_launch(cfg, processes_wanted(cfg))  # config errors as one sentence here, not once per rank
         return maybe_launch(cfg, argv)
     maybe_relaunch_under_nsys(cfg.global_profiler, ["polyrl", "train", *argv])
+    from polyrl.utils.console import quiet_library_bars
+
+    quiet_library_bars()  # a log file gets no "Loading weights" redraws
     if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline: this process is its trainer or rollout
         from polyrl.trainer.async_ppo import train_async
 
@@ -47,9 +50,28 @@ def _train(argv: list[str]) -> int:
         trainer.fit()
         trainer.dist.finish()
     if os.environ.get("RANK", "0") == "0":
-        print(f"polyrl: done; run directory {trainer.run_dir}, checkpoint "
-              f"{getattr(trainer, 'final_checkpoint', '-')}")
+        print(f"polyrl: done; run directory {trainer.run_dir}, {_checkpoint_summary(trainer)}")
     return 0
+
+
+def _checkpoint_summary(trainer) -> str:
+    """The final checkpoint and its HF export, each with its size on disk (what a user copies elsewhere)."""
+    from pathlib import Path
+
+    ckpt = getattr(trainer, "final_checkpoint", None)
+    if ckpt is None:
+        return "no checkpoint"
+    export = Path(ckpt) / "huggingface"
+    dtype = str(trainer.export_dtype).removeprefix("torch.")
+    return (f"checkpoint {ckpt} ({_size(Path(ckpt))}), HF export {export} ({_size(export)} in {dtype})")
+
+
+def _size(folder) -> str:
+    num_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
 
 
 def _check_before_launch(cfg, world_size: int) -> None:

@@ -8,13 +8,15 @@ common mistakes (missing directory, hub id without files, no chat template), pef
 from __future__ import annotations
 
 import importlib
+import json
+import math
 from pathlib import Path
 
 import torch
 
 from polyrl.errors import ConfigError
 from polyrl.models.gguf import find_gguf, load_gguf_causal_lm, load_gguf_tokenizer
-from polyrl.utils.device import to_dtype
+from polyrl.utils.device import DTYPES, to_dtype
 
 def _check_dir(path: str | None, key: str) -> Path:
     if not path:
@@ -95,6 +97,44 @@ def load_policy(model_cfg, *, device: torch.device, key: str = "actor_rollout_re
         model = apply_lora(model, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
                            target_modules=model_cfg.target_modules, adapter_path=model_cfg.lora_adapter_path)
     return model.to(device)
+
+
+_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def saved_weights_dtype(path: str | None) -> torch.dtype | None:
+    """The floating dtype holding most of a model directory's safetensors weights (read from the file headers, no
+    tensor is loaded), else config.json's `dtype` / `torch_dtype`; None when neither says."""
+    folder = Path(path or "")
+    if not folder.is_dir():
+        return None
+    numel: dict[torch.dtype, int] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__" and info["dtype"] in _SAFETENSORS_FLOATS:
+                dtype = _SAFETENSORS_FLOATS[info["dtype"]]
+                numel[dtype] = numel.get(dtype, 0) + math.prod(info["shape"])
+    if numel:
+        return max(numel, key=numel.get)
+    config = folder / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        return DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
+    return None
+
+
+def save_hf(model, out_dir: str | Path, *, dtype: torch.dtype, state_dict: dict | None = None) -> None:
+    """`save_pretrained` in `dtype` without casting the live (trained) model: tensors are cast on their way to the
+    host, and config.json's `dtype` names what the files hold (transformers would write the live model's dtype)."""
+    sd = model.state_dict() if state_dict is None else state_dict
+    sd = {k: v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
+    model.save_pretrained(out_dir, state_dict=sd)
+    config = Path(out_dir) / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

@@ -49,6 +49,7 @@ import copy
 import dataclasses
 import datetime
 import os
+import tempfile
 import time
 
 import torch
@@ -236,7 +237,9 @@ class RolloutWorker:
         cfg.trainer.resume_mode = "disable"
         cfg.trainer.logger = []
         cfg.actor_rollout_ref.rollout.free_cache_engine = False  # the GPU is the engine's: keep the KV cache
-        cfg.trainer.run_dir = os.path.join(cfg.trainer.run_dir, "rollout")
+        # its config/env files beside the trainer's run when that is named, else in a scratch folder (the trainer's
+        # timestamped run directory is only chosen in the trainer process)
+        cfg.trainer.run_dir = os.path.join(cfg.trainer.run_dir or tempfile.mkdtemp(prefix="polyrl-"), "rollout")
         self.max_age = cfg.async_training.max_trajectory_age_steps
         self.roll = PPOTrainer(cfg, dist=dist_env)
         self.timer = StepTimer()

@@ -3,7 +3,8 @@ processes) and how a run resumes from it. A mixin of `PPOTrainer` (it reads the 
 RNGs, engine and DistEnv); the atomic write itself is `polyrl.utils.checkpoint.CheckpointManager`'s.
 
 Layout (verl's): `default_local_dir/global_step_N/` plus `latest_checkpointed_iteration.txt`; with several
-processes `global_step_N/dcp/` holds torch.distributed.checkpoint shards that load at any process count.
+processes `global_step_N/dcp/` holds torch.distributed.checkpoint shards that load at any process count. The last
+checkpoint's `huggingface/` export is written in `trainer.export_dtype` (by default the input model's dtype).
 """
 
 from __future__ import annotations
@@ -11,9 +12,24 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import torch
+
 from polyrl.errors import ConfigError
-from polyrl.models.loader import merged_state_dict
+from polyrl.models.loader import merged_state_dict, save_hf, saved_weights_dtype
+from polyrl.trainer import run_dirs
 from polyrl.utils.checkpoint import rng_state, set_rng_state
+from polyrl.utils.device import DTYPES
+
+
+def export_dtype(name: str, model_path: str | None, *, trained: torch.dtype) -> torch.dtype:
+    """trainer.export_dtype: `auto` is the dtype the input model's weights are stored in (a bf16 model exports as
+    bf16, not as the fp32 master weights), or the trained dtype when the input does not say."""
+    if name == "auto":
+        return saved_weights_dtype(model_path) or trained
+    if name not in DTYPES:
+        raise ConfigError(f"trainer.export_dtype={name!r} is not a dtype; use auto (the input model's dtype), "
+                          "float32, bfloat16 or float16.")
+    return DTYPES[name]
 
 
 class CheckpointingMixin:
@@ -32,6 +48,7 @@ class CheckpointingMixin:
                 "generator": self.generator.get_state(),
                 "engine_generator": self._engine_generator_state(),
                 "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value),
+                "run_dir": str(self.run_dir.resolve()),  # a resumed run goes on writing there
             },
         }
 
@@ -66,7 +83,7 @@ class CheckpointingMixin:
         full = gather_full_state_dict(merged_state_dict(self.model).items(), self.dist)  # collective
         if self.dist.is_rank0:  # the unsharded replica is the plain HF class: its config names the real architecture
             full = without_aliases(full, self.rollout_replica)
-            self.rollout_replica.save_pretrained(out_dir, state_dict=full)
+            save_hf(self.rollout_replica, out_dir, dtype=self.export_dtype, state_dict=full)
             self.tokenizer.save_pretrained(out_dir)
 
     def _load_sharded(self, state: dict) -> bool:
@@ -88,20 +105,40 @@ class CheckpointingMixin:
         model = self.model
         if isinstance(model, PeftModel):  # export merged weights so no separate merge step is ever needed
             model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(out_dir)
+        save_hf(model, out_dir, dtype=self.export_dtype)
         self.tokenizer.save_pretrained(out_dir)
 
-    def _maybe_resume(self) -> None:
+    def _resume_path(self) -> Path | None:
+        """The checkpoint folder this run resumes from (trainer.resume_mode), or None for a fresh run."""
         t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
         if t.resume_mode == "resume_path":
-            state = self.ckpt.load(t.resume_from_path)
-        else:
-            step = self.ckpt.latest_step()
-            if step is None:
-                return
-            state = self.ckpt.load(step)
+            path = Path(t.resume_from_path)
+            if not path.is_dir():
+                raise ConfigError(f"Checkpoint folder '{path}' does not exist; check trainer.resume_from_path.")
+            return path
+        step = self.ckpt.latest_step() if t.resume_mode == "auto" else None
+        return None if step is None else self.ckpt.root / f"global_step_{step}"
+
+    def _open_run_dir(self) -> Path:
+        """This run's directory (polyrl.trainer.run_dirs), the same on every rank; recorded in cfg.trainer.run_dir."""
+        t = self.cfg.trainer
+        resumed = run_dirs.checkpoint_run(self.resume_from) if self.resume_from is not None else None
+        run = run_dirs.chosen_run_dir(t.run_dir, resumed)  # the same answer on every rank: it only reads files
+        if self.dist.is_rank0:
+            if run is None:
+                run = run_dirs.fresh_run_dir(Path("runs") / t.project_name / t.experiment_name)
+            run.mkdir(parents=True, exist_ok=True)
+            if resumed is not None and (dropped := run_dirs.drop_rows_after(run, resumed[1])):
+                print(f"polyrl: dropped {dropped} metrics rows past step {resumed[1]} from {run / run_dirs.METRICS} "
+                      "(this run trains those steps again)", flush=True)
+        run = Path(self.dist.broadcast_object(str(run) if run is not None else None))
+        t.run_dir = str(run)
+        return run
+
+    def _maybe_resume(self) -> None:
+        if self.resume_from is None:
+            return
+        state = self.ckpt.load(self.resume_from)
         sharded = self._load_sharded(state)  # DCP: model + optimizer, written at any process count
         missing = None if sharded else self.model.load_state_dict(state["model"], strict=False)
         if missing and missing.missing_keys and any("lora" not in k for k in missing.missing_keys):

@@ -118,6 +118,9 @@ class TrainerConfig:
     """GPUs per node (processes on CPU)."""
     save_freq: int = -1
     """Checkpoint every N steps; -1 only at the end (the HF export is always written)."""
+    export_dtype: str = "auto"
+    """Dtype of the HF export beside the final checkpoint: auto (the input model's weights' dtype), float32, bfloat16
+    or float16."""
     esi_redundant_time: float = 0
     """verl elastic-instance setting (no effect here)."""
     resume_mode: str = "auto"
@@ -151,7 +154,8 @@ class TrainerConfig:
     seed: int = 1
     """Global seed (model init, sampling, shuffling)."""
     run_dir: str | None = None
-    """Where metrics.jsonl, config.yaml and the report go; default runs/{project_name}/{experiment_name}."""
+    """Where metrics.jsonl, config.yaml and the report go; default a new runs/{project_name}/{experiment_name}/<time>
+    per run (a resumed run goes on in its own)."""
     progress_bar: bool = True
     """Show a progress bar."""
     use_legacy_worker_impl: str = "auto"

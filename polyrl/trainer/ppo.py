@@ -43,7 +43,7 @@ from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
-from polyrl.trainer.checkpointing import CheckpointingMixin
+from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.trainer.oom import OOMGuard, StageContext
@@ -60,6 +60,7 @@ from polyrl.training.critic import explained_variance
 from polyrl.training.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager
+from polyrl.utils.console import bar_lifted, progress_bar
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
 from polyrl.utils.tracking import Tracker
@@ -78,8 +79,6 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
-    if cfg.trainer.run_dir is None:
-        cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     resolve_switches(cfg)  # token-budget micro-batches unless a size is set; the budgets themselves: plan_memory
 
 
@@ -109,8 +108,9 @@ class PPOTrainer(CheckpointingMixin):
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
-        self.run_dir = Path(t.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
+        self.resume_from = self._resume_path()
+        self.run_dir = self._open_run_dir()  # one per run; a resumed run goes on in its own
 
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
                                         custom_chat_template=arr.model.custom_chat_template,
@@ -134,6 +134,7 @@ class PPOTrainer(CheckpointingMixin):
             self.rollout_replica = copy.deepcopy(model)
             parallelize(model, self.dist.mesh, arr.actor.fsdp_config, self.device)
         self.model = model
+        self.export_dtype = export_dtype(t.export_dtype, arr.model.path, trained=next(model.parameters()).dtype)
         optim = arr.actor.optim
         params = param_groups(model)  # polyrl.distributed: sharded and replicated parameters in separate groups
         optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
@@ -168,12 +169,12 @@ class PPOTrainer(CheckpointingMixin):
         else:
             self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
                                         max_response_length=cfg.data.max_response_length)
-        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
         self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
                                                         "rollout": arr.rollout.profiler})
         self.timer = StepTimer(hooks=[self.profiler])
         self.generator = torch.Generator().manual_seed(t.seed)  # mini-batch shuffles
         self.global_step = 0
+        self._bar = None  # the progress bar while fit() runs (log lines are written with it lifted)
         if self.dist.is_rank0:
             save_config(cfg, self.run_dir / "config.yaml")
             self._write_env()
@@ -536,9 +537,11 @@ class PPOTrainer(CheckpointingMixin):
         t = self.cfg.trainer
         if t.validation_data_dir:
             self._dump_generations(t.validation_data_dir, val, out, texts, scores)
-        for i in range(min(t.log_val_generations, len(preds))):
-            prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=True)
-            print(f"[val {i}] prompt={prompt!r} response={preds[i]!r} score={scores[i]:.3f}", flush=True)
+        for i in range(min(t.log_val_generations, len(preds))):  # as the model saw them: special tokens included
+            prompt = self.tokenizer.decode(val[out.prompt_index[i]].prompt_ids, skip_special_tokens=False)
+            response = self.tokenizer.decode(out.token_ids[i], skip_special_tokens=False)
+            with bar_lifted(self._bar):
+                print(f"[val {i}] prompt={prompt!r} response={response!r} score={scores[i]:.3f}", flush=True)
         sources, uids = [s.data_source for s in rows], [str(s.index) for s in rows]
         if self.dist.is_distributed:
             sources, uids, infos = dp_data.gather_validation(self.dist, sources, uids, infos)
@@ -575,8 +578,10 @@ class PPOTrainer(CheckpointingMixin):
             last_val = self.validate()
             self.tracker.log(last_val, step=self.global_step)
             return last_val
-        bar = progress if progress is not None else _progress(t.progress_bar and self.dist.is_rank0, self.total_steps,
-                                                              self.global_step)
+        bar = progress if progress is not None else progress_bar(self.total_steps, initial=self.global_step,
+                                                                 desc="polyrl train",
+                                                                 enabled=t.progress_bar and self.dist.is_rank0)
+        self._bar = bar
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
@@ -590,7 +595,8 @@ class PPOTrainer(CheckpointingMixin):
                 if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
                     self.save_checkpoint()
                     metrics.update(self.timer.pop())
-                self.tracker.log(metrics, step=self.global_step)
+                with bar_lifted(bar):  # the logger's line never shares the bar's line
+                    self.tracker.log(metrics, step=self.global_step)
                 if bar is not None:
                     bar.update(1)
                     score = metrics.get("critic/score/mean")
@@ -601,6 +607,7 @@ class PPOTrainer(CheckpointingMixin):
         finally:
             if bar is not None and progress is None:
                 bar.close()
+            self._bar = None
             self.tracker.close()
             self.profiler.close()
         if self.dist.is_rank0:
@@ -628,12 +635,3 @@ def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
     groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
     chosen = set(groups[:num_groups])
     return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="polyrl train", unit="step", dynamic_ncols=True)
-

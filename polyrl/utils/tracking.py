@@ -1,7 +1,8 @@
 """Metric loggers: one `Tracker` fans each step's metrics out to the backends named in `trainer.logger`.
 
 Backends live in a name->class registry (`LOGGERS`), like verl's `verl/utils/tracking.py`:
-- `console`: one compact line per step (rich when installed) with the few metrics a person watches;
+- `console`: one compact line per step, starting `step N` (rich when installed, never wrapped), with the few metrics a
+  person watches;
 - `file`: `<run_dir>/metrics.jsonl`, one JSON object per step, flushed every step so a crashed run keeps its
   metrics; `polyrl report` reads only this file. Non-finite values are written as `null` (strict JSON), so a key
   present with `null` means the value was NaN or inf;
@@ -88,7 +89,8 @@ class ConsoleLogger:
         if self._console is not None:
             parts = " ".join(f"[dim]{label}[/dim] {_fmt(v)}" for label, v in shown)
             tail = f" [dim]+{more} more[/dim]" if more > 0 else ""
-            self._console.print(f"[bold cyan]step {step}[/bold cyan] {parts}{tail}")
+            # soft_wrap: one line per step however long (rich would cut it at 80 columns in a file)
+            self._console.print(f"[bold cyan]step {step}[/bold cyan] {parts}{tail}", soft_wrap=True)
         else:
             parts = " ".join(f"{label}={_fmt(v)}" for label, v in shown)
             print(f"step {step} {parts}" + (f" (+{more} more)" if more > 0 else ""), flush=True)
