@@ -189,8 +189,8 @@ class AsyncPPOTrainer(PPOTrainer):
                    **staleness_metrics(msg["weight_versions"], self.global_step, self.max_age)}
         return msg["samples"], batch, msg["index"], metrics
 
-    def _update_settings(self, batch):
-        s = super()._update_settings(batch)
+    def _update_settings(self, batch, skip_mini_batches: int = 0):
+        s = super()._update_settings(batch, skip_mini_batches)
         if "old_log_probs" in batch:  # a stale batch: its behaviour policy is not the current weights
             s = dataclasses.replace(s, old_from_current=False)
         return s
