@@ -41,8 +41,7 @@ def _update(model, batch, budget, guard_cfg=None, logs=None):
     if guard_cfg is None:
         return actor.update(batch, s())
     guard = OOMGuard(guard_cfg, optimizers=[opt], log=logs.append)
-    guard.run("update_actor", lambda: actor.update(batch, s()), ctx=StageContext(batch, 64, model=model),
-              optimizer=opt)
+    guard.run("update_actor", lambda: actor.update(batch, s()), ctx=StageContext(batch, 64, model=model))
     return guard
 
 
