@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--configs", default="bf16,fp8kv_w8_tis")
     ap.add_argument("--rows-out", default=None)
     args = ap.parse_args()
-    from polyrl.trainer.quickstart import FAST, GPU_SCALE, QuickstartSettings, run_quickstart  # noqa: F401
+    from polyrl.trainer.quickstart import GPU_SCALE, QuickstartSettings, run_quickstart
 
     dev = torch.cuda.get_device_name()
     results = {}

@@ -55,9 +55,3 @@ def tiny_qwen2():
     cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
     cfg._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(cfg)
-
-
-@pytest.fixture(scope="session")
-def quickstart_cache(tmp_path_factory):
-    """One POLYRL_CACHE for the tests that run the quickstart: its SFT warm-up (minutes on 2 cores) is built once."""
-    return tmp_path_factory.mktemp("polyrl_cache")

@@ -10,7 +10,6 @@ the same greedy text. All fp32; tolerances: tokens exact, log-probs 1e-4 (measur
 import importlib.util
 import io
 from contextlib import redirect_stdout
-from pathlib import Path
 
 import pytest
 import torch

@@ -50,7 +50,6 @@ import dataclasses
 import datetime
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
