@@ -18,13 +18,7 @@ from polyrl.rollout.base import SamplingParams
 from polyrl.rollout.native import NativeEngine
 from polyrl.rollout.native.attention import FP8_MAX, quantize_fp8_rows
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _peaked_qwen2():

