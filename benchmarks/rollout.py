@@ -134,12 +134,12 @@ def tune_decode(bw: float) -> None:
     print(f"decode kernel best: {best[1]} {best[0] * 1e3:.0f} us")
 
 
-def profile_decode(eng, vocab: int) -> None:
-    """Kernel time breakdown of a short (a)-shaped run (B=256, P=256, 64 new tokens)."""
+def profile_decode(eng, vocab: int, prompts=None, sp=None, label: str = "profile", rows: int = 25) -> None:
+    """Kernel time breakdown of one warm `generate` (default: a short (a)-shaped run, B=256, P=256, 64 new tokens)."""
     from polyrl.rollout.base import SamplingParams
 
-    prompts = torch.randint(0, vocab, (256, 256)).tolist()
-    sp = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
+    prompts = prompts or torch.randint(0, vocab, (256, 256)).tolist()
+    sp = sp or SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
     eng.generate(prompts, sp)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -149,8 +149,9 @@ def profile_decode(eng, vocab: int) -> None:
         wall = time.perf_counter() - t0
     ka = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in ka) / 1e6
-    print(f"profile: wall {wall:.3f}s, GPU kernel time {gpu:.3f}s over {eng.stats['num_steps']} steps")
-    print(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    print(f"{label}: wall {wall:.3f}s, GPU kernel time {gpu:.3f}s over {eng.stats['num_steps']} steps "
+          f"({eng.stats['num_decode_steps']} decode)")
+    print(ka.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
 def run_native(eng, prompts, sp):

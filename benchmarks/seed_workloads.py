@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _record import append_row  # noqa: E402
-from rollout import copy_bandwidth  # noqa: E402
+from rollout import copy_bandwidth, profile_decode  # noqa: E402
 
 ARCH = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
     "r1-distill-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, False),
@@ -255,16 +255,7 @@ def profile(configs) -> None:
     sp = SamplingParams(temperature=1.0, max_new_tokens=512, ignore_eos=True, seed=0)
     for cname in configs:
         eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=8192, **CONFIGS[cname])
-        eng.generate(prompts, sp)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            eng.generate(prompts, sp)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        ka = prof.key_averages()
-        gpu = sum(e.self_device_time_total for e in ka) / 1e6
-        print(f"[{cname}] wall {wall:.3f} s, GPU kernel time {gpu:.3f} s, {eng.stats['num_decode_steps']} decode steps")
-        print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70))
+        profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname}]", rows=14)
         del eng
         torch.cuda.empty_cache()
 
