@@ -82,22 +82,22 @@ def workload(shape: str, seqs: int):
     return "qwen2.5-1.5b", 256, [1024] * seqs
 
 
-def _read_per_step(eng, bytes_of) -> int:
-    """Weight bytes one decode step reads: all parameters but an untied embedding table (only B rows are gathered)."""
+def _read_per_step(eng) -> list[tuple[str, torch.Tensor]]:
+    """The parameters one decode step reads: all but an untied embedding table (only B rows are gathered)."""
     skip = eng.model.embed.weight if eng.model.lm_head is not None else None
-    return sum(bytes_of(p) for p in eng.model.parameters() if p is not skip)
+    return [(n, p) for n, p in eng.model.named_parameters() if p is not skip]
 
 
 def engine_bytes(eng) -> tuple[int, int]:
     """(weight bytes read per step, KV bytes per context token) in this engine's dtypes (e4m3 + scales for FP8)."""
-    return _read_per_step(eng, lambda p: p.numel() * p.element_size()), eng.block_bytes // eng.block_size
+    W = sum(p.numel() * p.element_size() for _, p in _read_per_step(eng))
+    return W, eng.block_bytes // eng.block_size
 
 
 def bf16_bytes(eng) -> tuple[int, int]:
-    """The same in bf16 (FP8 scales dropped): the roofline a bf16 engine cannot beat."""
+    """The same in bf16 (FP8 weight scales dropped): the roofline a bf16 engine cannot beat."""
     s = eng.spec
-    W = _read_per_step(eng, lambda p: 0 if p.dtype == torch.float32 and p.dim() == 1 and eng.quantization
-                       else p.numel() * 2)
+    W = sum(p.numel() * 2 for n, p in _read_per_step(eng) if not n.endswith("weight_scale"))
     return W, 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
 
 
