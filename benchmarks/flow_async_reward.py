@@ -32,7 +32,7 @@ def score(images, prompts, metadata):
     "ocr": '''
 import numpy as np
 from PIL import Image, ImageDraw
-from polyrl.flow.rewards import OCRReward, ground_truth_of, ocr_score
+from polyrl.rewards.image_rewards import OCRReward, ground_truth_of, ocr_score
 _engine = None
 def score(images, prompts, metadata):
     global _engine
@@ -51,11 +51,11 @@ def score(images, prompts, metadata):
 def run(kind: str, async_reward: bool, steps: int, workdir: Path) -> dict:
     from diffusers import QwenImageTransformer2DModel
 
-    from polyrl.flow import rewards
-    from polyrl.flow.async_reward import build_scorer
-    from polyrl.flow.config import FlowConfig
-    from polyrl.flow.pipeline import FlowPolicy, LatentShape
-    from polyrl.flow.trainer import FlowGRPOTrainer
+    from polyrl.rewards import image_rewards
+    from polyrl.rewards.async_scorer import build_scorer
+    from polyrl.trainer.flow_config import FlowConfig
+    from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
     path = workdir / f"{kind}_reward.py"
     path.write_text(REWARDS[kind])
@@ -81,10 +81,10 @@ def run(kind: str, async_reward: bool, steps: int, workdir: Path) -> dict:
                         sigmas_fn=lambda n: torch.linspace(1, 0, n + 1), latent=LatentShape(16, 16, 64))  # fmt: skip
     policy.add_lora(8, 16, ["to_q", "to_k", "to_v"])
     reward_args = ({}, str(path), "score")
-    scorer = build_scorer(cfg.reward, rewards.build_reward, reward_args)
+    scorer = build_scorer(cfg.reward, image_rewards.build_reward, reward_args)
     words = ["hello", "polyrl", "flow", "grpo", "image", "reward", "async", "digit"]
     prompts = [(f'a sign that reads "{w}"', {}) for w in words]
-    trainer = FlowGRPOTrainer(cfg, policy, rewards.build_reward(*reward_args), prompts, prompts[:2],
+    trainer = FlowGRPOTrainer(cfg, policy, image_rewards.build_reward(*reward_args), prompts, prompts[:2],
                               async_scorer=scorer)  # fmt: skip
     try:
         trainer.step()  # warm-up: the worker has started and built its reward fn

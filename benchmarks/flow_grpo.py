@@ -21,7 +21,7 @@ many FLOPs, so their "limit" column, 0.46, was wrong; the measured img/s were ri
 
 Under torchrun every rank builds the same random transformer on its GPU, the trainer shards it with FSDP2 per block,
 and `--prompts` stays per GPU (the global batch is `--prompts` x processes), so img/GPU/s compares directly with the
-1-GPU row. With FSDP2 the LoRA adapters compute in bf16 like the base (fp32 in one process); see polyrl.flow.parallel.
+1-GPU row. With FSDP2 the LoRA adapters compute in bf16 like the base (fp32 in one process); see polyrl.distributed.dit_fsdp.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.pipeline import FlowPolicy, LatentShape
-from polyrl.flow.trainer import FlowGRPOTrainer
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 PEER_IMG_PER_GPU_S = 0.305  # VeRL-Omni run_qwen_image_ocr_lora.sh, 4xH800
 PEAK_TFLOPS = 790.0

@@ -19,17 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> int:
     os.environ["POLYRL_CACHE"] = tempfile.mkdtemp(prefix="polyrl-bench-cache-")
-    from polyrl.flow import quickstart
+    from polyrl.trainer import flow_quickstart
 
     run = tempfile.mkdtemp(prefix="polyrl-bench-flow-")
-    r = quickstart.run([f"trainer.default_local_dir={run}"])
+    r = flow_quickstart.run([f"trainer.default_local_dir={run}"])
     gain = r["after"] - r["before"]
     device = f"CPU {platform.machine()} ({os.cpu_count()} cores)"
     print(f"device: {device}\nwall time {r['seconds']:.0f} s (limit 300 s); held-out reward {r['before']:.1f} -> "
           f"{r['after']:.1f} ({gain:+.1f}; acceptance >= +15)")
     from _record import append_row
 
-    steps = quickstart.default_config().trainer.total_training_steps
+    steps = flow_quickstart.default_config().trainer.total_training_steps
     append_row(device, "flow_quickstart_cpu", f"tiny flow transformer on rendered digits, FlowGRPO {steps} steps, "
                "classifier reward (0-100)", f"{r['seconds']:.0f} s, reward {r['before']:.1f} -> {r['after']:.1f} "
                f"({gain:+.1f})", limit="300 s budget", ratio_limit=f"{r['seconds'] / 300:.2f} of budget")

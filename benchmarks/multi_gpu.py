@@ -51,7 +51,7 @@ def build(shape: str, device: torch.device):
 
 
 def batch_for(num_seqs: int, prompt_len: int, resp_len: int, vocab: int, device, seed: int):
-    from polyrl.training.batch import build_batch
+    from polyrl.learner.batch import build_batch
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(num_seqs)]
@@ -86,10 +86,10 @@ def main() -> None:
     from polyrl.distributed import DistEnv
     from polyrl.distributed.parallelize import param_groups, parallelize
     from polyrl.distributed.weights import full_tensors
-    from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
-    from polyrl.training.batch import select, trim_columns
-    from polyrl.training.dynamic_batch import equal_size_partition
-    from polyrl.training.config import FSDPConfig
+    from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
+    from polyrl.learner.batch import select, trim_columns
+    from polyrl.learner.dynamic_batch import equal_size_partition
+    from polyrl.learner.config import FSDPConfig
 
     env = DistEnv.setup("auto", sp_size=args.sp)
     torch.manual_seed(0)

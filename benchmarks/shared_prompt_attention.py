@@ -1,5 +1,5 @@
 """Packed attention forward+backward of one GRPO micro-batch: every row with its own prompt copy (flash varlen, the
-unshared layout) vs shared prompts (polyrl/training/shared_prefix.py: one flash call on gathered K/V). One layer's call,
+unshared layout) vs shared prompts (polyrl/learner/shared_prefix.py: one flash call on gathered K/V). One layer's call,
 Qwen2.5-1.5B heads (12 q / 2 kv, head_dim 128), bf16, CUDA.
 
     PYTHONPATH=. python benchmarks/shared_prompt_attention.py --groups 5 --n 8 --prompt 128 --response 1024
@@ -29,8 +29,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from triton.testing import do_bench
 
-    from polyrl.training.packing import _cuda_varlen, _cuda_varlen_kv, _exclusive_cumsum
-    from polyrl.training.shared_prefix import shared_prompt_attention
+    from polyrl.learner.packing import _cuda_varlen, _cuda_varlen_kv, _exclusive_cumsum
+    from polyrl.learner.shared_prefix import shared_prompt_attention
 
     G, n, P, R = args.groups, args.n, args.prompt, args.response
     dev = torch.device("cuda")

@@ -8,7 +8,7 @@ ids, random advantages), one PPO mini-batch, AdamW on fp32 master weights, bf16 
   with and without gradient checkpointing, and with `torch.compile` on each decoder layer.
 - plain HF: padded micro-batches of 4 rows, `model(...).logits` -> fp32 log_softmax, gradient checkpointing (the way
   a straightforward HF training loop does it).
-MFU = polyrl.training.flops.training_flops (6*N*tokens + attention, recomputation not counted) / time / 989e12. It also
+MFU = polyrl.learner.flops.training_flops (6*N*tokens + attention, recomputation not counted) / time / 989e12. It also
 measures the peak memory of naive vs chunked log-prob+entropy forward+backward on 16k tokens.
 """
 
@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from polyrl.algorithms.losses import PolicyLossConfig  # noqa: E402
-from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler  # noqa: E402
-from polyrl.training.batch import build_batch  # noqa: E402
-from polyrl.training.flops import mfu, peak_flops, training_flops  # noqa: E402
-from polyrl.training.logprobs import chunked_logprobs, naive_logprobs  # noqa: E402
+from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler  # noqa: E402
+from polyrl.learner.batch import build_batch  # noqa: E402
+from polyrl.learner.flops import mfu, peak_flops, training_flops  # noqa: E402
+from polyrl.learner.logprobs import chunked_logprobs, naive_logprobs  # noqa: E402
 
 
 def qwen25_1_5b(init_std: float = 0.02):
@@ -236,7 +236,7 @@ def main(argv=None):
         results[v] = (tokens / t, mfu(flops, t), mem)
         print(f"{v:12s} step {t:.3f}s  {tokens / t:9.0f} tok/s  MFU {mfu(flops, t):.1%}  peak mem {mem:.1f} GiB  "
               f"{extra}", flush=True)
-    from polyrl.training import packing
+    from polyrl.learner import packing
 
     print(f"varlen kernel: {'torch varlen_attn' if packing._VARLEN and not packing._VARLEN_BROKEN else 'SDPA fallback'}"
           f" {packing._VARLEN_BROKEN[:1]}", flush=True)

@@ -112,7 +112,7 @@ def _keys(argv: list[str]) -> int:
     if which == "sft":
         from polyrl.trainer.sft import SFTConfig as C
     elif which == "flow":
-        from polyrl.flow.config import FlowConfig as C
+        from polyrl.trainer.flow_config import FlowConfig as C
     elif which == "train":
         from polyrl.trainer.config import PPOConfig as C
     else:
@@ -144,7 +144,7 @@ def dispatch(argv: list[str]) -> int:
 
         return main(rest)
     if cmd == "flow":
-        from polyrl.flow.cli import main
+        from polyrl.trainer.flow_cli import main
 
         return main(rest)
     if cmd == "data":

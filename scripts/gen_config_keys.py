@@ -15,7 +15,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "config_keys.md"
 
 
 def render() -> str:
-    from polyrl.flow.config import FlowConfig
+    from polyrl.trainer.flow_config import FlowConfig
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.sft import SFTConfig
 

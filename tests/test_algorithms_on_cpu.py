@@ -132,7 +132,7 @@ def test_grpo_global_std_singleton_and_adv_clip_max():
 
 
 def test_flow_grpo_clip_fractions_are_on_the_ratio():
-    from polyrl.flow.algos import clipped_loss
+    from polyrl.algorithms.flow_grpo import clipped_loss
 
     # ratios exp(d): 1.5, 0.5, 1.5, 0.5, 1.0 with advantages +, +, -, -, +; clip 0.2
     d = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5, 1.0]))

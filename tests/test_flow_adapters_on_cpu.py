@@ -14,12 +14,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from polyrl.errors import ConfigError  # noqa: E402
-from polyrl.flow import sampler  # noqa: E402
-from polyrl.flow.adapters import LatentShape, pack_2x2, unpack_2x2  # noqa: E402
-from polyrl.flow.adapters.flux import image_ids  # noqa: E402
-from polyrl.flow.config import FlowConfig  # noqa: E402
-from polyrl.flow.pipeline import load_pipeline_policy  # noqa: E402
-from polyrl.flow.trainer import FlowGRPOTrainer  # noqa: E402
+from polyrl.rollout import sde_sampler  # noqa: E402
+from polyrl.models.diffusion.adapters import LatentShape, pack_2x2, unpack_2x2  # noqa: E402
+from polyrl.models.diffusion.adapters.flux import image_ids  # noqa: E402
+from polyrl.trainer.flow_config import FlowConfig  # noqa: E402
+from polyrl.models.diffusion.pipeline import load_pipeline_policy  # noqa: E402
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer  # noqa: E402
 
 SIZE, MAX_SEQ, GUIDANCE = 32, 24, 2.5  # 32 px -> 16x16 latents (VAE factor 2) -> 8x8 tokens of 2x2 patches
 PROMPTS = ['a sign that reads "hi"', 'a card that reads "ok"']
@@ -97,7 +97,7 @@ def _load(path, cfg_scale, guidance=GUIDANCE):
 
 
 def _ode(policy, noise, num_steps):
-    traj = sampler.sample(lambda x, s: policy.velocity(x, s, PROMPTS), noise, policy.sigmas(num_steps),
+    traj = sde_sampler.sample(lambda x, s: policy.velocity(x, s, PROMPTS), noise, policy.sigmas(num_steps),
                           sde_type="sde", noise_level=0.0, train_steps=[])  # fmt: skip
     return traj.final_B
 

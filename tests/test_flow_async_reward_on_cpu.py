@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from polyrl.errors import RewardError
-from polyrl.flow import rewards
-from polyrl.flow.async_reward import AsyncRewardScorer
+from polyrl.rewards import image_rewards
+from polyrl.rewards.async_scorer import AsyncRewardScorer
 
 SLOW = """
 import time
@@ -22,7 +22,7 @@ def score(images, prompts, metadata):
 def test_async_reward_overlaps_generation_and_keeps_order(tmp_path):
     f = tmp_path / "slow_reward.py"
     f.write_text(SLOW)
-    scorer = AsyncRewardScorer(rewards.build_reward, ({}, str(f), "score"), num_workers=1)
+    scorer = AsyncRewardScorer(image_rewards.build_reward, ({}, str(f), "score"), num_workers=1)
     try:
         chunks = [torch.full((2, 1, 4, 4), float(i)) for i in range(4)]
         scorer.submit(-1, chunks[0], ["w", "w"], [{}, {}])  # warm-up: the worker has imported and built its fn
@@ -48,13 +48,13 @@ def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path):
     """The reward resource pool's scorer (a Ray actor; on CPU here, num_gpus=0) behaves like the process pool."""
     ray = pytest.importorskip("ray")
     from polyrl.distributed.ray_cluster import init_ray
-    from polyrl.flow.async_reward import RayRewardScorer
+    from polyrl.rewards.async_scorer import RayRewardScorer
 
     f = tmp_path / "slow_reward.py"
     f.write_text(SLOW)
     started_here = not ray.is_initialized()
     init_ray(num_cpus=2)
-    scorer = RayRewardScorer(rewards.build_reward, ({}, str(f), "score"), num_gpus=0)
+    scorer = RayRewardScorer(image_rewards.build_reward, ({}, str(f), "score"), num_gpus=0)
     try:
         for i in (1, 0, 2):  # submitted out of order
             scorer.submit(2 * i, torch.full((2, 1, 4, 4), float(i)), ["p", "p"], [{}, {}])
@@ -72,18 +72,18 @@ def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused(monkeypatch):
     ray = pytest.importorskip("ray")
     from polyrl.distributed.ray_cluster import init_ray
     from polyrl.errors import ConfigError
-    from polyrl.flow.async_reward import RayRewardScorer
+    from polyrl.rewards.async_scorer import RayRewardScorer
 
     if not ray.is_initialized():  # no cluster to join: a local Ray would hand out the trainer's GPUs
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         with pytest.raises(ConfigError, match="needs a Ray cluster that knows them"):
-            RayRewardScorer(rewards.build_reward, ({}, None, "score"), num_gpus=1)
+            RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
         assert not ray.is_initialized()
     started_here = not ray.is_initialized()
     init_ray(num_cpus=2)
     try:
         with pytest.raises(ConfigError, match="n_gpus_per_node asks the Ray reward actor for 1 GPU"):
-            RayRewardScorer(rewards.build_reward, ({}, None, "score"), num_gpus=1)
+            RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
     finally:
         if started_here:
             ray.shutdown()

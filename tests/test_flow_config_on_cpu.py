@@ -4,8 +4,8 @@ import pytest
 
 from polyrl.config import build_config
 from polyrl.errors import ConfigError, DataError, UserError
-from polyrl.flow import cli
-from polyrl.flow.config import FlowConfig
+from polyrl.trainer import flow_cli
+from polyrl.trainer.flow_config import FlowConfig
 
 
 def test_verl_omni_keys_parse():
@@ -24,12 +24,12 @@ def test_verl_omni_keys_parse():
 
 def test_cli_errors_name_the_culprit(tmp_path):
     with pytest.raises(UserError, match="Unknown flow command"):
-        cli.main(["trian"])
+        flow_cli.main(["trian"])
     with pytest.raises(DataError, match="does not exist"):
-        cli.load_prompts(str(tmp_path / "missing.txt"))
+        flow_cli.load_prompts(str(tmp_path / "missing.txt"))
     (tmp_path / "p.txt").write_text('a sign that reads "hi"\n\nsecond\n')
-    assert cli.load_prompts(str(tmp_path / "p.txt")) == [('a sign that reads "hi"', {}), ("second", {})]
+    assert flow_cli.load_prompts(str(tmp_path / "p.txt")) == [('a sign that reads "hi"', {}), ("second", {})]
     with pytest.raises(ConfigError, match="model_index.json"):
-        cli.main(["train", f"actor_rollout_ref.model.path={tmp_path}", f"data.train_files={tmp_path / 'p.txt'}",
+        flow_cli.main(["train", f"actor_rollout_ref.model.path={tmp_path}", f"data.train_files={tmp_path / 'p.txt'}",
                   f"trainer.default_local_dir={tmp_path / 'run'}"])  # fmt: skip
-    assert cli.main([]) == 2
+    assert flow_cli.main([]) == 2

@@ -19,9 +19,10 @@ import torch
 
 from polyrl.distributed.launch import torchrun_command
 from polyrl.errors import ConfigError
-from polyrl.flow import quickstart, tiny
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.trainer import FlowGRPOTrainer
+from polyrl.trainer import flow_quickstart
+from polyrl.models.diffusion import tiny
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 TOL = dict(rtol=1e-4, atol=1e-6)  # float summation order (reduce-scatter vs local accumulation) and nothing else
 WEIGHT_TOL = dict(rtol=0.0, atol=2e-6)  # measured: 1.2e-7; one Adam step at lr 1e-3 moves a weight ~1e-3
@@ -61,7 +62,7 @@ def make_trainer(lora: bool, run_dir: Path, steps: int, tracker=None) -> FlowGRP
     t.total_training_steps, t.test_freq, t.save_freq, t.val_before_train = steps, 2, 2, False
     t.default_local_dir, t.progress_bar = str(run_dir), False
     torch.manual_seed(0)
-    policy = quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
+    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
     prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
     return FlowGRPOTrainer(cfg, policy, reward, prompts, prompts[:3], tracker=tracker)  # 3 val prompts: uneven
 
@@ -138,7 +139,7 @@ def test_blocks_of_a_diffusers_transformer_are_found():
 
 
 def test_cli_checks_once_then_relaunches_under_torchrun(monkeypatch, tmp_path):
-    from polyrl.flow import cli
+    from polyrl.trainer import flow_cli
 
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
@@ -146,10 +147,10 @@ def test_cli_checks_once_then_relaunches_under_torchrun(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     argv = [f"actor_rollout_ref.model.path={tmp_path}", "trainer.n_gpus_per_node=2"]
     with pytest.raises(ConfigError, match="ppo_mini_batch_size=5 prompts cannot be split over 2"):
-        cli.main(["train", *argv])
+        flow_cli.main(["train", *argv])
     assert not calls
     argv += ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]
-    assert cli.main(["train", *argv]) == 0
+    assert flow_cli.main(["train", *argv]) == 0
     assert calls[0][1:] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "polyrl",
                             "flow", "train", *argv]  # fmt: skip
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 def test_compiled_blocks_match_eager_with_and_without_grad():
     from diffusers import QwenImageTransformer2DModel
 
-    from polyrl.flow.pipeline import FlowPolicy, LatentShape
+    from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 
     torch.manual_seed(0)
     with torch.device("cuda"):

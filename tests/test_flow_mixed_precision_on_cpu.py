@@ -2,9 +2,10 @@
 
 import torch
 
-from polyrl.flow import quickstart, tiny
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.trainer import FlowGRPOTrainer
+from polyrl.trainer import flow_quickstart
+from polyrl.models.diffusion import tiny
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 
 def _trainer(run_dir, steps):
@@ -19,7 +20,7 @@ def _trainer(run_dir, steps):
     t.total_training_steps, t.save_freq, t.test_freq, t.val_before_train = steps, steps, 0, False
     t.default_local_dir, t.progress_bar = str(run_dir), False
     torch.manual_seed(0)
-    policy = quickstart.make_policy(cfg, tiny.build_transformer(seed=0).to(torch.bfloat16), tiny.CharPromptEncoder(seed=0))
+    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0).to(torch.bfloat16), tiny.CharPromptEncoder(seed=0))
     for p in policy.trainable_parameters():  # what a real run does: LoRA in fp32 over the bf16 base
         p.data = p.data.float()
     prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]

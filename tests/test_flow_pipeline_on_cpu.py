@@ -7,9 +7,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from polyrl.flow.config import FlowConfig  # noqa: E402
-from polyrl.flow.pipeline import cfg_combine, load_pipeline_policy  # noqa: E402
-from polyrl.flow.trainer import FlowGRPOTrainer  # noqa: E402
+from polyrl.trainer.flow_config import FlowConfig  # noqa: E402
+from polyrl.models.diffusion.pipeline import cfg_combine, load_pipeline_policy  # noqa: E402
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_rollout_chunk_can_differ_from_the_training_micro_batch(pipe_dir):
 
 
 def test_prompts_of_one_length_run_unmasked_with_the_same_velocity(pipe_dir):
-    from polyrl.flow.adapters.qwenimage import pad_prompts
+    from polyrl.models.diffusion.adapters.qwenimage import pad_prompts
 
     policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=32)
     e = torch.randn(5, 16)

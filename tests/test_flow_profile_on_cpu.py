@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from polyrl.flow import sampler
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.pipeline import FlowPolicy, LatentShape
-from polyrl.flow.trainer import FlowGRPOTrainer
+from polyrl.rollout import sde_sampler
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
+from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 from polyrl.utils.tracking import Tracker
 
 
@@ -28,7 +28,7 @@ def _decode(z):  # latents -> [B, 1, 8, 8] images in [0, 1]
 def test_flow_trainer_profiles_stages_and_logs_sample_grids(tmp_path):
     torch.manual_seed(0)
     policy = FlowPolicy(_Tiny(), encode_fn=lambda ps: [(torch.full((2, 4), float(len(p))), torch.ones(2)) for p in ps],
-                        decode_fn=_decode, sigmas_fn=lambda n: sampler.timestep_grid(n, 3.0),
+                        decode_fn=_decode, sigmas_fn=lambda n: sde_sampler.timestep_grid(n, 3.0),
                         latent=LatentShape(2, 2, 4))
     cfg = FlowConfig()
     cfg.data.train_batch_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 2, 1

@@ -7,13 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def test_quickstart_reward_rises(tmp_path, monkeypatch):
-    from polyrl.flow import quickstart
+    from polyrl.trainer import flow_quickstart
 
     monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
     # the default build (a smaller pretrain starts near 13/100 and barely moves in 25 steps: too little signal)
-    settings = quickstart.BuildSettings()
+    settings = flow_quickstart.BuildSettings()
     run_dir = tmp_path / "run"
-    result = quickstart.run(
+    result = flow_quickstart.run(
         [f"trainer.default_local_dir={run_dir}", "trainer.logger=[file]", "trainer.progress_bar=false",
          "trainer.total_training_steps=25", "trainer.test_freq=25"],
         settings=settings, val_per_digit=3, log=lambda *a: None,

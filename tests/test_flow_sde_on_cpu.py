@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from polyrl.errors import ConfigError
-from polyrl.flow import algos, sampler
-from polyrl.flow import sde as sde_lib
+from polyrl.algorithms import flow_grpo
+from polyrl.rollout import sde_sampler
+from polyrl.algorithms import sde as sde_lib
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "dance_sde"])
@@ -85,8 +86,8 @@ def test_ratio_is_one_on_first_on_policy_micro_batch():
     def velocity(x, sigma_B):
         return net(torch.cat([x, sigma_B[:, None]], dim=-1))
 
-    sigmas = sampler.timestep_grid(6, shift=3.0)
-    traj = sampler.sample(velocity, torch.randn(4, 8), sigmas, sde_type="sde", noise_level=0.7, train_steps=[1, 2])
+    sigmas = sde_sampler.timestep_grid(6, shift=3.0)
+    traj = sde_sampler.sample(velocity, torch.randn(4, 8), sigmas, sde_type="sde", noise_level=0.7, train_steps=[1, 2])
     assert traj.latents_KB.shape == (2, 4, 8) and traj.log_probs_KB.shape == (2, 4)
     adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5])
     for k, i in enumerate(traj.step_indices):
@@ -95,7 +96,7 @@ def test_ratio_is_one_on_first_on_policy_micro_batch():
         out = sde_lib.step("sde", x, v, sigmas[i], sigmas[i + 1], noise_level=0.7, sigma_max=float(sigmas[1]),
                            x_next=traj.next_latents_KB[k])  # fmt: skip
         assert torch.equal(out.log_prob_B, traj.log_probs_KB[k])
-        loss, m = algos.clipped_loss(out.log_prob_B, traj.log_probs_KB[k], adv_B, clip_ratio=1e-4, num_terms=8)
+        loss, m = flow_grpo.clipped_loss(out.log_prob_B, traj.log_probs_KB[k], adv_B, clip_ratio=1e-4, num_terms=8)
         assert float(m["actor/ratio_mean"]) == 4.0 and float(m["actor/pg_clipfrac_higher"]) == 0
         loss.backward()
     assert net[0].weight.grad.abs().sum() > 0
@@ -105,36 +106,36 @@ def test_clipped_loss_clips_outside_the_tiny_range():
     old = torch.zeros(4)
     new = torch.tensor([1e-3, -1e-3, 1e-6, -1e-6], requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
-    loss, m = algos.clipped_loss(new, old, adv, clip_ratio=1e-4, num_terms=4)
+    loss, m = flow_grpo.clipped_loss(new, old, adv, clip_ratio=1e-4, num_terms=4)
     loss.backward()
     # sample 0: positive adv above 1+eps -> clipped, no gradient; sample 1: negative adv below 1-eps -> clipped
     assert new.grad[0] == 0 and new.grad[1] == 0 and new.grad[2] != 0
     assert float(m["actor/pg_clipfrac_higher"]) == 1 and float(m["actor/pg_clipfrac_lower"]) == 1
     kl = torch.ones(4)
-    loss_kl, m_kl = algos.clipped_loss(new, old, adv, clip_ratio=1e-4, num_terms=4, kl_B=kl, kl_coef=0.5)
+    loss_kl, m_kl = flow_grpo.clipped_loss(new, old, adv, clip_ratio=1e-4, num_terms=4, kl_B=kl, kl_coef=0.5)
     torch.testing.assert_close(loss_kl - loss, torch.tensor(0.5))
 
 
 def test_advantages_per_group_global_std_and_clip():
     scores = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0])
     index = [0, 0, 0, 1, 1, 1]
-    per_group = algos.flow_grpo_advantages(scores, index, global_std=False)
-    torch.testing.assert_close(per_group[:3], torch.tensor([-1.0, 0.0, 1.0]) / (1 + algos.ADV_EPS))
+    per_group = flow_grpo.flow_grpo_advantages(scores, index, global_std=False)
+    torch.testing.assert_close(per_group[:3], torch.tensor([-1.0, 0.0, 1.0]) / (1 + flow_grpo.ADV_EPS))
     assert torch.equal(per_group[3:], torch.zeros(3))
-    glob = algos.flow_grpo_advantages(scores, index, global_std=True)
-    torch.testing.assert_close(glob[:3], torch.tensor([-1.0, 0.0, 1.0]) / (scores.std() + algos.ADV_EPS))
-    dr = algos.flow_grpo_advantages(scores, index, norm_adv_by_std_in_grpo=False)
+    glob = flow_grpo.flow_grpo_advantages(scores, index, global_std=True)
+    torch.testing.assert_close(glob[:3], torch.tensor([-1.0, 0.0, 1.0]) / (scores.std() + flow_grpo.ADV_EPS))
+    dr = flow_grpo.flow_grpo_advantages(scores, index, norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(dr[:3], torch.tensor([-1.0, 0.0, 1.0]))
-    clipped = algos.flow_grpo_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0]), [0] * 4, global_std=False, adv_clip_max=1.2)
+    clipped = flow_grpo.flow_grpo_advantages(torch.tensor([0.0, 0.0, 0.0, 1.0]), [0] * 4, global_std=False, adv_clip_max=1.2)
     assert float(clipped.max()) == pytest.approx(1.2) and float(clipped.min()) < 0
-    assert algos.zero_std_ratio(scores, index) == 0.5
+    assert flow_grpo.zero_std_ratio(scores, index) == 0.5
 
 
 def test_trainer_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     """2 steps straight == 1 step, save, fresh trainer resumes, 1 more step (weights bit-equal)."""
-    from polyrl.flow.config import FlowConfig
-    from polyrl.flow.pipeline import FlowPolicy, LatentShape
-    from polyrl.flow.trainer import FlowGRPOTrainer
+    from polyrl.trainer.flow_config import FlowConfig
+    from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
     def make(run_dir, steps):
         torch.manual_seed(0)
@@ -150,7 +151,7 @@ def test_trainer_checkpoint_resume_matches_uninterrupted_run(tmp_path):
                 return (self.net(torch.cat([hidden_states, t], -1)) + encoder_hidden_states.mean(1, keepdim=True),)
 
         policy = FlowPolicy(Tiny(), encode_fn=lambda ps: [(torch.full((2, 4), float(len(p))), torch.ones(2)) for p in ps],
-                            decode_fn=lambda z: z, sigmas_fn=lambda n: sampler.timestep_grid(n, 3.0),
+                            decode_fn=lambda z: z, sigmas_fn=lambda n: sde_sampler.timestep_grid(n, 3.0),
                             latent=LatentShape(2, 2, 4))  # fmt: skip
         cfg = FlowConfig()
         cfg.data.train_batch_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 2, 1

@@ -12,8 +12,8 @@ import torch
 from polyrl.algorithms.losses import PolicyLossConfig
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.oom import OOMGuard, StageContext
-from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
-from polyrl.training.batch import build_batch
+from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
+from polyrl.learner.batch import build_batch
 
 pytestmark = pytest.mark.gpu
 

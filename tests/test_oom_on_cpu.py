@@ -15,8 +15,8 @@ from polyrl.models.loader import load_causal_lm
 from polyrl.rollout.base import SamplingParams
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.oom import OOMGuard, OutOfMemoryStop, StageContext
-from polyrl.training import memory
-from polyrl.training.actor import compute_logprobs
+from polyrl.learner import memory
+from polyrl.learner.actor import compute_logprobs
 from polyrl.utils.oom_hook import INJECT_ENV, oom_point
 
 from test_flow_pipeline_on_cpu import pipe_dir  # noqa: F401 (fixture)
@@ -194,8 +194,8 @@ def test_repeated_oom_stops_with_one_sentence_exit_2_and_checkpoints_intact(tiny
 def _flow_step(pipe_dir, logs):
     from test_flow_pipeline_on_cpu import _config, brightness
 
-    from polyrl.flow.pipeline import load_pipeline_policy
-    from polyrl.flow.trainer import FlowGRPOTrainer
+    from polyrl.models.diffusion.pipeline import load_pipeline_policy
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
     torch.manual_seed(0)
     cfg = _config(1.0, True, False)

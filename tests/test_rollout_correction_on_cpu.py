@@ -151,7 +151,7 @@ def test_sum_pi_squared_matches_the_full_logits(tiny_model_dir):
     from test_trainer_on_cpu import _batch
 
     from polyrl.models.loader import load_causal_lm
-    from polyrl.training.actor import compute_sum_pi_squared
+    from polyrl.learner.actor import compute_sum_pi_squared
 
     model = load_causal_lm(str(tiny_model_dir))
     batch = _batch(tiny_model_dir)

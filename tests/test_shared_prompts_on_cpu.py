@@ -8,12 +8,12 @@ import torch
 
 from polyrl.algorithms.losses import PolicyLossConfig
 from polyrl.models.loader import load_causal_lm
-from polyrl.training.actor import (Actor, ForwardSettings, UpdateSettings, logprobs_and_entropy, make_scheduler,
+from polyrl.learner.actor import (Actor, ForwardSettings, UpdateSettings, logprobs_and_entropy, make_scheduler,
                                    micro_batches)
-from polyrl.training.batch import build_batch
-from polyrl.training.dynamic_batch import shared_prompt_items
-from polyrl.training.flops import training_flops
-from polyrl.training.packing import pack, trunk_work
+from polyrl.learner.batch import build_batch
+from polyrl.learner.dynamic_batch import shared_prompt_items
+from polyrl.learner.flops import training_flops
+from polyrl.learner.packing import pack, trunk_work
 
 TOL = dict(rtol=0, atol=2e-5)  # fp32: shared and unshared differ only in summation order
 
@@ -132,7 +132,7 @@ def test_trunk_work_counts_a_shared_prompt_once():
 
 def test_a_failing_flash_kernel_falls_back_to_the_exact_masked_path(tiny_model_dir, monkeypatch):
     """A GPU without flash attention (or an older torch spelling) warns once and stays exact."""
-    from polyrl.training import packing
+    from polyrl.learner import packing
 
     model = load_causal_lm(str(tiny_model_dir))
     batch, _, _ = _grpo_batch(seed=4)

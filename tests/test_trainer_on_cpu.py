@@ -9,9 +9,9 @@ import torch
 from polyrl.algorithms.losses import PolicyLossConfig
 from polyrl.cli import main as cli_main
 from polyrl.models.loader import load_causal_lm
-from polyrl.training import actor as actor_mod
-from polyrl.training.actor import Actor, UpdateSettings, compute_logprobs, make_scheduler
-from polyrl.training.batch import build_batch
+from polyrl.learner import actor as actor_mod
+from polyrl.learner.actor import Actor, UpdateSettings, compute_logprobs, make_scheduler
+from polyrl.learner.batch import build_batch
 
 
 def _batch(model_dir, num_rows=8, seed=0):

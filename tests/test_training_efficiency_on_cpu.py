@@ -10,14 +10,14 @@ from polyrl.algorithms import entropy_from_logits
 from polyrl.algorithms.losses import PolicyLossConfig
 from polyrl.models.loader import load_causal_lm
 from polyrl.trainer.metrics import rollout_logprob_gap
-from polyrl.training.actor import (Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy,
+from polyrl.learner.actor import (Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy,
                                    make_scheduler)
-from polyrl.training.batch import build_batch, select
-from polyrl.training.dynamic_batch import balanced_micro_batches
-from polyrl.training.flops import matmul_params, mfu, training_flops
-from polyrl.training.fused_head import fused_logprobs
-from polyrl.training.logprobs import chunked_logprobs, naive_logprobs
-from polyrl.training.packing import pack
+from polyrl.learner.batch import build_batch, select
+from polyrl.learner.dynamic_batch import balanced_micro_batches
+from polyrl.learner.flops import matmul_params, mfu, training_flops
+from polyrl.learner.fused_head import fused_logprobs
+from polyrl.learner.logprobs import chunked_logprobs, naive_logprobs
+from polyrl.learner.packing import pack
 
 TOL = dict(rtol=0, atol=2e-5)  # fp32: packed vs padded differ only in summation order
 
@@ -186,7 +186,7 @@ def test_update_logs_rollout_gap_from_its_own_first_forward(tiny_model_dir):
 
 
 def test_equal_size_partition_balances_tokens_with_equal_row_counts():
-    from polyrl.training.dynamic_batch import equal_size_partition
+    from polyrl.learner.dynamic_batch import equal_size_partition
 
     g = torch.Generator().manual_seed(0)
     lengths = ((torch.rand(64, generator=g) ** 3) * 2000 + 50).long().tolist()  # long-tailed, like GRPO
@@ -200,7 +200,7 @@ def test_equal_size_partition_balances_tokens_with_equal_row_counts():
 
 
 def test_concat_rows_pads_prompts_left_and_responses_right():
-    from polyrl.training.batch import concat_rows
+    from polyrl.learner.batch import concat_rows
 
     a = build_batch([[5, 6, 7]], [[8]], pad_token_id=0, device=torch.device("cpu"))
     b = build_batch([[9]], [[10, 11, 12]], pad_token_id=0, device=torch.device("cpu"))
@@ -217,7 +217,7 @@ def test_concat_rows_pads_prompts_left_and_responses_right():
 
 def test_token_budget_micro_batches_follow_the_largest_count_of_any_rank():
     """Several processes: every rank runs as many micro-batches as the busiest one (empty ones are padding passes)."""
-    from polyrl.training.actor import _padding_pass, micro_batches
+    from polyrl.learner.actor import _padding_pass, micro_batches
 
     class OtherRankNeedsFive:  # a DistEnv stand-in whose all_reduce(max) sees 5 micro-batches on another rank
         world_size = 2
@@ -238,7 +238,7 @@ def test_token_budget_micro_batches_follow_the_largest_count_of_any_rank():
 
 def test_padding_micro_batches_change_nothing(tiny_model_dir, monkeypatch):
     """A rank's empty micro-batch runs row 0 at loss weight 0: weights and metrics equal the run without it."""
-    from polyrl.training import actor as actor_mod
+    from polyrl.learner import actor as actor_mod
 
     base = load_causal_lm(str(tiny_model_dir))
     batch, _, _ = _batch(6, seed=4)
@@ -292,7 +292,7 @@ def test_head_gradient_in_forward_gives_the_same_update(tiny_model_dir, loss_mod
 
 
 def test_loss_coefficients_equal_the_gradient_at_the_real_log_probs():
-    from polyrl.training.actor import loss_coefficients
+    from polyrl.learner.actor import loss_coefficients
 
     batch, _, _ = _batch(6, seed=2)
     mask = batch["response_mask"]

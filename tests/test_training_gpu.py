@@ -4,9 +4,9 @@ log-probs use a fraction of the naive path's memory."""
 import pytest
 import torch
 
-from polyrl.training.actor import ForwardSettings, logprobs_and_entropy
-from polyrl.training.batch import build_batch
-from polyrl.training.logprobs import chunked_logprobs, naive_logprobs
+from polyrl.learner.actor import ForwardSettings, logprobs_and_entropy
+from polyrl.learner.batch import build_batch
+from polyrl.learner.logprobs import chunked_logprobs, naive_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -63,8 +63,8 @@ def test_chunked_logprobs_use_less_memory_and_agree():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_head_triton_kernels_match_torch_formulas(dtype):
     """The Triton row passes of fused_head equal its torch formulas (values and all three gradients), 152k vocab."""
-    from polyrl.training import fused_head
-    from polyrl.training.logprobs import naive_logprobs
+    from polyrl.learner import fused_head
+    from polyrl.learner.logprobs import naive_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     M, D, V = 3000, 256, 151936
@@ -87,8 +87,8 @@ def test_fused_head_triton_kernels_match_torch_formulas(dtype):
 
 def test_shared_prompt_flash_attention_matches_the_dense_mask():
     """The gathered-K/V flash call (causal from each segment's bottom-right) == SDPA with the explicit mask."""
-    from polyrl.training.packing import _cuda_varlen_kv, _exclusive_cumsum
-    from polyrl.training.shared_prefix import shared_prompt_attention
+    from polyrl.learner.packing import _cuda_varlen_kv, _exclusive_cumsum
+    from polyrl.learner.shared_prefix import shared_prompt_attention
 
     prompt_lens, resp_lens = [37, 128, 5], [[100, 3, 260], [1, 64], [500]]
     flat = [(g, r) for g, rs in enumerate(resp_lens) for r in rs]

@@ -20,9 +20,9 @@ import torch
 from polyrl.algorithms.losses import PolicyLossConfig
 from polyrl.distributed.ulysses import check_heads, owned_predictions, pad_packed
 from polyrl.errors import ConfigError
-from polyrl.training.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy
-from polyrl.training.batch import build_batch
-from polyrl.training.packing import pack
+from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy
+from polyrl.learner.batch import build_batch
+from polyrl.learner.packing import pack
 
 VALUES = dict(rtol=0, atol=1e-5)  # log-probs / entropy: fp32, packed vs SP-packed differ in summation order only
 GRADS = dict(rtol=1e-4, atol=1e-6)
@@ -73,13 +73,13 @@ def compute_all(env=None, device: str = "cpu") -> dict:
     With dp=2 (4 processes) each SP group trains its data shard: its half of every mini-batch, as the trainer's
     `shard_prompts` deals them. On CUDA (tests/test_ulysses_gpu.py) matmuls stay fp32 and attention runs in the
     bf16 varlen kernel, in both the reference and the SP run."""
-    from polyrl.training import packing
+    from polyrl.learner import packing
     from polyrl.distributed.data import shard_prompts
     from polyrl.distributed.parallelize import parallelize, param_groups
     from polyrl.distributed.weights import full_state_dict
-    from polyrl.training.actor import make_scheduler
-    from polyrl.training.batch import select
-    from polyrl.training.config import FSDPConfig
+    from polyrl.learner.actor import make_scheduler
+    from polyrl.learner.batch import select
+    from polyrl.learner.config import FSDPConfig
 
     dp_rank, dp_size = (env.dp_rank, env.dp_size) if env else (0, 1)
     rows = shard_prompts(8, _settings().mini_batch_size, dp_rank, dp_size)
@@ -174,7 +174,7 @@ def test_checks_refuse_what_sp_does_not_support(monkeypatch):
 
 def _micro_batches_with_an_idle_rank(batch) -> int:
     """How many of the update's micro-batches leave one of 2 SP ranks without a prediction (only prompt tokens)."""
-    from polyrl.training.batch import select, trim_columns
+    from polyrl.learner.batch import select, trim_columns
 
     idle = 0
     for start in range(0, batch["responses"].shape[0], _settings().micro_batch_size):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.training.batch import Batch, concat_rows, select
-from polyrl.training.dynamic_batch import equal_size_partition
+from polyrl.learner.batch import Batch, concat_rows, select
+from polyrl.learner.dynamic_batch import equal_size_partition
 
 
 def balance_across_ranks(batch: Batch, rows_per_mini: int, env) -> tuple[Batch, dict[str, float]]:

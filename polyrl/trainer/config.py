@@ -14,7 +14,7 @@ from polyrl.models.config import ModelConfig
 from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.trainer.async_config import AsyncTrainingConfig, RolloutPoolConfig
-from polyrl.training.config import ActorConfig, CriticConfig, RefConfig
+from polyrl.learner.config import ActorConfig, CriticConfig, RefConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
 

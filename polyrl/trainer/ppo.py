@@ -47,7 +47,7 @@ from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.trainer.oom import OOMGuard, StageContext
-from polyrl.training.actor import (
+from polyrl.learner.actor import (
     Actor,
     ForwardSettings,
     UpdateSettings,
@@ -55,9 +55,9 @@ from polyrl.training.actor import (
     compute_sum_pi_squared,
     make_scheduler,
 )
-from polyrl.training.batch import build_batch
-from polyrl.training.critic import explained_variance
-from polyrl.training.memory import plan_memory, resolve_switches
+from polyrl.learner.batch import build_batch
+from polyrl.learner.critic import explained_variance
+from polyrl.learner.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.checkpoint import CheckpointManager
 from polyrl.utils.console import bar_lifted, progress_bar
@@ -202,7 +202,7 @@ class PPOTrainer(CheckpointingMixin):
 
     def _make_critic(self):
         from polyrl.models.loader import load_causal_lm
-        from polyrl.training.critic import Critic, ValueModel
+        from polyrl.learner.critic import Critic, ValueModel
 
         c, arr = self.cfg.critic, self.cfg.actor_rollout_ref
         lm = load_causal_lm(c.model.path or arr.model.path, key="critic.model.path",

@@ -19,7 +19,7 @@ from polyrl.config import save_config, to_dict
 from polyrl.data.sft import SFTSample, load_sft_dataset
 from polyrl.models.config import ModelConfig
 from polyrl.models.loader import load_policy, load_tokenizer
-from polyrl.training.actor import make_scheduler
+from polyrl.learner.actor import make_scheduler
 from polyrl.utils.timing import StepTimer
 
 

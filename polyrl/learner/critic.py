@@ -13,7 +13,7 @@ from torch import nn
 
 from polyrl.algorithms import value_loss
 from polyrl.algorithms.masked import masked_mean
-from polyrl.training.batch import Batch, select, split_rows, trim_columns
+from polyrl.learner.batch import Batch, select, split_rows, trim_columns
 
 
 class ValueModel(nn.Module):

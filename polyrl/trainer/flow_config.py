@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polyrl.training.config import FSDPConfig
+from polyrl.learner.config import FSDPConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
 

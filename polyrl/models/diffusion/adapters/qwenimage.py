@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrl.flow.adapters.base import Cond, LatentShape, PipelineParts, register_family
+from polyrl.models.diffusion.adapters.base import Cond, LatentShape, PipelineParts, register_family
 
 
 def pad_prompts(items: list[Cond]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrl.flow import sde as sde_lib
+from polyrl.algorithms import sde as sde_lib
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from polyrl.flow import tiny
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.pipeline import FlowPolicy, LatentShape
-from polyrl.flow.sampler import timestep_grid
+from polyrl.models.diffusion import tiny
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
+from polyrl.rollout.sde_sampler import timestep_grid
 
 BUILD_VERSION = "v1"
 
@@ -176,9 +176,9 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
         save_config(cfg, run_dir / "config.yaml")
     tracker = Tracker(cfg.trainer.logger if rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
-    from polyrl.flow.trainer import FlowGRPOTrainer
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
-    from polyrl.flow.async_reward import build_scorer
+    from polyrl.rewards.async_scorer import build_scorer
 
     scorer = build_scorer(cfg.reward, classifier_reward_from_state, (clf.state_dict(),))
     trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(val_per_digit),

@@ -22,12 +22,12 @@ from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.errors import ConfigError
 from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.distributed.ulysses import check_heads, gather_predictions, shard_packed
-from polyrl.training.batch import Batch, select, split_rows, trim_columns
-from polyrl.training.dynamic_batch import balanced_micro_batches, shared_prompt_items
-from polyrl.training.flops import peak_flops, training_flops
-from polyrl.training.fused_head import fused_logprobs, fused_logprobs_grad_in_forward
-from polyrl.training.logprobs import chunked_logprobs
-from polyrl.training.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
+from polyrl.learner.batch import Batch, select, split_rows, trim_columns
+from polyrl.learner.dynamic_batch import balanced_micro_batches, shared_prompt_items
+from polyrl.learner.flops import peak_flops, training_flops
+from polyrl.learner.fused_head import fused_logprobs, fused_logprobs_grad_in_forward
+from polyrl.learner.logprobs import chunked_logprobs
+from polyrl.learner.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
 from polyrl.utils.oom_hook import oom_point
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrl.flow.adapters.base import (
+from polyrl.models.diffusion.adapters.base import (
     Cond,
     LatentShape,
     PipelineParts,

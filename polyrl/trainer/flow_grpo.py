@@ -8,7 +8,7 @@
 
 Data parallel (torchrun, or `trainer.n_gpus_per_node > 1`): every rank draws the same global prompt batch and keeps
 whole prompt groups of every mini-batch (`polyrl.distributed.data.shard_prompts`), samples and scores them, and trains
-the transformer sharded with FSDP2 per block (`polyrl.flow.parallel`). Each sample's noise is seeded by (seed, step,
+the transformer sharded with FSDP2 per block (`polyrl.distributed.dit_fsdp`). Each sample's noise is seeded by (seed, step,
 global sample index), the rewards are all-gathered before the advantages, and loss normalisers count the global
 mini-batch, so N processes compute the 1-process step up to float summation order (tested).
 
@@ -38,13 +38,15 @@ from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
 from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.distributed.parallelize import param_groups
-from polyrl.flow import algos, parallel, sampler
-from polyrl.flow import sde as sde_lib
-from polyrl.flow.config import FlowConfig
-from polyrl.flow.parallel import weight_dtype
-from polyrl.flow.pipeline import FlowPolicy
+from polyrl.algorithms import flow_grpo
+from polyrl.distributed import dit_fsdp
+from polyrl.rollout import sde_sampler
+from polyrl.algorithms import sde as sde_lib
+from polyrl.trainer.flow_config import FlowConfig
+from polyrl.distributed.dit_fsdp import weight_dtype
+from polyrl.models.diffusion.pipeline import FlowPolicy
 from polyrl.trainer.oom import Change, OOMGuard, StageContext
-from polyrl.training.master_weights import MasterWeights
+from polyrl.learner.master_weights import MasterWeights
 from polyrl.utils.timing import StepTimer
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
@@ -105,7 +107,7 @@ class Rollout:
     group_ids: list[int]
     sample_ids: list[int]
     """Index of each sample in the global batch (prompt index x n + j): its noise seed and its row in gathers."""
-    traj: sampler.Trajectory
+    traj: sde_sampler.Trajectory
     sigmas: torch.Tensor
 
 
@@ -135,7 +137,7 @@ class FlowGRPOTrainer:
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
             policy.compile_blocks()
-        parallel.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
+        dit_fsdp.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
         # fp32 trainable weights (LoRA) over a bf16/fp16 base: compute them in the base's dtype and keep fp32
         # masters in the optimizer; an fp32 LoRA matmul would cast every activation to fp32 (FSDP2 does the same
         # thing with several processes through its param_dtype)
@@ -199,13 +201,13 @@ class FlowGRPOTrainer:
         parts = []
         for lo in range(0, len(prompts), chunk):
             chunk_prompts = prompts[lo : lo + chunk]
-            gens = sampler.sample_generators(ro.seed, self.global_step, sample_ids[lo : lo + chunk])
+            gens = sde_sampler.sample_generators(ro.seed, self.global_step, sample_ids[lo : lo + chunk])
             noise = torch.cat([self.policy.noise(1, g) for g in gens])
             parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level, gens))
             if self.async_scorer is not None:  # score this chunk in the worker while the next one is generated
                 self.async_scorer.submit(lo, self.policy.decode(parts[-1].final_B).cpu(), chunk_prompts,
                                          metadata[lo : lo + chunk])  # fmt: skip
-        traj = sampler.Trajectory(
+        traj = sde_sampler.Trajectory(
             latents_KB=torch.cat([p.latents_KB for p in parts], dim=1),
             next_latents_KB=torch.cat([p.next_latents_KB for p in parts], dim=1),
             log_probs_KB=torch.cat([p.log_probs_KB for p in parts], dim=1),
@@ -214,13 +216,13 @@ class FlowGRPOTrainer:
         )
         return Rollout(prompts, metadata, group_ids, sample_ids, traj, sigmas)
 
-    def _sample(self, noise, prompts, sigmas, train_steps, noise_level, generators) -> sampler.Trajectory:
+    def _sample(self, noise, prompts, sigmas, train_steps, noise_level, generators) -> sde_sampler.Trajectory:
         ro = self.cfg.actor_rollout_ref.rollout
 
         def velocity(x, sigma_B):
             return self.policy.velocity(x, sigma_B, prompts)
 
-        return sampler.sample(velocity, noise, sigmas, sde_type=ro.algo.sde_type, noise_level=noise_level,
+        return sde_sampler.sample(velocity, noise, sigmas, sde_type=ro.algo.sde_type, noise_level=noise_level,
                               train_steps=train_steps, generators=generators)  # fmt: skip
 
     def score(self, rollout: Rollout) -> torch.Tensor:
@@ -312,7 +314,7 @@ class FlowGRPOTrainer:
                                    noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
                 kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
                                          v=v, ref_v=v_ref)  # fmt: skip
-            loss, m = algos.clipped_loss(
+            loss, m = flow_grpo.clipped_loss(
                 out.log_prob_B, traj.log_probs_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
                 clip_ratio=actor.diffusion_loss.clip_ratio, num_terms=num_terms, kl_B=kl_B,
                 kl_coef=actor.kl_loss_coef,
@@ -351,10 +353,10 @@ class FlowGRPOTrainer:
                 # the whole batch's rewards on every rank (small): global_std and every metric below are then
                 # computed exactly as in one process, and each rank takes its samples' advantages
                 num_samples = len(batch) * ro.n
-                all_scores = parallel.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
+                all_scores = dit_fsdp.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
                 all_groups = [i // ro.n for i in range(num_samples)]
                 a = self.cfg.algorithm
-                all_adv = algos.flow_grpo_advantages(
+                all_adv = flow_grpo.flow_grpo_advantages(
                     all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
                     global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
                 )  # fmt: skip
@@ -372,7 +374,7 @@ class FlowGRPOTrainer:
             "critic/rewards/max": float(all_scores.max()),
             "critic/rewards/min": float(all_scores.min()),
             "critic/rewards/std_mean": float(group_std.mean()),
-            "critic/rewards/zero_std_ratio": algos.zero_std_ratio(all_scores, all_groups),
+            "critic/rewards/zero_std_ratio": flow_grpo.zero_std_ratio(all_scores, all_groups),
             "critic/rewards/group_size": float(ro.n),
             "critic/advantages/mean": float(all_adv.mean()),
             "critic/advantages/max": float(all_adv.max()),
@@ -405,9 +407,9 @@ class FlowGRPOTrainer:
             for lo in range(0, len(share), chunk):
                 ids = share[lo : lo + chunk]
                 prompts, metadata = [self.val_prompts[i][0] for i in ids], [self.val_prompts[i][1] for i in ids]
-                gens = sampler.sample_generators(vk.seed, 0, ids)  # SDE noise, when val_kwargs.noise_level > 0
+                gens = sde_sampler.sample_generators(vk.seed, 0, ids)  # SDE noise, when val_kwargs.noise_level > 0
                 noise = noise_all[torch.tensor(ids, device=noise_all.device)]
-                traj = sampler.sample(lambda x, s: self.policy.velocity(x, s, prompts), noise, sigmas,
+                traj = sde_sampler.sample(lambda x, s: self.policy.velocity(x, s, prompts), noise, sigmas,
                                       sde_type=self.cfg.actor_rollout_ref.rollout.algo.sde_type,
                                       noise_level=vk.noise_level, train_steps=[], generators=gens)  # fmt: skip
                 images = self.policy.decode(traj.final_B)
@@ -436,7 +438,7 @@ class FlowGRPOTrainer:
         from polyrl.utils.checkpoint import CheckpointManager
 
         with self.timer.stage("save_checkpoint"):
-            weights, optim = parallel.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist,
+            weights, optim = dit_fsdp.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist,
                                                              named=self._master_named())
             if self.dist.is_rank0:
                 CheckpointManager(root).save(self.global_step, {
@@ -459,7 +461,7 @@ class FlowGRPOTrainer:
         if step is None:
             return False
         state = mgr.load(step)
-        parallel.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"],
+        dit_fsdp.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"],
                                       named=self._master_named())
         if self.master is not None:
             self.master.copy_to_model()

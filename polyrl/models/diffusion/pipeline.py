@@ -2,7 +2,7 @@
 
 One class serves the quickstart's tiny transformer and diffusers pipelines loaded with `from_pretrained(local_dir)`
 (`QwenImagePipeline`, `StableDiffusion3Pipeline`, `FluxPipeline`); what differs per family (how the transformer is
-called, how CFG combines, prompt encoder, decoder, sigma grid) lives in a small adapter in `polyrl/flow/adapters/`,
+called, how CFG combines, prompt encoder, decoder, sigma grid) lives in a small adapter in `polyrl/models/diffusion/adapters/`,
 registered by the pipeline's `_class_name`.
 
 - Prompt embeddings are computed once per distinct prompt and cached on the policy's device (the text encoder never
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from polyrl.errors import ConfigError
-from polyrl.flow.adapters import FAMILIES, EncodeFn, FlowAdapter, LatentShape, QwenImageAdapter, cfg_combine
+from polyrl.models.diffusion.adapters import FAMILIES, EncodeFn, FlowAdapter, LatentShape, QwenImageAdapter, cfg_combine
 from polyrl.utils.device import to_dtype
 
 __all__ = ["EncodeFn", "FlowPolicy", "LatentShape", "cfg_combine", "load_pipeline_policy"]

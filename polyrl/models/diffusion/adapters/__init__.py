@@ -7,8 +7,8 @@
 `base` holds the adapter protocol, `PipelineParts` and the shared pieces (2x2 packing, plain CFG, VAE decode).
 """
 
-from polyrl.flow.adapters import flux, qwenimage, sd3  # noqa: F401  (registers the families)
-from polyrl.flow.adapters.base import (
+from polyrl.models.diffusion.adapters import flux, qwenimage, sd3  # noqa: F401  (registers the families)
+from polyrl.models.diffusion.adapters.base import (
     FAMILIES,
     Cond,
     EncodeFn,
@@ -20,7 +20,7 @@ from polyrl.flow.adapters.base import (
     register_family,
     unpack_2x2,
 )
-from polyrl.flow.adapters.qwenimage import QwenImageAdapter, cfg_combine
+from polyrl.models.diffusion.adapters.qwenimage import QwenImageAdapter, cfg_combine
 
 __all__ = [
     "FAMILIES",

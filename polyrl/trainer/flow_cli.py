@@ -6,7 +6,7 @@ line, or parquet with a `prompt` column and optional `ground_truth`) and scores 
 
 Several processes: `trainer.n_gpus_per_node=N` makes `train` check the config once and relaunch itself under torchrun
 (`torchrun --nproc_per_node=N -m polyrl flow train ...`, which also works typed by hand); each rank then loads the
-pipeline onto its own GPU and the trainer shards the transformer (polyrl.flow.parallel).
+pipeline onto its own GPU and the trainer shards the transformer (polyrl.distributed.dit_fsdp).
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def load_prompts(path: str) -> list[tuple[str, dict]]:
 
 def train(argv: list[str]) -> int:
     from polyrl.config import build_config, save_config, to_dict
-    from polyrl.flow import quickstart, rewards
-    from polyrl.flow.config import FlowConfig
-    from polyrl.flow.pipeline import load_pipeline_policy
-    from polyrl.flow.trainer import FlowGRPOTrainer
+    from polyrl.trainer import flow_quickstart
+    from polyrl.rewards import image_rewards
+    from polyrl.trainer.flow_config import FlowConfig
+    from polyrl.models.diffusion.pipeline import load_pipeline_policy
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
     from polyrl.utils.tracking import Tracker
 
     cfg = build_config(FlowConfig(), argv)
@@ -53,7 +54,7 @@ def train(argv: list[str]) -> int:
     if code is not None:
         return code
     if cfg.actor_rollout_ref.model.path is None:
-        return 0 if quickstart.run(argv) else 1
+        return 0 if flow_quickstart.run(argv) else 1
     if cfg.data.train_files is None:
         raise ConfigError("data.train_files is required with actor_rollout_ref.model.path; pass a prompt file.")
     from polyrl.distributed import DistEnv
@@ -73,15 +74,15 @@ def train(argv: list[str]) -> int:
     val_prompts = load_prompts(cfg.data.val_files) if cfg.data.val_files else train_prompts[: cfg.data.val_batch_size]
     r = cfg.reward
     reward_fns = r.reward_fns or ({} if r.custom_reward_function.path else {"ocr": 1.0})
-    reward_fn = rewards.build_reward(reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
+    reward_fn = image_rewards.build_reward(reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
     run_dir = Path(cfg.trainer.default_local_dir)
     if dist.is_rank0:
         save_config(cfg, run_dir / "config.yaml")
     tracker = Tracker(cfg.trainer.logger if dist.is_rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
                       experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
-    from polyrl.flow.async_reward import build_scorer
+    from polyrl.rewards.async_scorer import build_scorer
 
-    scorer = build_scorer(r, rewards.build_reward, (reward_fns, r.custom_reward_function.path,
+    scorer = build_scorer(r, image_rewards.build_reward, (reward_fns, r.custom_reward_function.path,
                                                     r.custom_reward_function.name))  # fmt: skip
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, tracker=tracker, async_scorer=scorer,
                               dist=dist)  # fmt: skip
@@ -100,7 +101,7 @@ def train(argv: list[str]) -> int:
 def _maybe_launch(cfg, argv: list[str]) -> int | None:
     """The torchrun job's exit status when the config asks for more processes than this one, else None."""
     from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
-    from polyrl.flow.trainer import check_batches
+    from polyrl.trainer.flow_grpo import check_batches
 
     if under_torchrun() or processes_wanted(cfg) == 1:
         return None
@@ -111,10 +112,10 @@ def _maybe_launch(cfg, argv: list[str]) -> int | None:
         )
     if cfg.actor_rollout_ref.model.path is None:  # the quickstart, with its own defaults
         from polyrl.config import build_config
-        from polyrl.flow import quickstart
+        from polyrl.trainer import flow_quickstart
 
-        check_batches(build_config(quickstart.default_config(), argv), processes_wanted(cfg))
-        quickstart.build(quickstart.BuildSettings())  # once here: the ranks would all build the same cache
+        check_batches(build_config(flow_quickstart.default_config(), argv), processes_wanted(cfg))
+        flow_quickstart.build(flow_quickstart.BuildSettings())  # once here: the ranks would all build the same cache
     else:
         check_batches(cfg, processes_wanted(cfg))  # a config error as one sentence here, not once per rank
     return maybe_launch(cfg, ["flow", "train", *argv], module="polyrl")
@@ -132,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(overrides_help(f"flow {cmd}", "flow"))
         return 0
     if cmd == "quickstart":
-        from polyrl.flow import quickstart
+        from polyrl.trainer import flow_quickstart
 
-        quickstart.run(rest)
+        flow_quickstart.run(rest)
         return 0
     if cmd == "train":
         return train(rest)

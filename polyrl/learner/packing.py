@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from polyrl.training.batch import Batch
-from polyrl.training.shared_prefix import shared_prompt_attention
+from polyrl.learner.batch import Batch
+from polyrl.learner.shared_prefix import shared_prompt_attention
 
 ATTN_NAME = "polyrl_varlen"
 
@@ -261,7 +261,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         raise RuntimeError("polyrl_varlen attention was called without cu_seq_lens_q; it is only valid inside "
-                           "polyrl.training.packing.packed_attention() with a packed batch.")
+                           "polyrl.learner.packing.packed_attention() with a packed batch.")
     assert query.shape[0] == 1, "packed attention expects one packed row"
     q, k, v = _kernel_dtype(*(t[0].transpose(0, 1) for t in (query, key, value)))  # [N, H, D]
     sp = kwargs.get("polyrl_sp")
