@@ -22,7 +22,7 @@ def main() -> int:
     from polyrl.trainer import flow_quickstart
 
     run = tempfile.mkdtemp(prefix="polyrl-bench-flow-")
-    r = flow_quickstart.run([f"trainer.default_local_dir={run}"])
+    r = flow_quickstart.run([f"trainer.run_dir={run}", f"trainer.default_local_dir={run}/checkpoints"])
     gain = r["after"] - r["before"]
     device = f"CPU {platform.machine()} ({os.cpu_count()} cores)"
     print(f"device: {device}\nwall time {r['seconds']:.0f} s (limit 300 s); held-out reward {r['before']:.1f} -> "

@@ -254,16 +254,20 @@ def key_table(cfg: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Per-field docs: the string literal right after each field (PEP 257 attribute docstrings)."""
+    """Per-field docs: the string literal right after each field (PEP 257 attribute docstrings); a subclass's
+    own docs win over its bases'."""
     import ast
     import inspect
 
+    docs = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     try:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
-        return {}
+        return docs
     body = tree.body[0].body
-    docs = {}
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
             if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):

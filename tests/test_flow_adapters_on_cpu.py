@@ -8,6 +8,8 @@ FlowGRPO steps with LoRA through the trainer.
 import json
 import os
 
+import tempfile
+
 import pytest
 import torch
 
@@ -222,6 +224,8 @@ def _grpo_config(cfg_scale: float) -> FlowConfig:
     actor.use_kl_loss, actor.kl_loss_coef = True, 0.1
     cfg.actor_rollout_ref.model.lora_rank = 4
     cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.progress_bar = 1, 1, False
+    run = tempfile.mkdtemp(prefix="polyrl-test-flow-")  # its own run folder and checkpoints: nothing to resume
+    cfg.trainer.run_dir, cfg.trainer.default_local_dir = run, f"{run}/checkpoints"
     return cfg
 
 

@@ -40,6 +40,9 @@ class Recorder:
     def log_images(self, *args, **kwargs):
         pass
 
+    def close(self):
+        pass
+
 
 def reward(images, prompts, metadata):
     """Mean brightness; digit 0 always scores 0.5 (a zero-std group)."""
@@ -60,7 +63,7 @@ def make_trainer(lora: bool, run_dir: Path, steps: int, tracker=None) -> FlowGRP
     m.lora_rank, m.lora_alpha = (4, 8) if lora else (0, m.lora_alpha)
     t = cfg.trainer
     t.total_training_steps, t.test_freq, t.save_freq, t.val_before_train = steps, 2, 2, False
-    t.default_local_dir, t.progress_bar = str(run_dir), False
+    t.run_dir, t.default_local_dir, t.progress_bar = str(run_dir), str(run_dir / "checkpoints"), False
     torch.manual_seed(0)
     policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
     prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
@@ -74,9 +77,15 @@ def run(lora: bool, run_dir: Path, steps: int) -> list[dict]:
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The trained weights of a checkpoint: one process's model.safetensors, or several processes' DCP shards."""
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    return load_file(str(run_dir / "checkpoints" / f"global_step_{step}" / "model.safetensors"))
+    folder = run_dir / "checkpoints" / f"global_step_{step}"
+    if not (folder / "dcp").is_dir():
+        return load_file(str(folder / "model.safetensors"))
+    dcp_to_torch_save(folder / "dcp", run_dir / f"full_{step}.pt")
+    return torch.load(run_dir / f"full_{step}.pt", weights_only=True)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +123,14 @@ def test_two_processes_match_one_and_resume_in_one(two_process_job, tmp_path, lo
             assert b[key] == pytest.approx(a[key], rel=TOL["rtol"], abs=TOL["atol"]), (key, a[key], b[key])
     val = "val-core/digits/reward/mean@1"
     assert rows2[1][val] == pytest.approx(rows1[1][val], rel=1e-6)  # validation gathered over both ranks
-    w1, w2 = weights(one, 2), weights(two, 2)  # the checkpoints: gathered full tensors from the 2 ranks
+    w1, w2 = weights(one, 2), weights(two, 2)  # the checkpoints: one file set, and the 2 ranks' DCP shards
     assert set(w2) == set(w1) and all(("lora" in k) == lora for k in w1)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], **WEIGHT_TOL)
 
     # the 2-process checkpoint, resumed in ONE process for step 3, lands on the 1-process run's weights
     resumed = tmp_path / "resumed"
-    shutil.copytree(two / "checkpoints", resumed / "checkpoints")
+    shutil.copytree(two / "checkpoints", resumed / "checkpoints")  # the same checkpoint code as the LLM trainer's
     rows3 = run(lora, resumed, 3)
     assert [r["step"] for r in rows3] == [3]
     assert rows3[0]["actor/pg_loss"] == pytest.approx(rows1[2]["actor/pg_loss"], rel=TOL["rtol"], abs=TOL["atol"])

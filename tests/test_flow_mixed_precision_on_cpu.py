@@ -8,7 +8,7 @@ from polyrl.trainer.flow_config import FlowConfig
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 
-def _trainer(run_dir, steps):
+def _trainer(run_dir, steps, resume="disable"):
     cfg = FlowConfig()
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps = 2, 3
@@ -18,7 +18,8 @@ def _trainer(run_dir, steps):
     cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha = 4, 8
     t = cfg.trainer
     t.total_training_steps, t.save_freq, t.test_freq, t.val_before_train = steps, steps, 0, False
-    t.default_local_dir, t.progress_bar = str(run_dir), False
+    t.run_dir, t.default_local_dir, t.progress_bar = str(run_dir / "run"), str(run_dir / "checkpoints"), False
+    t.resume_mode = resume
     torch.manual_seed(0)
     policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0).to(torch.bfloat16), tiny.CharPromptEncoder(seed=0))
     for p in policy.trainable_parameters():  # what a real run does: LoRA in fp32 over the bf16 base
@@ -41,8 +42,8 @@ def test_lora_masters_are_fp32_and_the_module_computes_in_bf16(tmp_path):
         assert lora[name].dtype == torch.bfloat16 and torch.equal(lora[name], m.detach().to(torch.bfloat16)), name
         assert lora[name].grad is None
     # the checkpoint keeps fp32 masters and their Adam state; a new trainer resumes them exactly
-    fresh = _trainer(tmp_path, steps=2)
-    assert fresh.load_checkpoint(str(tmp_path / "checkpoints"))
+    fresh = _trainer(tmp_path, steps=2, resume="auto")  # resumes in its constructor
+    assert fresh.global_step == 2
     for a, b in zip(fresh.master.master, mw.master):
         assert torch.equal(a, b)
     # Adam state came back for every master that had one (the last block's text-stream adapters get no gradient)

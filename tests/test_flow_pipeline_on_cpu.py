@@ -1,6 +1,7 @@
 """A tiny random-weight QwenImagePipeline (built here, saved, reloaded from its directory) through FlowGRPO steps."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def _config(cfg_scale: float, lora: bool, kl: bool) -> FlowConfig:
     actor.use_kl_loss, actor.kl_loss_coef = kl, 0.1
     cfg.actor_rollout_ref.model.lora_rank = 4 if lora else 0
     cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.trainer.progress_bar = 1, 1, False
+    run = tempfile.mkdtemp(prefix="polyrl-test-flow-")  # its own run folder and checkpoints: nothing to resume
+    cfg.trainer.run_dir, cfg.trainer.default_local_dir = run, f"{run}/checkpoints"
     return cfg
 
 

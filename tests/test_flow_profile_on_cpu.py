@@ -36,7 +36,7 @@ def test_flow_trainer_profiles_stages_and_logs_sample_grids(tmp_path):
     cfg.actor_rollout_ref.rollout.algo.sde_window_range = [0, 3]
     t = cfg.trainer
     t.total_training_steps, t.save_freq, t.test_freq, t.progress_bar = 2, 0, 1, False
-    t.default_local_dir = str(tmp_path / "ck")
+    t.run_dir, t.default_local_dir = str(tmp_path / "run"), str(tmp_path / "ck")
     cfg.global_profiler.tool, cfg.global_profiler.steps = "torch", [2]
     cfg.global_profiler.save_path = str(tmp_path / "prof")
     run = tmp_path / "run"

@@ -14,7 +14,7 @@ def test_quickstart_reward_rises(tmp_path, monkeypatch):
     settings = flow_quickstart.BuildSettings()
     run_dir = tmp_path / "run"
     result = flow_quickstart.run(
-        [f"trainer.default_local_dir={run_dir}", "trainer.logger=[file]", "trainer.progress_bar=false",
+        [f"trainer.run_dir={run_dir}", f"trainer.default_local_dir={run_dir / 'ckpt'}", "trainer.logger=[file]", "trainer.progress_bar=false",
          "trainer.total_training_steps=25", "trainer.test_freq=25"],
         settings=settings, val_per_digit=3, log=lambda *a: None,
     )  # fmt: skip

@@ -52,7 +52,7 @@ def test_custom_reward_by_path_and_weighted_sum(tmp_path):
                                  extra={"const": lambda im, p, m: [1.0] * len(p)})  # fmt: skip
     torch.testing.assert_close(combo(images, ["a", "b"], [{}, {}]), torch.tensor([0.5, 2.5]))
     assert combo.last_components == {"reward/const": 1.0, "reward/custom": 0.5}
-    with pytest.raises(RewardError, match="no function .nope."):
+    with pytest.raises(RewardError, match="Function .nope. is not defined .* set reward.custom_reward_function.name"):
         image_rewards.load_custom(str(f), "nope")
     with pytest.raises(RewardError, match="unknown reward"):
         image_rewards.build_reward({"nope": 1.0})

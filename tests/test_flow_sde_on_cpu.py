@@ -160,7 +160,7 @@ def test_trainer_checkpoint_resume_matches_uninterrupted_run(tmp_path):
         cfg.actor_rollout_ref.actor.optim.lr = 1e-2
         t = cfg.trainer
         t.total_training_steps, t.save_freq, t.test_freq, t.progress_bar = steps, 1, 0, False
-        t.default_local_dir = str(run_dir)
+        t.run_dir, t.default_local_dir = str(run_dir), str(run_dir / "checkpoints")
         reward = lambda im, p, m: im.mean(dim=(1, 2))  # noqa: E731
         prompts = [("a", {}), ("bb", {}), ("ccc", {})]
         return FlowGRPOTrainer(cfg, policy, reward, prompts, prompts), net

@@ -32,9 +32,10 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def _model_optim_state(model, optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """The trainable weights and their optimizer state (frozen weights, e.g. a LoRA base, are the model's own)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -76,18 +77,25 @@ def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra:
 def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
     """Load model + optimizer shards into this process's (sharded or plain) model; returns the `extra` dict."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
     state = _model_optim_state(model, optimizer)
     groups = [dict(g) for g in state["optimizer"]["param_groups"]]
-    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    dcp.load({"model": state["model"]}, checkpoint_id=str(path / DCP_DIR))
+    # a parameter that never had a gradient (some LoRA adapters of a DiT's last block) has no saved optimizer state:
+    # it keeps the fresh zeros, which is what "no state" means to AdamW
+    dcp.load({"optimizer": state["optimizer"]}, checkpoint_id=str(path / DCP_DIR),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
     # per-parameter state is keyed by name, but the *grouping* depends on the process count (sharded and replicated
     # parameters are separate groups only when sharded): keep this process's groups, with the saved hyper-parameters
     # (all groups share them; the LR in them is where the schedule was)
     saved = state["optimizer"]["param_groups"][0]
     state["optimizer"]["param_groups"] = [{**g, **{k: v for k, v in saved.items() if k != "params"}} for g in groups]
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # not strict: the frozen weights are not in the checkpoint (dcp.load above already failed on a missing trainable one)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
     return extra
 

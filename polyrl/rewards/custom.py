@@ -11,17 +11,16 @@ from typing import Callable
 from polyrl.errors import RewardError
 
 
-def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
+def load_custom_reward(path: str, name: str = "compute_score", key: str = "custom_reward_function") -> Callable:
+    """`name` from the Python file at `path`; `key` is the config section the errors name (both trainers use this)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise RewardError(
-            f"custom_reward_function.path '{path}' does not exist; point it at the .py file defining '{name}'."
-        )
+        raise RewardError(f"{key}.path '{path}' does not exist; point it at the .py file defining '{name}'.")
     # A name unique to the resolved path: two reward files both called reward.py must not shadow each other.
     mod_name = f"polyrl_custom_reward_{hashlib.md5(str(p.resolve()).encode()).hexdigest()[:10]}"
     spec = importlib.util.spec_from_file_location(mod_name, p)
     if spec is None or spec.loader is None:
-        raise RewardError(f"custom_reward_function.path '{path}' cannot be imported as Python; give it a .py file.")
+        raise RewardError(f"{key}.path '{path}' cannot be imported as Python; give it a .py file.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # lets the file use dataclasses/pickle, which look their module up by name
     try:
@@ -38,6 +37,6 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable:
         what = "is not callable" if fn is not None else "is not defined"
         raise RewardError(
             f"Function '{name}' {what} in custom reward file '{path}' (its functions: {', '.join(present) or 'none'}); "
-            f"set custom_reward_function.name to one of them."
+            f"set {key}.name to one of them."
         )
     return fn

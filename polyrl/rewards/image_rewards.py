@@ -7,10 +7,8 @@ The quickstart registers its digit classifier at run time. `load_custom` imports
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,20 +102,11 @@ def _ocr_factory():
 
 
 def load_custom(path: str, name: str = "compute_score") -> RewardFn:
-    """Import `name` from the Python file at `path` (reward.custom_reward_function.{path,name})."""
-    p = Path(path)
-    if not p.is_file():
-        raise RewardError(f"reward.custom_reward_function.path={path!r} does not exist; point it at a .py file.")
-    spec = importlib.util.spec_from_file_location(f"polyrl_custom_reward_{p.stem}", p)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # user code: report which file failed, keep the cause
-        raise RewardError(f"Importing reward file {path!r} raised {type(e).__name__}: {e}; fix that file.") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"{path!r} defines no function {name!r}; set reward.custom_reward_function.name.")
-    return fn
+    """Import `name` from the Python file at `path` (reward.custom_reward_function.{path,name}); the LLM trainer's
+    loader (polyrl.rewards.custom), with this trainer's key in its errors."""
+    from polyrl.rewards.custom import load_custom_reward
+
+    return load_custom_reward(path, name, key="reward.custom_reward_function")
 
 
 def as_scores(value, batch: int, name: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ from polyrl.models.config import ModelConfig
 from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.trainer.async_config import AsyncTrainingConfig, RolloutPoolConfig
+from polyrl.trainer.core import LoopConfig
 from polyrl.learner.config import ActorConfig, CriticConfig, RefConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
@@ -95,69 +96,36 @@ class CheckpointConfigT:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(LoopConfig):
+    """The LLM loop's keys beyond the shared ones (trainer/core.py LoopConfig)."""
+
     total_epochs: int = 30
     """Passes over the training data."""
-    total_training_steps: int | None = None
-    """Stop after this many steps (overrides total_epochs when smaller)."""
-    project_name: str = "polyrl"
-    """Project name (logger and checkpoint folder)."""
-    experiment_name: str = "run"
-    """Experiment name (logger and checkpoint folder)."""
-    logger: list[str] = field(default_factory=lambda: ["console", "file"])
-    """Metric backends: console, file (jsonl), tensorboard, wandb (offline)."""
     log_val_generations: int = 0
     """Validation generations to print."""
     rollout_data_dir: str | None = None
     """Write each step's generations as jsonl here."""
     validation_data_dir: str | None = None
     """Write validation generations as jsonl here."""
-    nnodes: int = 1
-    """Nodes (>1 uses Ray placement)."""
-    n_gpus_per_node: int = 1
-    """GPUs per node (processes on CPU)."""
-    save_freq: int = -1
-    """Checkpoint every N steps; -1 only at the end (the HF export is always written)."""
     export_dtype: str = "auto"
     """Dtype of the HF export beside the final checkpoint: auto (the input model's weights' dtype), float32, bfloat16
     or float16."""
     esi_redundant_time: float = 0
     """verl elastic-instance setting (no effect here)."""
-    resume_mode: str = "auto"
-    """auto (latest checkpoint if any), disable, or resume_path."""
-    resume_from_path: str | None = None
-    """Checkpoint folder for resume_mode=resume_path."""
-    val_before_train: bool = True
-    """Validate before the first step."""
-    val_only: bool = False
-    """Validate and exit."""
-    test_freq: int = -1
-    """Validate every N steps; -1 only at the end."""
     critic_warmup: int = 0
     """Steps that train only the critic."""
     default_hdfs_dir: str | None = None
     """Remote copy of checkpoints (not supported: must stay null)."""
     del_local_ckpt_after_load: bool = False
     """Delete local checkpoints after loading."""
-    default_local_dir: str | None = None
-    """Checkpoint root; default checkpoints/{project_name}/{experiment_name}."""
-    max_actor_ckpt_to_keep: int | None = None
-    """Keep at most this many actor checkpoints."""
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints."""
     ray_wait_register_center_timeout: int = 300
     """Ray registration timeout."""
-    device: str = "auto"
-    """auto, cpu or cuda."""
     balance_batch: bool = True
     """Re-deal each mini-batch's rows so data-parallel ranks train on equal token counts (no effect in one process)."""
     seed: int = 1
     """Global seed (model init, sampling, shuffling)."""
-    run_dir: str | None = None
-    """Where metrics.jsonl, config.yaml and the report go; default a new runs/{project_name}/{experiment_name}/<time>
-    per run (a resumed run goes on in its own)."""
-    progress_bar: bool = True
-    """Show a progress bar."""
     use_legacy_worker_impl: str = "auto"
     """verl worker implementation switch (no effect here)."""
 

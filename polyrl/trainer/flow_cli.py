@@ -41,13 +41,12 @@ def load_prompts(path: str) -> list[tuple[str, dict]]:
 
 
 def train(argv: list[str]) -> int:
-    from polyrl.config import build_config, save_config, to_dict
+    from polyrl.config import build_config
     from polyrl.trainer import flow_quickstart
     from polyrl.rewards import image_rewards
     from polyrl.trainer.flow_config import FlowConfig
     from polyrl.models.diffusion.pipeline import load_pipeline_policy
     from polyrl.trainer.flow_grpo import FlowGRPOTrainer
-    from polyrl.utils.tracking import Tracker
 
     cfg = build_config(FlowConfig(), argv)
     code = _maybe_launch(cfg, argv)
@@ -75,26 +74,20 @@ def train(argv: list[str]) -> int:
     r = cfg.reward
     reward_fns = r.reward_fns or ({} if r.custom_reward_function.path else {"ocr": 1.0})
     reward_fn = image_rewards.build_reward(reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
-    run_dir = Path(cfg.trainer.default_local_dir)
-    if dist.is_rank0:
-        save_config(cfg, run_dir / "config.yaml")
-    tracker = Tracker(cfg.trainer.logger if dist.is_rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
-                      experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     from polyrl.rewards.async_scorer import build_scorer
 
     scorer = build_scorer(r, image_rewards.build_reward, (reward_fns, r.custom_reward_function.path,
                                                     r.custom_reward_function.name))  # fmt: skip
-    trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, tracker=tracker, async_scorer=scorer,
-                              dist=dist)  # fmt: skip
+    trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, async_scorer=scorer, dist=dist)
     try:
         history = trainer.fit()
     finally:
-        tracker.close()
         if scorer is not None:
             scorer.close()
         dist.close()
     if history["val"] and dist.is_rank0:
-        print(f"validation reward: {history['val'][0]:.4f} -> {history['val'][-1]:.4f}")
+        print(f"validation reward: {history['val'][0]:.4f} -> {history['val'][-1]:.4f}; run directory "
+              f"{trainer.run_dir}, checkpoint {trainer.final_checkpoint}")
     return 0
 
 
@@ -116,6 +109,7 @@ def _maybe_launch(cfg, argv: list[str]) -> int | None:
 
         check_batches(build_config(flow_quickstart.default_config(), argv), processes_wanted(cfg))
         flow_quickstart.build(flow_quickstart.BuildSettings())  # once here: the ranks would all build the same cache
+        argv = [*argv, *flow_quickstart.own_run_dir(build_config(flow_quickstart.default_config(), argv))]
     else:
         check_batches(cfg, processes_wanted(cfg))  # a config error as one sentence here, not once per rank
     return maybe_launch(cfg, ["flow", "train", *argv], module="polyrl")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from polyrl.learner.config import FSDPConfig
+from polyrl.trainer.core import LoopConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
 
@@ -247,33 +248,17 @@ class RewardConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """Loop, logging and checkpoints."""
+class FlowTrainerConfig(LoopConfig):
+    """The shared loop keys (trainer/core.py LoopConfig) with FlowGRPO's defaults."""
 
-    total_training_steps: int = 60
+    total_training_steps: int | None = 60
     """RL steps."""
     test_freq: int = 20
-    """Validate every this many steps (and at the end); <= 0: never."""
-    val_before_train: bool = True
-    """Validate before the first step."""
-    save_freq: int = -1
-    """Checkpoint every this many steps; <= 0: never."""
-    logger: list[str] = field(default_factory=lambda: ["console", "file"])
-    """Tracking backends (console, file, tensorboard, wandb)."""
+    """Validate every N steps (<= 0: only before training and after the last step)."""
     project_name: str = "polyrl_flow"
-    """Project name for the trackers."""
+    """Project name (trackers, default directories)."""
     experiment_name: str = "flow_grpo"
-    """Run name."""
-    default_local_dir: str = "runs/flow_grpo"
-    """Run directory (metrics.jsonl, config.yaml, checkpoints)."""
-    device: str = "auto"
-    """auto (cuda if available), cpu or cuda."""
-    n_gpus_per_node: int = 1
-    """Data-parallel processes on this node (polyrl relaunches itself under torchrun when > 1)."""
-    nnodes: int = 1
-    """Nodes; `polyrl flow train` launches one node only (run torchrun on each node for more)."""
-    progress_bar: bool = True
-    """Show a tqdm bar over the steps."""
+    """Experiment name (trackers, default directories)."""
 
 
 @dataclass
@@ -288,7 +273,7 @@ class FlowConfig:
     """Advantage."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: FlowTrainerConfig = field(default_factory=FlowTrainerConfig)
     """Loop."""
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     """Profiler (torch, torch_memory, nsys), the same keys as `polyrl train`."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +44,9 @@ from polyrl.algorithms import sde as sde_lib
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.distributed.dit_fsdp import weight_dtype
 from polyrl.models.diffusion.pipeline import FlowPolicy
+from polyrl.trainer.core import TrainerCore
 from polyrl.trainer.oom import Change, OOMGuard, StageContext
+from polyrl.learner.actor import make_scheduler
 from polyrl.learner.master_weights import MasterWeights
 from polyrl.utils.timing import StepTimer
 
@@ -111,8 +112,13 @@ class Rollout:
     sigmas: torch.Tensor
 
 
-class FlowGRPOTrainer:
-    """Owns the policy, optimizer, reward function and prompts; `fit()` runs the configured number of steps."""
+class FlowGRPOTrainer(TrainerCore):
+    """Owns the policy, optimizer, reward function and prompts; `fit()` (trainer/core.py) runs the configured steps.
+
+    `tracker`: log there instead of the run directory's configured loggers (tests)."""
+
+    progress_metric = ("reward", "critic/rewards/mean")
+    bar_label = "FlowGRPO"
 
     def __init__(self, cfg: FlowConfig, policy: FlowPolicy, reward_fn: RewardFn, train_prompts: list[tuple[str, dict]],
                  val_prompts: list[tuple[str, dict]], *, tracker=None, timer: StepTimer | None = None,
@@ -127,7 +133,9 @@ class FlowGRPOTrainer:
         self.dist = dist or DistEnv.setup(next(policy.transformer.parameters()).device.type,
                                           fsdp_size=actor.fsdp_config.fsdp_size,
                                           cpu_offload=actor.fsdp_config.cpu_offload)  # fmt: skip
-        self.tracker = tracker if self.dist.is_rank0 else None  # rank 0 alone logs
+        self.open_run()  # checkpoints, the checkpoint to resume, this run's directory (trainer/core.py)
+        self.tracker = tracker or self.open_tracker()
+        self.total_steps = cfg.trainer.total_training_steps
         self.timer = timer or StepTimer()
         self.timer.hooks.append(self.profiler)
         self.async_scorer = async_scorer
@@ -153,8 +161,9 @@ class FlowGRPOTrainer:
         # model is loaded in fp32 (the default here).
         self.optimizer = torch.optim.AdamW(params, lr=actor.optim.lr, weight_decay=actor.optim.weight_decay,
                                            betas=tuple(actor.optim.betas))  # fmt: skip
-        warmup = actor.optim.lr_warmup_steps
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / max(warmup, 1)))
+        self.lr_scheduler = make_scheduler(self.optimizer, total_steps=self.total_steps,
+                                           warmup_steps=actor.optim.lr_warmup_steps, kind="constant", min_lr_ratio=0.0,
+                                           num_cycles=0.5)  # fmt: skip
         self.global_step = 0
         self._data_gen = torch.Generator().manual_seed(cfg.data.seed)
         self._noise_gen = torch.Generator().manual_seed(cfg.actor_rollout_ref.rollout.seed)
@@ -168,6 +177,7 @@ class FlowGRPOTrainer:
                       "out-of-memory error in the update turns it on)", flush=True)
         self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[self.optimizer],
                             shrinkers=FLOW_SHRINKERS, last_resort=_smaller_images)
+        self.resume()
 
     # ------------------------------------------------------------------ data
 
@@ -413,13 +423,17 @@ class FlowGRPOTrainer:
                                       sde_type=self.cfg.actor_rollout_ref.rollout.algo.sde_type,
                                       noise_level=vk.noise_level, train_steps=[], generators=gens)  # fmt: skip
                 images = self.policy.decode(traj.final_B)
-                if lo == 0 and self.tracker is not None:  # a grid of validation samples for the run report
+                if lo == 0 and self.dist.is_rank0 and images.dim() == 4:  # a grid of validation samples for the run report
                     self._log_samples(images[:16])
                 scores.append(torch.as_tensor(self.reward_fn(images, prompts, metadata), dtype=torch.float32).cpu())
         mine = torch.cat(scores)[:num_real]
         every = torch.cat(self.dist.all_gather_object(mine))  # rank order is prompt order
         mean = float(every.mean()) if every.numel() else math.nan
-        return {f"val-core/{self.cfg.data.data_source}/reward/mean@1": mean}
+        return {self.val_key: mean, **self.timer.pop()}  # timing_s/testing
+
+    @property
+    def val_key(self) -> str:
+        return f"val-core/{self.cfg.data.data_source}/reward/mean@1"
 
     def _log_samples(self, images_BCHW: torch.Tensor) -> None:
         arr = (images_BCHW.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
@@ -427,99 +441,53 @@ class FlowGRPOTrainer:
             arr = arr[..., 0]
         self.tracker.log_images("val/samples", list(arr), step=self.global_step)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (the protocol: trainer/core.py)
 
     def _master_named(self):
         return self.master.named() if self.master is not None else None
 
-    def save_checkpoint(self, root: str) -> None:
-        """Trainable weights (LoRA or all) with their AdamW state as full tensors, scheduler, step and RNG streams;
-        gathered to rank 0, which writes them atomically (polyrl.utils.checkpoint). Loads at any process count."""
-        from polyrl.utils.checkpoint import CheckpointManager
+    def checkpoint_state(self) -> dict:
+        """The trainable weights (LoRA or all) and their AdamW state, as full tensors keyed by name."""
+        weights, optim = dit_fsdp.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist,
+                                                         named=self._master_named())
+        return {"model": weights, "optimizer": optim}
 
-        with self.timer.stage("save_checkpoint"):
-            weights, optim = dit_fsdp.gather_trainable_state(self.policy.transformer, self.optimizer, self.dist,
-                                                             named=self._master_named())
-            if self.dist.is_rank0:
-                CheckpointManager(root).save(self.global_step, {
-                    "model": weights,
-                    "optimizer": optim,
-                    "lr_scheduler": self.lr_scheduler.state_dict(),
-                    "trainer": {"global_step": self.global_step, "noise_rng": self._noise_gen.get_state(),
-                                "data_rng": self._data_gen.get_state(), "order": list(self._order),
-                                "lr": self.optimizer.param_groups[0]["lr"]},
-                })  # fmt: skip
-            self.dist.barrier()  # nobody looks for "latest" before rank 0 has renamed the folder
-
-    def load_checkpoint(self, root: str) -> bool:
-        """Resume from the latest complete checkpoint under `root`; False when there is none."""
-        from polyrl.distributed.checkpoint import regroup_scheduler_state
-        from polyrl.utils.checkpoint import CheckpointManager
-
-        mgr = CheckpointManager(root)
-        step = mgr.latest_step()
-        if step is None:
-            return False
-        state = mgr.load(step)
+    def load_checkpoint_state(self, state: dict) -> None:
         dit_fsdp.load_trainable_state(self.policy.transformer, self.optimizer, state["model"], state["optimizer"],
                                       named=self._master_named())
         if self.master is not None:
             self.master.copy_to_model()
+
+    def sharded_modules(self):
+        if self.master is not None:  # its optimizer steps fp32 copies, not the module's parameters
+            from polyrl.errors import ConfigError
+
+            raise ConfigError(f"Checkpoint '{self.resume_from}' was written by several processes and this run trains "
+                              "fp32 LoRA over a low-precision DiT in one; resume it with trainer.n_gpus_per_node > 1.")
+        return self.policy.transformer, self.optimizer
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.lr_scheduler.state_dict(), "noise_rng": self._noise_gen.get_state(),
+                "data_rng": self._data_gen.get_state(), "order": list(self._order),
+                "lr": self.optimizer.param_groups[0]["lr"]}  # fmt: skip
+
+    def load_extra_state(self, extra: dict) -> None:
+        from polyrl.distributed.checkpoint import regroup_scheduler_state
+
         # one optimizer group per process, two (sharded, replicated) with several: the schedule is shared
         groups = self.optimizer.param_groups
-        self.lr_scheduler.load_state_dict(regroup_scheduler_state(state["lr_scheduler"], len(groups)))
-        t = state["trainer"]
+        self.lr_scheduler.load_state_dict(regroup_scheduler_state(extra["scheduler"], len(groups)))
         for g in groups:
-            g["lr"] = t["lr"]
-        self.global_step = int(t["global_step"])
-        self._noise_gen.set_state(t["noise_rng"])
-        self._data_gen.set_state(t["data_rng"])
-        self._order = list(t["order"])
-        return True
+            g["lr"] = extra["lr"]
+        self._noise_gen.set_state(extra["noise_rng"])
+        self._data_gen.set_state(extra["data_rng"])
+        self._order = list(extra["order"])
 
-    def fit(self, progress: bool | None = None) -> dict[str, list[float]]:
-        """Run trainer.total_training_steps steps with validation; returns {"val": [...], "train": [...]} rewards."""
-        t = self.cfg.trainer
-        history = {"val": [], "train": []}
-        val_key = f"val-core/{self.cfg.data.data_source}/reward/mean@1"
-
-        def run_val():
-            m = self.validate()
-            history["val"].append(m[val_key])
-            m.update(self.timer.pop())  # timing_s/testing
-            return m
-
-        if t.val_before_train and t.test_freq > 0:
-            m = run_val()
-            if self.tracker:
-                self.tracker.log(m, step=0)
-        show = (t.progress_bar if progress is None else progress) and self.dist.is_rank0
-        bar = None
-        if show:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=t.total_training_steps, desc="FlowGRPO", unit="step", dynamic_ncols=True)
-        ckpt_dir = str(Path(t.default_local_dir) / "checkpoints")
-        if t.save_freq > 0 and self.load_checkpoint(ckpt_dir) and bar is not None:
-            bar.update(self.global_step)
-        while self.global_step < t.total_training_steps:
-            m = self.step()
-            history["train"].append(m["critic/rewards/mean"])
-            last = self.global_step == t.total_training_steps
-            if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
-                m.update(run_val())
-            if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or last):
-                self.save_checkpoint(ckpt_dir)
-                m.update(self.timer.pop())
-            if self.tracker:
-                self.tracker.log(m, step=self.global_step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['critic/rewards/mean']:.3f}", val=f"{history['val'][-1]:.3f}" if history["val"] else "-")
-        if bar is not None:
-            bar.close()
-        self.profiler.close()
-        return history
+    def fit(self, progress=None) -> dict[str, list[float]]:
+        """TrainerCore.fit; returns {"val": [...], "train": [...]}: held-out and training mean rewards."""
+        super().fit(progress)
+        return {"val": [m[self.val_key] for m in self.val_history],
+                "train": [m["critic/rewards/mean"] for m in self.train_history]}
 
 
 def _mixed_precision_trainables(module: torch.nn.Module) -> bool:

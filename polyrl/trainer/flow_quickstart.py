@@ -47,7 +47,7 @@ def default_config() -> FlowConfig:
     cfg.trainer.total_training_steps = 80  # still rising at 50 (+16.5 with per-sample noise, 2026-11-21)
     cfg.trainer.test_freq = 10
     cfg.trainer.experiment_name = "flow_quickstart"
-    cfg.trainer.default_local_dir = "runs/flow_quickstart"
+    cfg.trainer.project_name, cfg.trainer.experiment_name = "polyrl_flow", "flow_quickstart"
     a = cfg.actor_rollout_ref.actor
     # Tuned on the tiny model (held-out reward, 0-100): lr 3e-4 without KL gave +19 on one seed and -3 on another
     # (a collapse after the first updates); adding beta = 0.01 on the exact step KL stabilised it (seed 7, 50 steps:
@@ -156,11 +156,21 @@ def pick_num_threads() -> int:
     return max(1, min(cores, int(cores - busy + 0.5)))
 
 
+def own_run_dir(cfg) -> list[str]:
+    """Overrides giving a quickstart that names neither trainer.run_dir nor trainer.default_local_dir a fresh run folder
+    with its checkpoints inside, as `polyrl quickstart` does: nothing is resumed or overwritten by accident. Chosen
+    once, before any torchrun relaunch, so that every rank gets the same folder."""
+    t = cfg.trainer
+    if t.run_dir is not None or t.default_local_dir is not None:
+        return []
+    run = Path(f"runs/flow_quickstart/{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    return [f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}"]
+
+
 def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None, val_per_digit: int = 5,
         log=print) -> dict:
     """Build/load, train, print before/after; returns {"before", "after", "seconds", "run_dir"} (rewards 0-100)."""
-    from polyrl.config import build_config, save_config, to_dict
-    from polyrl.utils.tracking import Tracker
+    from polyrl.config import build_config
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -169,25 +179,21 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
     cfg = build_config(default_config(), list(argv or []))
     transformer, clf, encoder = build(settings or BuildSettings(), log=log)
     policy = make_policy(cfg, transformer, encoder)
-    run_dir = Path(cfg.trainer.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if (extra := own_run_dir(cfg)):
+        cfg = build_config(default_config(), [*(argv or []), *extra])
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun (trainer.n_gpus_per_node > 1) rank 0 alone writes
-    if rank0:
-        save_config(cfg, run_dir / "config.yaml")
-    tracker = Tracker(cfg.trainer.logger if rank0 else [], str(run_dir), project_name=cfg.trainer.project_name,
-                      experiment_name=cfg.trainer.experiment_name, config=to_dict(cfg))  # fmt: skip
     from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
     from polyrl.rewards.async_scorer import build_scorer
 
     scorer = build_scorer(cfg.reward, classifier_reward_from_state, (clf.state_dict(),))
-    trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(val_per_digit),
-                              tracker=tracker, async_scorer=scorer)  # fmt: skip
     cfg.trainer.val_before_train = True
+    trainer = FlowGRPOTrainer(cfg, policy, classifier_reward(clf), digit_prompts(1), digit_prompts(val_per_digit),
+                              async_scorer=scorer)  # fmt: skip
+    run_dir = trainer.run_dir
     try:
         history = trainer.fit()
     finally:
-        tracker.close()
         if scorer is not None:
             scorer.close()
     before, after = 100 * history["val"][0], 100 * history["val"][-1]

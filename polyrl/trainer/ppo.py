@@ -32,7 +32,6 @@ from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_con
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.algorithms.validation import process_validation_metrics
-from polyrl.config import save_config, to_dict
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
 from polyrl.distributed import data as dp_data
@@ -44,6 +43,7 @@ from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
 from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
+from polyrl.trainer.core import TrainerCore
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.trainer.oom import OOMGuard, StageContext
@@ -59,11 +59,9 @@ from polyrl.learner.batch import build_batch
 from polyrl.learner.critic import explained_variance
 from polyrl.learner.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
-from polyrl.utils.checkpoint import CheckpointManager
-from polyrl.utils.console import bar_lifted, progress_bar
+from polyrl.utils.console import bar_lifted
 from polyrl.utils.profiler import Profiler
 from polyrl.utils.timing import StepTimer
-from polyrl.utils.tracking import Tracker
 
 
 def resolve_defaults(cfg: PPOConfig) -> None:
@@ -86,7 +84,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
 _NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-class PPOTrainer(CheckpointingMixin):
+class PPOTrainer(CheckpointingMixin, TrainerCore):
     def __init__(self, cfg: PPOConfig, dist: DistEnv | None = None):
         """`dist`: the process view to train in; None joins the torchrun job (the off-policy pipeline passes each
         role a one-process view of its own, trainer/async_ppo.py)."""
@@ -108,9 +106,7 @@ class PPOTrainer(CheckpointingMixin):
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
-        self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
-        self.resume_from = self._resume_path()
-        self.run_dir = self._open_run_dir()  # one per run; a resumed run goes on in its own
+        self.open_run()  # checkpoints, the checkpoint to resume, this run's directory (trainer/core.py)
 
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
                                         custom_chat_template=arr.model.custom_chat_template,
@@ -176,11 +172,9 @@ class PPOTrainer(CheckpointingMixin):
         self.global_step = 0
         self._bar = None  # the progress bar while fit() runs (log lines are written with it lifted)
         if self.dist.is_rank0:
-            save_config(cfg, self.run_dir / "config.yaml")
             self._write_env()
-        self.tracker = Tracker(t.logger if self.dist.is_rank0 else [], str(self.run_dir), project_name=t.project_name,
-                               experiment_name=t.experiment_name, config=to_dict(cfg))
-        self._maybe_resume()
+        self.tracker = self.open_tracker()
+        self.resume()
 
     # ------------------------------------------------------------------------------------------------ setup helpers
     def _make_reference(self, model):
@@ -566,53 +560,10 @@ class PPOTrainer(CheckpointingMixin):
         return all(s in (0.0, 1.0) for s in scores)
 
     # ------------------------------------------------------------------------------------------------ the loop
-    def fit(self, progress=None) -> dict[str, float]:
-        t = self.cfg.trainer
-        last_val: dict[str, float] = {}
-        if t.val_before_train and self.global_step == 0 and self.val_data:
-            last_val = self.validate()
-            self.tracker.log(last_val, step=0)
-            if t.val_only:
-                return last_val
-        elif t.val_only:
-            last_val = self.validate()
-            self.tracker.log(last_val, step=self.global_step)
-            return last_val
-        bar = progress if progress is not None else progress_bar(self.total_steps, initial=self.global_step,
-                                                                 desc="polyrl train",
-                                                                 enabled=t.progress_bar and self.dist.is_rank0)
-        self._bar = bar
-        try:
-            while self.global_step < self.total_steps:
-                metrics = self.step()
-                is_last = self.global_step >= self.total_steps
-                if self.val_data and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
-                    last_val = self.validate()
-                    metrics.update(last_val)
-                elif self.val_data and is_last and t.test_freq <= 0:
-                    last_val = self.validate()
-                    metrics.update(last_val)
-                if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
-                    self.save_checkpoint()
-                    metrics.update(self.timer.pop())
-                with bar_lifted(bar):  # the logger's line never shares the bar's line
-                    self.tracker.log(metrics, step=self.global_step)
-                if bar is not None:
-                    bar.update(1)
-                    score = metrics.get("critic/score/mean")
-                    if score is not None:
-                        bar.set_postfix(score=f"{score:.3f}")
-            path = self.save_checkpoint(export_hf=True)
-            self.final_checkpoint = path
-        finally:
-            if bar is not None and progress is None:
-                bar.close()
-            self._bar = None
-            self.tracker.close()
-            self.profiler.close()
+    # fit(), checkpoints and resume: polyrl.trainer.core.TrainerCore
+    def after_fit(self) -> None:
         if self.dist.is_rank0:
             self._write_report()
-        return last_val
 
     def _write_report(self) -> None:
         """report.html beside metrics.jsonl; needs the `file` logger (the report reads metrics.jsonl alone)."""
