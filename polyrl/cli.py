@@ -29,7 +29,8 @@ def _train(argv: list[str]) -> int:
     from polyrl.trainer.ppo import PPOTrainer
 
     cfg = build_config(PPOConfig(), argv)
-    from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
+    from polyrl.distributed.launch import under_torchrun
+    from polyrl.trainer.job import maybe_launch, processes_wanted
     from polyrl.utils.profiler import maybe_relaunch_under_nsys
 
     if not under_torchrun() and processes_wanted(cfg) > 1:

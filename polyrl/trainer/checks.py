@@ -26,7 +26,7 @@ def world_size(cfg) -> int:
     """The trainer's processes: the job's, less the off-policy pipeline's rollout pool."""
     import os
 
-    from polyrl.distributed.launch import rollout_pool_size
+    from polyrl.trainer.job import rollout_pool_size
 
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
