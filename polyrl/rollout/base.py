@@ -1,8 +1,8 @@
 """The rollout interface: what every text-generation backend promises the trainer.
 
 A rollout engine turns prompt token ids into sampled continuations with per-token log-probs.
-It knows nothing about rewards or RL. Backends register themselves by name
-(`actor_rollout_ref.rollout.name`): `native` (ours), `hf` (transformers generate, the reference).
+It knows nothing about rewards or RL. Backends register a builder by name (`actor_rollout_ref.rollout.name`):
+`native` (ours), `hf` (transformers generate, the reference); `make_rollout` dispatches through that registry only.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class RolloutEngine(Protocol):
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {}
+"""name -> `build(cfg: RolloutConfig, model, *, pad_token_id, device, max_model_len) -> RolloutEngine`."""
 
 
 def register_rollout(name: str):

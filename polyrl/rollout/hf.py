@@ -15,7 +15,6 @@ from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
 from polyrl.rollout.sampling import sample
 
 
-@register_rollout("hf")
 class HFRollout:
     def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 512, seed: int = 0):
         self.model = model
@@ -102,3 +101,9 @@ class HFRollout:
 
     def resume(self) -> None:
         pass
+
+
+@register_rollout("hf")
+def build_hf_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> HFRollout:
+    """`rollout.name=hf`: generates with the actor's own module (LoRA adapters apply as they are; no weight copy)."""
+    return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed, max_batch_size=cfg.max_num_seqs)

@@ -489,4 +489,37 @@ class NativeEngine:
         )
 
 
-register_rollout("native")(NativeEngine.from_hf)
+@register_rollout("native")
+def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> NativeEngine:
+    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`."""
+    from polyrl.utils.device import to_dtype
+
+    dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
+    return NativeEngine.from_hf(
+        _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
+
+
+class _MergedLoRAView:
+    """What `NativeEngine.from_hf` reads from an HF model (config, rope, parameters, state dict), for a peft model:
+    the base model's attributes with the LoRA adapters merged into the weights, under plain HF names."""
+
+    def __init__(self, peft_model):
+        from polyrl.models.loader import merged_state_dict
+
+        self._base = peft_model.get_base_model()
+        self._state = merged_state_dict(peft_model)
+
+    def state_dict(self):
+        return self._state
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def _merged_view(model):
+    from peft import PeftModel
+
+    return _MergedLoRAView(model) if isinstance(model, PeftModel) else model
