@@ -82,13 +82,13 @@ def _check_before_launch(cfg, world_size: int) -> None:
     from polyrl.trainer.checks import check_batch_sizes, check_supported
     from polyrl.trainer.ppo import resolve_defaults
 
-    c = copy.deepcopy(cfg)
-    resolve_defaults(c)
-    check_supported(c)
+    resolved = copy.deepcopy(cfg)
+    resolve_defaults(resolved)
+    check_supported(resolved)
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
-        check_batch_sizes(c)
+        check_batch_sizes(resolved)
     finally:
         if previous is None:
             os.environ.pop("WORLD_SIZE")

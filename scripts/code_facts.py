@@ -27,13 +27,14 @@ What it measures, and exactly how:
       - reads it as an attribute (`x.clip_ratio`) or with `getattr(x, "clip_ratio")` / `x["clip_ratio"]`;
       - passes it on as a keyword argument (`f(clip_ratio=...)`) or receives it as a parameter or local name;
     where "the key's names" start as its leaf (`clip_ratio`) and grow by hand copies: `k=<a read of a name>` in a call,
-    `k = <read>` / `self.k = <read>` assignments and `{"k": <read>}` dict entries add `k`, and a function or property `k` that
-    returns a read adds `k` (the read may be wrapped in `float()`, `int()`, `bool()` or a conditional expression); a
-    positional argument adds the parameter it lands in (callees are resolved by name among the closure's functions)
-    as a name followed inside that function only. This repeats until nothing new is found. Reads through another
-    config section that has a key with the same leaf (`val_kwargs.temperature`) are a different key and are left out.
-    The dataclass field that declares the key is not a read. The files are listed with the lines that matched; the
-    count says how many places a reader must visit to follow the key, and how many a rename of it would touch.
+    `k = <read>` / `self.k = <read>` assignments and `{"k": <read>}` dict entries add `k`, and a function or property
+    `k` that returns a read adds `k` (the read may be wrapped in `float()`, `int()`, `bool()` or a conditional
+    expression); a positional argument adds the parameter it lands in (callees are resolved by name among the
+    closure's functions) as a name followed inside that function only. This repeats until nothing new is found.
+    Reads through another config section that has a key with the same leaf (`val_kwargs.temperature`) are a
+    different key and are left out. The dataclass field that declares the key is not a read. The files are listed
+    with the lines that matched; the count says how many places a reader must visit to follow the key, and how many
+    a rename of it would touch.
 
 (e) Basic statistics: number of .py files and lines under polyrl/, number of functions (methods and nested functions
     included) and their median length in lines (`def` to last line, decorators excluded).
@@ -209,7 +210,7 @@ def upward_imports(mods: dict[str, Module]) -> list[dict]:
 def _is_dataclass(cls: ast.ClassDef) -> bool:
     for d in cls.decorator_list:
         d = d.func if isinstance(d, ast.Call) else d
-        if (isinstance(d, ast.Name) and d.id == "dataclass") or (isinstance(d, ast.Attribute) and d.attr == "dataclass"):
+        if (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None)) == "dataclass":
             return True
     return False
 
@@ -407,7 +408,8 @@ def render(f: dict) -> str:
     up = f["distributed_upward_imports"]
     out.append(f"(b) distributed/ modules importing a trainer or CLI module: {len(up)}")
     for u in up:
-        out.append(f"    {u['module']} -> {u['imports']} (line {u['line']}, {'top-level' if u['top_level'] else 'in a function'})")
+        where = "top-level" if u["top_level"] else "in a function"
+        out.append(f"    {u['module']} -> {u['imports']} (line {u['line']}, {where})")
     dup = f["duplicate_config_classes"]
     out.append(f"(c) @dataclass *Config names defined more than once: {len(dup)} (of {f['config_classes']} names)")
     for name, places in dup.items():

@@ -18,7 +18,7 @@ import torch
 from polyrl.distributed.data import merge_step_metrics, shard_evenly, shard_prompts
 from polyrl.distributed.launch import torchrun_command
 from polyrl.trainer.job import maybe_launch
-from polyrl.rollout.base import Rollout
+from polyrl.rollout.base import Generation
 
 # ------------------------------------------------------------------------------------------------ pure functions
 
@@ -107,7 +107,7 @@ class PerPromptSeeded:
         self.model = engine.model
 
     def generate(self, prompt_ids, sampling):
-        out = Rollout(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        out = Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
         for i, p in enumerate(prompt_ids):
             seed = (self.trainer.global_step * 1_000_003 + sum((j + 1) * t for j, t in enumerate(p))) % 2**31
             r = self.inner.generate([p], dataclasses.replace(sampling, seed=seed))

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from polyrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams  # noqa: E402
 from polyrl.rollout.native import NativeEngine  # noqa: E402
 from polyrl.rollout.native.block_manager import BlockManager  # noqa: E402
-from polyrl.rollout.native.sampler import sample  # noqa: E402
+from polyrl.rollout.token_sampling import sample  # noqa: E402
 from polyrl.rollout.native.scheduler import Scheduler, Sequence  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

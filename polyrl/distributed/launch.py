@@ -1,9 +1,9 @@
 """Starting the processes: `torchrun` when the user ran it, polyrl relaunching itself when the job asks for more.
 
-`torchrun --nproc_per_node=N -m polyrl.train KEY=VALUE ...` is the plain way. `polyrl train ... trainer.n_gpus_per_node=N`
-does the same by re-executing itself under `torch.distributed.run` (standalone rendezvous on one node);
-`trainer.nnodes > 1` goes through Ray (`launch_on_ray`), which starts one torchrun agent per node. Inside a torchrun
-child nothing is relaunched: `WORLD_SIZE`/`RANK` are already set.
+`torchrun --nproc_per_node=N -m polyrl.train KEY=VALUE ...` is the plain way. `polyrl train ...
+trainer.n_gpus_per_node=N` does the same by re-executing itself under `torch.distributed.run` (standalone rendezvous
+on one node); `trainer.nnodes > 1` goes through Ray (`launch_on_ray`), which starts one torchrun agent per node.
+Inside a torchrun child nothing is relaunched: `WORLD_SIZE`/`RANK` are already set.
 
 This module knows processes, not configs: a `Job` is the plain numbers a launch needs, and the trainers turn their
 config into one (`polyrl.trainer.job`). Nothing here imports a trainer or the CLI.

@@ -11,7 +11,7 @@ import importlib
 import torch
 
 from polyrl.errors import ConfigError
-from polyrl.rollout.base import ROLLOUT_BACKENDS, Rollout, RolloutEngine, SamplingParams, register_rollout
+from polyrl.rollout.base import ROLLOUT_BACKENDS, Generation, RolloutEngine, SamplingParams, register_rollout
 
 BUILTIN_BACKENDS = ("polyrl.rollout.hf", "polyrl.rollout.native")  # imported on first use: each registers itself
 
@@ -32,5 +32,5 @@ def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_mod
     return backends[cfg.name](cfg, model, pad_token_id=pad_token_id, device=device, max_model_len=max_model_len)
 
 
-__all__ = ["ROLLOUT_BACKENDS", "Rollout", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout",
+__all__ = ["ROLLOUT_BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout",
            "rollout_backends"]

@@ -34,7 +34,7 @@ class SamplingParams:
 
 
 @dataclass
-class Rollout:
+class Generation:
     """Result of `generate`: one row per sample (len(prompt_ids) * n rows, prompt-major).
 
     token_ids[i] are the generated ids only (no prompt), including the stop token if one was emitted.
@@ -55,7 +55,7 @@ class Rollout:
 class RolloutEngine(Protocol):
     """The narrow seam between the trainer and a generation backend."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF parameter names) in place. Colocated: no copy beyond the engine's own layout."""

@@ -11,8 +11,8 @@ from typing import Iterable
 
 import torch
 
-from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
-from polyrl.rollout.sampling import sample
+from polyrl.rollout.base import Generation, SamplingParams, register_rollout
+from polyrl.rollout.token_sampling import sample
 
 
 class HFRollout:
@@ -25,11 +25,11 @@ class HFRollout:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation:
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
-        out = Rollout(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
+        out = Generation(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
         was_training = self.model.training
         self.model.eval()
         try:

@@ -13,7 +13,7 @@ from polyrl.errors import ConfigError
 def rollout_pool_size(cfg) -> int:
     """Processes of the off-policy pipeline's rollout pool (trainer/async_ppo.py); 0 while the engine is colocated."""
     actor_rollout_ref = getattr(cfg, "actor_rollout_ref", None)
-    if actor_rollout_ref is None or getattr(actor_rollout_ref, "hybrid_engine", True):  # the flow config has no such key
+    if actor_rollout_ref is None or getattr(actor_rollout_ref, "hybrid_engine", True):  # flow's config has no such key
         return 0
     return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
 

@@ -28,12 +28,12 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
+from polyrl.rollout.base import Generation, SamplingParams, register_rollout
 from polyrl.rollout.native.attention import FP8, AttnMeta
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
-from polyrl.rollout.native.sampler import sample, sample_fused
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
+from polyrl.rollout.token_sampling import sample, sample_fused
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # vLLM's names; auto = the model's dtype
@@ -406,7 +406,7 @@ class NativeEngine:
 
     # ---- the public call ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation:
         if self.released:
             raise RuntimeError("generate() after release_memory(): call resume() first.")
         n = sampling.n
@@ -481,7 +481,7 @@ class NativeEngine:
                           num_preempted=sched.num_preempted,
                           graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
         rows = [all_seqs[r] for r in range(num_rows)]
-        return Rollout(
+        return Generation(
             prompt_index=[r // n for r in range(num_rows)],
             token_ids=[s.tokens[s.num_prompt :] for s in rows],
             logprobs=[s.logprobs for s in rows],
