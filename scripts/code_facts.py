@@ -14,7 +14,8 @@ What it measures, and exactly how:
     when it holds a CLI module: polyrl.cli, polyrl.train, polyrl.__main__, or any module named `cli` or `*_cli`.
 
 (b) Upward imports from distributed/: modules under polyrl.distributed with an edge (all graph, direct) to a module
-    under polyrl.trainer (or the older polyrl.flow) or to a CLI module.
+    under polyrl.trainer (or the older polyrl.flow) or to a CLI module. The same, wider: any module outside those
+    (learner, rollout, algorithms, models, rewards, data, utils, report, config) with such an edge.
 
 (c) Config classes defined more than once: classes decorated with `@dataclass` whose name ends in `Config`, grouped by
     name; a name defined in two or more places is listed with each place.
@@ -195,13 +196,23 @@ def cycles(mods: dict[str, Module]) -> dict[str, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------------------ (b) upward imports
-def upward_imports(mods: dict[str, Module]) -> list[dict]:
+def _is_loop_or_cli(name: str) -> bool:
+    return name.startswith(UPPER_PACKAGES) or is_cli(name)
+
+
+def upward_imports(mods: dict[str, Module], under: str | None = "polyrl.distributed") -> list[dict]:
+    """Edges from modules under `under` (None: every module that is not a loop, a CLI or the root package) to a
+    loop or CLI module."""
     out = []
     for mod in mods.values():
-        if not (mod.name == "polyrl.distributed" or mod.name.startswith("polyrl.distributed.")):
+        if under is None:
+            inside = not (_is_loop_or_cli(mod.name) or mod.name == "polyrl")
+        else:
+            inside = mod.name == under or mod.name.startswith(f"{under}.")
+        if not inside:
             continue
         for target, top, line in mod.imports:
-            if target.startswith(UPPER_PACKAGES) or is_cli(target):
+            if _is_loop_or_cli(target):
                 out.append({"module": mod.name, "imports": target, "line": line, "top_level": top})
     return out
 
@@ -389,6 +400,7 @@ def facts(root: Path) -> dict:
     return {
         "cycles": cycles(mods),
         "distributed_upward_imports": upward_imports(mods),
+        "lower_layer_upward_imports": upward_imports(mods, under=None),
         "duplicate_config_classes": {k: v for k, v in sorted(defined.items()) if len(v) > 1},
         "config_classes": len(defined),
         "key_paths": key_paths(mods, root),
@@ -408,6 +420,11 @@ def render(f: dict) -> str:
     up = f["distributed_upward_imports"]
     out.append(f"(b) distributed/ modules importing a trainer or CLI module: {len(up)}")
     for u in up:
+        where = "top-level" if u["top_level"] else "in a function"
+        out.append(f"    {u['module']} -> {u['imports']} (line {u['line']}, {where})")
+    low = f["lower_layer_upward_imports"]
+    out.append(f"(b) any module below the loops and CLI importing one: {len(low)}")
+    for u in low:
         where = "top-level" if u["top_level"] else "in a function"
         out.append(f"    {u['module']} -> {u['imports']} (line {u['line']}, {where})")
     dup = f["duplicate_config_classes"]

@@ -32,6 +32,11 @@ def test_nothing_under_distributed_imports_a_trainer_or_the_cli(facts):
     assert facts["distributed_upward_imports"] == []
 
 
+def test_nothing_below_the_loops_imports_a_loop_or_the_cli(facts):
+    """learner, rollout, algorithms, models, rewards, data, utils, report: none imports trainer/ or a CLI module."""
+    assert facts["lower_layer_upward_imports"] == []
+
+
 @pytest.mark.xfail(strict=False, reason="the config-schema branch (one config schema, issue 19) removes the "
                                         "duplicate *Config classes; drop this xfail once it is merged")
 def test_no_config_class_name_is_defined_twice(facts):
@@ -60,4 +65,6 @@ def test_the_checks_can_fail(tmp_path):
                                                           "polyrl.trainer.loop"]]
     assert f["cycles"]["all"][0]["cli"] == ["polyrl.cli"] and f["cycles"]["top_level"] == []
     assert [u["imports"] for u in f["distributed_upward_imports"]] == ["polyrl.cli"]
+    assert [(u["module"], u["imports"]) for u in f["lower_layer_upward_imports"]] == [
+        ("polyrl.distributed.launch", "polyrl.cli")]
     assert list(f["duplicate_config_classes"]) == ["ActorConfig"]
