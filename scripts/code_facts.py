@@ -440,7 +440,7 @@ def render(f: dict) -> str:
             out.append(f"        {path}: {shown}")
     s = f["stats"]
     out.append(f"(e) {s['files']} files, {s['lines']} lines, {s['functions']} functions, "
-               f"median function {s['median_function_lines']} lines")
+               f"median function {s['median_function_lines']:g} lines")
     return "\n".join(out)
 
 
