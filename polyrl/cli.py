@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 USAGE = """usage: polyrl <command> [args]
 
@@ -29,7 +30,8 @@ def _train(argv: list[str]) -> int:
     from polyrl.trainer.ppo import PPOTrainer
 
     cfg = build_config(PPOConfig(), argv)
-    from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
+    from polyrl.distributed.launch import under_torchrun
+    from polyrl.trainer.job import maybe_launch, processes_wanted
     from polyrl.utils.profiler import maybe_relaunch_under_nsys
 
     if not under_torchrun() and processes_wanted(cfg) > 1:
@@ -80,13 +82,13 @@ def _check_before_launch(cfg, world_size: int) -> None:
     from polyrl.trainer.checks import check_batch_sizes, check_supported
     from polyrl.trainer.ppo import resolve_defaults
 
-    c = copy.deepcopy(cfg)
-    resolve_defaults(c)
-    check_supported(c)
+    resolved = copy.deepcopy(cfg)
+    resolve_defaults(resolved)
+    check_supported(resolved)
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
-        check_batch_sizes(c)
+        check_batch_sizes(resolved)
     finally:
         if previous is None:
             os.environ.pop("WORLD_SIZE")
@@ -109,20 +111,74 @@ def _keys(argv: list[str]) -> int:
 
     which = argv[0] if argv else "train"
     prefix = argv[1] if len(argv) > 1 else ""
-    if which == "sft":
-        from polyrl.trainer.sft import SFTConfig as C
-    elif which == "flow":
-        from polyrl.trainer.flow_config import FlowConfig as C
-    elif which == "train":
-        from polyrl.trainer.config import PPOConfig as C
-    else:
-        raise UserError(f"`polyrl keys {which}`: use train, sft or flow, optionally followed by a key prefix.")
-    rows = [r for r in key_table(C()) if r[0].startswith(prefix)]
+    if which not in KEY_SCHEMAS:
+        raise UserError(f"`polyrl keys {which}`: use one of {', '.join(KEY_SCHEMAS)}, optionally followed by a key "
+                        "prefix.")
+    rows = [r for r in key_table(KEY_SCHEMAS[which]()) if r[0].startswith(prefix)]
     if not rows:
         raise UserError(f"No {which} key starts with {prefix!r}; run `polyrl keys {which}` for all of them.")
     for key, tp, default, help_ in rows:
         print(f"{key}\t{tp}\t{default}\t{help_}")
     return 0
+
+
+def _train_schema():
+    from polyrl.trainer.config import PPOConfig
+
+    return PPOConfig()
+
+
+def _sft_schema():
+    from polyrl.trainer.sft import SFTConfig
+
+    return SFTConfig()
+
+
+def _flow_schema():
+    from polyrl.trainer.flow_config import FlowConfig
+
+    return FlowConfig()
+
+
+KEY_SCHEMAS: dict[str, Callable[[], object]] = {"train": _train_schema, "sft": _sft_schema, "flow": _flow_schema}
+"""`polyrl keys NAME` -> the default config tree whose keys it lists."""
+
+
+def _quickstart(argv: list[str]) -> int:
+    from polyrl.trainer.quickstart import main
+
+    return main(argv)
+
+
+def _flow(argv: list[str]) -> int:
+    from polyrl.trainer.flow_cli import main
+
+    return main(argv)
+
+
+def _data(argv: list[str]) -> int:
+    from polyrl.data.cli import main
+
+    return main(argv)
+
+
+def _models(argv: list[str]) -> int:
+    from polyrl.models.cli import main
+
+    return main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from polyrl.report import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train, "sft": _sft, "quickstart": _quickstart, "flow": _flow, "data": _data, "models": _models,
+    "report": _report, "keys": _keys,
+}
+"""`polyrl NAME ...` -> its handler (each imports what it needs when it runs: `polyrl keys` loads no trainer)."""
 
 
 def dispatch(argv: list[str]) -> int:
@@ -135,35 +191,11 @@ def dispatch(argv: list[str]) -> int:
 
         print(overrides_help(cmd, cmd))
         return 0
-    if cmd == "train":
-        return _train(rest)
-    if cmd == "sft":
-        return _sft(rest)
-    if cmd == "quickstart":
-        from polyrl.trainer.quickstart import main
+    if cmd not in COMMANDS:
+        from polyrl.errors import UserError
 
-        return main(rest)
-    if cmd == "flow":
-        from polyrl.trainer.flow_cli import main
-
-        return main(rest)
-    if cmd == "data":
-        from polyrl.data.cli import main
-
-        return main(rest)
-    if cmd == "models":
-        from polyrl.models.cli import main
-
-        return main(rest)
-    if cmd == "report":
-        from polyrl.report import main
-
-        return main(rest)
-    if cmd == "keys":
-        return _keys(rest)
-    from polyrl.errors import UserError
-
-    raise UserError(f"Unknown command '{cmd}'; run `polyrl --help` for the list.")
+        raise UserError(f"Unknown command '{cmd}'; run `polyrl --help` for the list.")
+    return COMMANDS[cmd](rest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,7 +232,7 @@ def test_pipeline_keys_are_refused_when_they_cannot_apply():
 
 def test_launch_counts_the_rollout_process():
     from polyrl.config import build_config
-    from polyrl.distributed.launch import processes_wanted
+    from polyrl.trainer.job import processes_wanted
     from polyrl.trainer.config import PPOConfig
 
     assert processes_wanted(build_config(PPOConfig(), [])) == 1

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from polyrl.distributed.data import merge_step_metrics, shard_evenly, shard_prompts
-from polyrl.distributed.launch import maybe_launch, torchrun_command
-from polyrl.rollout.base import Rollout
+from polyrl.distributed.launch import torchrun_command
+from polyrl.trainer.job import maybe_launch
+from polyrl.rollout.base import Generation
 
 # ------------------------------------------------------------------------------------------------ pure functions
 
@@ -106,7 +107,7 @@ class PerPromptSeeded:
         self.model = engine.model
 
     def generate(self, prompt_ids, sampling):
-        out = Rollout(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        out = Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
         for i, p in enumerate(prompt_ids):
             seed = (self.trainer.global_step * 1_000_003 + sum((j + 1) * t for j, t in enumerate(p))) % 2**31
             r = self.inner.generate([p], dataclasses.replace(sampling, seed=seed))
@@ -244,7 +245,7 @@ def ray_local():
 def test_reward_worker_scores_apart_from_the_trainer(ray_local):
     from polyrl.rewards import RewardManager, build_reward_fn
     from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
-    from polyrl.distributed.ray_cluster import RemoteReward
+    from polyrl.rewards.remote import RemoteReward
 
     overlong = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, log=True)
     samples = [("polyrl/reverse", "cba", "cba", {}), ("polyrl/reverse", "abc", "cba", {}),
@@ -259,7 +260,7 @@ def test_reward_worker_scores_apart_from_the_trainer(ray_local):
 
 def test_trainer_uses_the_ray_reward_worker(ray_local, tiny_model_dir, synth_data_dir, tmp_path):
     from polyrl.config import build_config
-    from polyrl.distributed.ray_cluster import RemoteReward
+    from polyrl.rewards.remote import RemoteReward
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.ppo import PPOTrainer
 
@@ -271,7 +272,7 @@ def test_trainer_uses_the_ray_reward_worker(ray_local, tiny_model_dir, synth_dat
 
 
 def test_reward_gpus_are_shared_by_a_nodes_ranks(monkeypatch):
-    from polyrl.distributed.ray_cluster import reward_gpus_per_rank
+    from polyrl.rewards.remote import reward_gpus_per_rank
     from polyrl.errors import ConfigError
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -282,7 +283,7 @@ def test_reward_gpus_are_shared_by_a_nodes_ranks(monkeypatch):
 
 def test_reward_resource_pool_gives_the_ray_worker_gpus(monkeypatch, tiny_model_dir, synth_data_dir, tmp_path):
     """reward_model.enable_resource_pool: each rank's reward actor asks for n_gpus_per_node / ranks per node."""
-    import polyrl.distributed.ray_cluster as rc
+    import polyrl.rewards.remote as rc
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.ppo import PPOTrainer
@@ -302,12 +303,13 @@ def test_reward_resource_pool_gives_the_ray_worker_gpus(monkeypatch, tiny_model_
 def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_dir, tmp_path):
     """trainer.nnodes=2 through Ray: two torchrun agents (SPREAD lets both bundles sit on this one machine)."""
     from polyrl.config import build_config
-    from polyrl.distributed.ray_cluster import launch_on_ray
+    from polyrl.distributed.launch import launch_on_ray
     from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.job import launch_job
 
     argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 1, "trainer.nnodes=2", "trainer.n_gpus_per_node=1")
     os.environ["PYTHONPATH"] = str(Path.cwd())
-    assert launch_on_ray(build_config(PPOConfig(), argv), argv, strategy="SPREAD") == 0
+    assert launch_on_ray(launch_job(build_config(PPOConfig(), argv)), argv, strategy="SPREAD") == 0
     assert (tmp_path / "ckpt" / "global_step_1" / "dcp" / ".metadata").is_file()
     assert len(list((tmp_path / "ckpt" / "global_step_1" / "dcp").glob("*.distcp"))) == 2  # 2 ranks wrote shards
     assert [r["step"] for r in _steps(tmp_path)] == [1]

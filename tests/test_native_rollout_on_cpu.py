@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from polyrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams  # noqa: E402
 from polyrl.rollout.native import NativeEngine  # noqa: E402
 from polyrl.rollout.native.block_manager import BlockManager  # noqa: E402
-from polyrl.rollout.native.sampler import sample  # noqa: E402
+from polyrl.rollout.token_sampling import sample  # noqa: E402
 from polyrl.rollout.native.scheduler import Scheduler, Sequence  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,7 +192,22 @@ def test_unsupported_architecture_names_model_type_and_hf_backend():
     m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with pytest.raises(ValueError, match=r"'gpt2'.*rollout.name=hf"):
         NativeEngine.from_hf(m)
-    assert ROLLOUT_BACKENDS["native"] == NativeEngine.from_hf
+
+
+def test_make_rollout_dispatches_through_the_registry_only(monkeypatch):
+    """A backend is one registered builder: make_rollout calls it by name, and names an unknown one's alternatives."""
+    from polyrl.errors import ConfigError
+    from polyrl.rollout import make_rollout, rollout_backends
+    from polyrl.rollout.config import RolloutConfig
+
+    assert {"hf", "native"} <= set(rollout_backends())
+    built = []
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "echo", lambda cfg, model, **kw: built.append((cfg.name, model, kw)) or "e")
+    cpu = torch.device("cpu")
+    assert make_rollout(RolloutConfig(name="echo"), "m", pad_token_id=3, device=cpu, max_model_len=9) == "e"
+    assert built == [("echo", "m", {"pad_token_id": 3, "device": cpu, "max_model_len": 9})]
+    with pytest.raises(ConfigError, match=r"rollout.name='vllm2'.*\['echo', 'hf', 'native'\]"):
+        make_rollout(RolloutConfig(name="vllm2"), "m", pad_token_id=3, device=cpu, max_model_len=9)
 
 
 def test_bad_requests_fail_with_the_value():

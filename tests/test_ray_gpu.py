@@ -29,8 +29,9 @@ def ray_gpus():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_node_recipe_on_gpus(ray_gpus, tiny_model_dir, synth_data_dir, tmp_path):
     from polyrl.config import build_config
-    from polyrl.distributed.ray_cluster import launch_on_ray
+    from polyrl.distributed.launch import launch_on_ray
     from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.job import launch_job
     from test_distributed_on_cpu import _args, _steps
 
     per_node = min(2, torch.cuda.device_count() // 2)
@@ -40,7 +41,7 @@ def test_two_node_recipe_on_gpus(ray_gpus, tiny_model_dir, synth_data_dir, tmp_p
              "trainer.save_freq=2"]  # fmt: skip
     repo = str(Path(__file__).resolve().parent.parent)  # the agents' children import polyrl (and carried wheels)
     os.environ["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
-    assert launch_on_ray(build_config(PPOConfig(), argv), argv, strategy="SPREAD") == 0
+    assert launch_on_ray(launch_job(build_config(PPOConfig(), argv)), argv, strategy="SPREAD") == 0
     shards = list((tmp_path / "ckpt" / "global_step_2" / "dcp").glob("*.distcp"))
     assert len(shards) == 2 * per_node  # every rank of both "nodes" wrote its shard
     steps = _steps(tmp_path)
@@ -49,7 +50,7 @@ def test_two_node_recipe_on_gpus(ray_gpus, tiny_model_dir, synth_data_dir, tmp_p
 
 
 def test_reward_worker_on_its_own_gpu(ray_gpus):
-    from polyrl.distributed.ray_cluster import RemoteReward
+    from polyrl.rewards.remote import RemoteReward
     from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
 
     def gpu_of_worker():

@@ -115,15 +115,20 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
+KL_CONTROLLERS: dict[str, Callable[..., FixedKLController | AdaptiveKLController]] = {
+    "fixed": lambda kl_coef, target_kl, horizon: FixedKLController(kl_coef=kl_coef),
+    "adaptive": lambda kl_coef, target_kl, horizon: AdaptiveKLController(kl_coef, target_kl, horizon),
+}
+"""algorithm.kl_ctrl.type -> build(kl_coef, target_kl, horizon)."""
+
+
 def make_kl_controller(
     type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: int = 10000
 ) -> FixedKLController | AdaptiveKLController:
     """Build the controller named by algorithm.kl_ctrl.type."""
-    if type == "fixed":
-        return FixedKLController(kl_coef=kl_coef)
-    if type == "adaptive":
-        return AdaptiveKLController(kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
-    raise ConfigError(f"algorithm.kl_ctrl.type={type!r} is not supported; use 'fixed' or 'adaptive'.")
+    if type not in KL_CONTROLLERS:
+        raise ConfigError(f"algorithm.kl_ctrl.type={type!r} is not supported; use one of {sorted(KL_CONTROLLERS)}.")
+    return KL_CONTROLLERS[type](kl_coef, target_kl, horizon)
 
 
 def apply_kl_in_reward(

@@ -12,29 +12,6 @@ all-reduced (see `Actor.update`), the update is the same up to float summation o
 
 from __future__ import annotations
 
-from polyrl.errors import ConfigError
-
-
-def check_data_parallel(cfg, world_size: int) -> None:
-    """Batch arithmetic that sharding by prompt groups needs, beyond `trainer.checks.check_batch_sizes`."""
-    if world_size == 1:
-        return
-    d, a = cfg.data, cfg.actor_rollout_ref.actor
-    if a.ppo_mini_batch_size % world_size:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts cannot be split over "
-            f"{world_size} processes by whole prompt groups; make it a multiple of {world_size}.")
-    if cfg.algorithm.filter_groups.enable:
-        raise ConfigError(
-            "algorithm.filter_groups.enable=True (DAPO dynamic sampling) is single-process only in polyrl: ranks "
-            "would keep different numbers of groups; run with one process or disable filter_groups.")
-    if cfg.critic.enable:
-        raise ConfigError("A critic (algorithm.adv_estimator=gae) is single-process only in polyrl so far; run "
-                          "with one process or use a critic-free estimator such as grpo.")
-    if d.gen_batch_size not in (None, d.train_batch_size):
-        raise ConfigError(f"data.gen_batch_size={d.gen_batch_size} differs from train_batch_size with several "
-                          "processes; leave it unset.")
-
 
 def shard_prompts(num_prompts: int, prompts_per_mini: int, rank: int, world_size: int) -> list[int]:
     """Indices of the prompts rank `rank` owns: its slice of every mini-batch (see module docstring)."""

@@ -116,7 +116,7 @@ class RayRewardScorer:
 
     def __init__(self, factory: Callable, args: tuple = (), num_gpus: float = 1.0, num_cpus: float = 1.0,
                  timeout_s: float = 600.0, address: str | None = None):  # fmt: skip
-        from polyrl.distributed.ray_cluster import reward_cluster
+        from polyrl.rewards.remote import reward_cluster
 
         self.ray = reward_cluster(num_gpus, "reward.reward_model.n_gpus_per_node", address)
         self.actor = self.ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_RayRewardActor).remote(factory, args)
@@ -146,7 +146,7 @@ def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
     (`async_reward`), or None (scored in the trainer). `factory(*args)` builds the reward fn in the worker."""
     pool = reward_cfg.reward_model
     if pool.enable_resource_pool:
-        from polyrl.distributed.ray_cluster import reward_gpus_per_rank
+        from polyrl.rewards.remote import reward_gpus_per_rank
 
         gpus = reward_gpus_per_rank(pool.n_gpus_per_node, "reward.reward_model.n_gpus_per_node")
         return RayRewardScorer(factory, args, num_gpus=gpus)

@@ -1,53 +1,36 @@
-"""Text-generation backends behind one interface (`polyrl.rollout.base.RolloutEngine`)."""
+"""Text-generation backends behind one interface (`polyrl.rollout.base.RolloutEngine`), chosen by name.
+
+Each backend module registers a builder in `ROLLOUT_BACKENDS` (`register_rollout`) when it is imported; the
+registry is the only dispatch, so a new backend is one decorated function and no edit here.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from polyrl.rollout.base import ROLLOUT_BACKENDS, Rollout, RolloutEngine, SamplingParams, register_rollout
+from polyrl.errors import ConfigError
+from polyrl.rollout.base import ROLLOUT_BACKENDS, Generation, RolloutEngine, SamplingParams, register_rollout
+
+BUILTIN_BACKENDS = ("polyrl.rollout.hf", "polyrl.rollout.native")  # imported on first use: each registers itself
+
+
+def rollout_backends() -> dict:
+    """The registry, with the built-in backends loaded."""
+    for module in BUILTIN_BACKENDS:
+        importlib.import_module(module)
+    return ROLLOUT_BACKENDS
 
 
 def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> RolloutEngine:
-    """Build the engine named by `actor_rollout_ref.rollout.name` around the actor's (merged) weights."""
-    if cfg.name == "hf":
-        from polyrl.rollout.hf import HFRollout
-
-        return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed, max_batch_size=cfg.max_num_seqs)
-    if cfg.name == "native":
-        from polyrl.rollout.native.engine import NativeEngine
-
-        from polyrl.utils.device import to_dtype
-
-        dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
-        return NativeEngine.from_hf(
-            _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
-    raise KeyError(cfg.name)  # checks.check_supported refuses other names with a user-facing message
+    """Build the engine named by `actor_rollout_ref.rollout.name` around the actor's weights."""
+    backends = rollout_backends()
+    if cfg.name not in backends:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={cfg.name!r} is not a registered rollout backend; use one "
+                          f"of {sorted(backends)}.")
+    return backends[cfg.name](cfg, model, pad_token_id=pad_token_id, device=device, max_model_len=max_model_len)
 
 
-class _MergedLoRAView:
-    """What `NativeEngine.from_hf` reads from an HF model (config, rope, parameters, state dict), for a peft model:
-    the base model's attributes with the LoRA adapters merged into the weights, under plain HF names."""
-
-    def __init__(self, peft_model):
-        from polyrl.models.loader import merged_state_dict
-
-        self._base = peft_model.get_base_model()
-        self._state = merged_state_dict(peft_model)
-
-    def state_dict(self):
-        return self._state
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-
-def _merged_view(model):
-    from peft import PeftModel
-
-    return _MergedLoRAView(model) if isinstance(model, PeftModel) else model
-
-
-__all__ = ["ROLLOUT_BACKENDS", "Rollout", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout"]
+__all__ = ["ROLLOUT_BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout",
+           "rollout_backends"]

@@ -1,8 +1,8 @@
 """The rollout interface: what every text-generation backend promises the trainer.
 
 A rollout engine turns prompt token ids into sampled continuations with per-token log-probs.
-It knows nothing about rewards or RL. Backends register themselves by name
-(`actor_rollout_ref.rollout.name`): `native` (ours), `hf` (transformers generate, the reference).
+It knows nothing about rewards or RL. Backends register a builder by name (`actor_rollout_ref.rollout.name`):
+`native` (ours), `hf` (transformers generate, the reference); `make_rollout` dispatches through that registry only.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class SamplingParams:
 
 
 @dataclass
-class Rollout:
+class Generation:
     """Result of `generate`: one row per sample (len(prompt_ids) * n rows, prompt-major).
 
     token_ids[i] are the generated ids only (no prompt), including the stop token if one was emitted.
@@ -55,7 +55,7 @@ class Rollout:
 class RolloutEngine(Protocol):
     """The narrow seam between the trainer and a generation backend."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF parameter names) in place. Colocated: no copy beyond the engine's own layout."""
@@ -71,6 +71,7 @@ class RolloutEngine(Protocol):
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {}
+"""name -> `build(cfg: RolloutConfig, model, *, pad_token_id, device, max_model_len) -> RolloutEngine`."""
 
 
 def register_rollout(name: str):

@@ -11,11 +11,10 @@ from typing import Iterable
 
 import torch
 
-from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
-from polyrl.rollout.sampling import sample
+from polyrl.rollout.base import Generation, SamplingParams, register_rollout
+from polyrl.rollout.token_sampling import sample
 
 
-@register_rollout("hf")
 class HFRollout:
     def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 512, seed: int = 0):
         self.model = model
@@ -26,11 +25,11 @@ class HFRollout:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation:
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
-        out = Rollout(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
+        out = Generation(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
         was_training = self.model.training
         self.model.eval()
         try:
@@ -102,3 +101,9 @@ class HFRollout:
 
     def resume(self) -> None:
         pass
+
+
+@register_rollout("hf")
+def build_hf_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> HFRollout:
+    """`rollout.name=hf`: generates with the actor's own module (LoRA adapters apply as they are; no weight copy)."""
+    return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed, max_batch_size=cfg.max_num_seqs)

@@ -26,7 +26,7 @@ def world_size(cfg) -> int:
     """The trainer's processes: the job's, less the off-policy pipeline's rollout pool."""
     import os
 
-    from polyrl.distributed.launch import rollout_pool_size
+    from polyrl.trainer.job import rollout_pool_size
 
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
@@ -155,8 +155,11 @@ def check_supported(cfg) -> None:
         raise ConfigError(
             f"actor_rollout_ref.rollout.name={r.name} is {'installed but not wired into polyrl' if installed else 'not installed'}; "
             "use rollout.name=native (polyrl's own engine, no extra dependency) or rollout.name=hf.")
-    if r.name not in ("native", "hf"):
-        raise ConfigError(f"actor_rollout_ref.rollout.name={r.name!r} is unknown; use native or hf.")
+    from polyrl.rollout import rollout_backends
+
+    if r.name not in rollout_backends():
+        raise ConfigError(f"actor_rollout_ref.rollout.name={r.name!r} is unknown; use one of "
+                          f"{sorted(rollout_backends())}.")
     _check_low_precision_rollout(r)
     if r.tensor_model_parallel_size > 1:
         raise ConfigError(

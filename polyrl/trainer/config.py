@@ -143,7 +143,7 @@ class RewardModelConfig:
     model: dict = field(default_factory=dict)
     """Reward-model settings."""
     launch_reward_fn_async: bool = False
-    """Score in a Ray actor apart from the trainer (polyrl.distributed.ray_cluster.RemoteReward)."""
+    """Score in a Ray actor apart from the trainer (polyrl.rewards.remote.RemoteReward)."""
     enable_resource_pool: bool = False
     """Score in a Ray actor (as launch_reward_fn_async) holding n_gpus_per_node GPUs of its own (a reward model on
     its own GPU). Start Ray with only those GPUs visible (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train

@@ -93,7 +93,8 @@ def train(argv: list[str]) -> int:
 
 def _maybe_launch(cfg, argv: list[str]) -> int | None:
     """The torchrun job's exit status when the config asks for more processes than this one, else None."""
-    from polyrl.distributed.launch import maybe_launch, processes_wanted, under_torchrun
+    from polyrl.distributed.launch import under_torchrun
+    from polyrl.trainer.job import maybe_launch, processes_wanted
     from polyrl.trainer.flow_grpo import check_batches
 
     if under_torchrun() or processes_wanted(cfg) == 1:

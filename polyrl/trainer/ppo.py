@@ -42,6 +42,7 @@ from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported
+from polyrl.trainer.job import check_data_parallel
 from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.core import TrainerCore
 from polyrl.trainer.config import PPOConfig
@@ -101,7 +102,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         self.dist = dist or DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
                                           sp_size=arr.actor.ulysses_sequence_parallel_size,
                                           timeout_s=arr.nccl_timeout)
-        dp_data.check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
+        check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
         arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
@@ -154,8 +155,8 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
             for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
                 setattr(overlong, k, v)
-        if rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (ray_cluster)
-            from polyrl.distributed.ray_cluster import RemoteReward, reward_gpus_per_rank
+        if rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (rewards/remote.py)
+            from polyrl.rewards.remote import RemoteReward, reward_gpus_per_rank
 
             gpus = 0.0
             if rm.enable_resource_pool:  # GPUs of its own, shared by this node's ranks

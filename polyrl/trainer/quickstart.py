@@ -207,7 +207,7 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
 def _run_as_job(cfg, overrides: list[str], run: Path) -> tuple[dict, dict, str]:
     """`polyrl train overrides` as the job the config asks for (torchrun); the validation before the first step and
     after the last are read back from its metrics.jsonl."""
-    from polyrl.distributed.launch import maybe_launch
+    from polyrl.trainer.job import maybe_launch
     from polyrl.errors import UserError
 
     if maybe_launch(cfg, overrides) != 0:

@@ -2,7 +2,7 @@
 prompt sharing, CUDA-graph decode and on-device sampling for Qwen2/2.5/3 and Llama, with no vLLM dependency.
 
 Files, in reading order: model.py (the decoder, fused projections, HF weight mapping), attention.py (+ paged_decode.py,
-the Triton kernel), block_manager.py, scheduler.py, sampler.py, cuda_graph.py, engine.py (the loop and public API).
+the Triton kernel), block_manager.py, scheduler.py, fused.py (the fused sampling and norm kernels), cuda_graph.py, engine.py (the loop and public API).
 Importing this package registers the backend under "native".
 """
 

@@ -28,12 +28,12 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from polyrl.rollout.base import Rollout, SamplingParams, register_rollout
+from polyrl.rollout.base import Generation, SamplingParams, register_rollout
 from polyrl.rollout.native.attention import FP8, AttnMeta
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
-from polyrl.rollout.native.sampler import sample, sample_fused
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
+from polyrl.rollout.token_sampling import sample, sample_fused
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # vLLM's names; auto = the model's dtype
@@ -406,7 +406,7 @@ class NativeEngine:
 
     # ---- the public call ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Generation:
         if self.released:
             raise RuntimeError("generate() after release_memory(): call resume() first.")
         n = sampling.n
@@ -481,7 +481,7 @@ class NativeEngine:
                           num_preempted=sched.num_preempted,
                           graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
         rows = [all_seqs[r] for r in range(num_rows)]
-        return Rollout(
+        return Generation(
             prompt_index=[r // n for r in range(num_rows)],
             token_ids=[s.tokens[s.num_prompt :] for s in rows],
             logprobs=[s.logprobs for s in rows],
@@ -489,4 +489,37 @@ class NativeEngine:
         )
 
 
-register_rollout("native")(NativeEngine.from_hf)
+@register_rollout("native")
+def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> NativeEngine:
+    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`."""
+    from polyrl.utils.device import to_dtype
+
+    dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
+    return NativeEngine.from_hf(
+        _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
+
+
+class _MergedLoRAView:
+    """What `NativeEngine.from_hf` reads from an HF model (config, rope, parameters, state dict), for a peft model:
+    the base model's attributes with the LoRA adapters merged into the weights, under plain HF names."""
+
+    def __init__(self, peft_model):
+        from polyrl.models.loader import merged_state_dict
+
+        self._base = peft_model.get_base_model()
+        self._state = merged_state_dict(peft_model)
+
+    def state_dict(self):
+        return self._state
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def _merged_view(model):
+    from peft import PeftModel
+
+    return _MergedLoRAView(model) if isinstance(model, PeftModel) else model

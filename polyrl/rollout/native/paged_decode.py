@@ -16,11 +16,14 @@ scales before the P.V product, so there is never a dequantised copy in memory.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.attention import AttnMeta
+if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
+    from polyrl.rollout.native.attention import AttnMeta
 
 
 @triton.jit

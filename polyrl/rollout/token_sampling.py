@@ -1,4 +1,8 @@
-"""Token sampling shared by the rollout backends: temperature, top-k, top-p, on the device, no host sync.
+"""Token sampling for the rollout backends: temperature, top-k, top-p, on the device, no host sync.
+
+Two paths: `sample` (torch, every option; the hf backend and the native engine's general case) and `sample_fused`
+(one Triton pass, plain temperature or greedy on CUDA; the native engine's fast path). Not to be confused with the
+data's `PromptSampler` (which prompts a step trains on) or `sde_sampler` (a diffusion model's denoising trajectory).
 
 The returned logprob is log_softmax(logits / temperature) of the chosen token (temperature 1 when greedy), taken
 before top-k/top-p filtering: that is what the trainer recomputes from the same logits, so the two can be compared
@@ -40,3 +44,16 @@ def sample(
     noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(1e-30).log_()
     tok = noise.neg_().add_(filtered).argmax(-1)
     return tok, logits.gather(1, tok[:, None]).squeeze(1) - lse
+
+
+def sample_fused(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA fast path for plain temperature (or greedy) sampling: one Triton pass over the logits.
+
+    The torch path (`sample`) makes ~10 passes over an fp32 [R, V] copy (0.6 ms per step at R=256, V=152k on an H200,
+    12% of a 1.5B decode step). Here a chunked online log-sum-exp pass, then an inverse-CDF draw with one uniform per
+    row from Triton's counter-based RNG keyed by (seed, row), so a seed reproduces the draw. Top-k/top-p use the
+    torch path.
+    """
+    from polyrl.rollout.native.fused import sample_rows  # Triton: imported only when the fast path runs
+
+    return sample_rows(logits_RV, temperature, seed)
