@@ -102,34 +102,34 @@ def _in_order(parts: dict[int, torch.Tensor], batch: int) -> torch.Tensor:
     return out
 
 
-class _RayRewardActor:
-    def __init__(self, factory, args):
-        self.fn = factory(*args)
-
-    def score(self, images, prompts, metadata):
-        return _score(self.fn, images, prompts, metadata).numpy()
+def tensor_reward(factory: Callable, args: tuple) -> Callable:
+    """A `RewardActor` factory: the image reward fn `factory(*args)`, fed and answering numpy (see `_portable`)."""
+    fn = factory(*args)
+    return lambda images, prompts, metadata: _score(fn, images, prompts, metadata).numpy()
 
 
 class RayRewardScorer:
-    """`AsyncRewardScorer`'s interface over one Ray actor with `num_gpus` GPUs (fractions share a GPU: each trainer
-    rank's actor asks for n_gpus_per_node / ranks per node, so the ranks of a node share the node's reward GPUs)."""
+    """`AsyncRewardScorer`'s interface over the Ray reward actor both trainers use (`polyrl.rewards.remote`), with
+    `num_gpus` GPUs (fractions share a GPU: each trainer rank's actor asks for n_gpus_per_node / ranks per node, so
+    the ranks of a node share the node's reward GPUs)."""
 
     def __init__(self, factory: Callable, args: tuple = (), num_gpus: float = 1.0, num_cpus: float = 1.0,
                  timeout_s: float = 600.0, address: str | None = None):  # fmt: skip
-        from polyrl.rewards.remote import reward_cluster
+        from polyrl.rewards.remote import RayReward
 
-        self.ray = reward_cluster(num_gpus, "reward.reward_model.n_gpus_per_node", address)
-        self.actor = self.ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_RayRewardActor).remote(factory, args)
+        self.remote = RayReward(tensor_reward, (factory, args), num_gpus=num_gpus, num_cpus=num_cpus,
+                                key="reward.reward_model.n_gpus_per_node", address=address)  # fmt: skip
+        self.ray = self.remote._ray
         self.timeout_s = timeout_s
         self.refs: dict[int, object] = {}
 
     def submit(self, offset: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
-        self.refs[offset] = self.actor.score.remote(_portable(images), list(prompts), list(metadata))
+        self.refs[offset] = self.remote.submit(_portable(images), list(prompts), list(metadata))
 
     def collect(self, batch: int) -> torch.Tensor:
         refs, self.refs = self.refs, {}
         try:
-            got = self.ray.get(list(refs.values()), timeout=self.timeout_s)
+            got = self.remote.get(list(refs.values()), timeout=self.timeout_s)
         except self.ray.exceptions.GetTimeoutError as e:
             raise RewardError(f"the Ray reward worker returned nothing for {self.timeout_s:.0f}s; "
                               "check the reward fn.") from e
@@ -138,7 +138,7 @@ class RayRewardScorer:
         return _in_order({k: torch.from_numpy(v) for k, v in zip(refs, got)}, batch)
 
     def close(self) -> None:
-        self.ray.kill(self.actor)
+        self.remote.close()
 
 
 def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):

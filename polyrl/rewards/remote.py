@@ -1,8 +1,11 @@
 """The reward function in its own process: a Ray actor on CPUs, or with GPUs of its own for a model-based scorer.
 
-- `RewardWorker` / `RemoteReward`: with `RewardManager.score`'s signature, so the trainer cannot tell the difference.
+- `RewardActor` / `RayReward`: the one Ray reward actor and its client, for both trainers: the actor builds the
+  reward function from a factory in its own process; `submit` returns a future.
+- `RemoteReward`: `RayReward` with `RewardManager.score`'s signature, so the LLM trainer cannot tell the difference.
   It is what `reward_model.launch_reward_fn_async=True` selects; `score_async` returns a future for overlapping the
-  scoring with other work.
+  scoring with other work. FlowGRPO's `async_scorer.RayRewardScorer` is the same actor behind its chunked
+  `submit`/`collect` interface.
 - `reward_cluster`: with `reward_model.enable_resource_pool` the actor holds GPUs of its own; this refuses that
   without a cluster started with only those GPUs visible (a local Ray would hand out the trainer's).
 - `reward_gpus_per_rank`: a node's reward GPUs shared by its ranks. FlowGRPO's `async_scorer.RayRewardScorer` uses
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from polyrl.distributed.ray_cluster import import_ray, init_ray
@@ -43,41 +47,61 @@ def reward_cluster(num_gpus: float, key: str, address: str | None = None) -> Any
     return ray
 
 
-class RewardWorker:
-    """Builds the configured `RewardManager` inside the worker process and scores batches there."""
+class RewardActor:
+    """The one Ray reward actor both trainers use: builds `factory(*args)` once in its own process (a reward model
+    loads there, on the actor's GPUs, never in the trainer) and calls it for each `score`."""
 
-    def __init__(self, custom_reward_function, overlong_buffer, max_response_length: int):
-        from polyrl.rewards import RewardManager, build_reward_fn
+    def __init__(self, factory: Callable, args: tuple):
+        self.fn = factory(*args)
 
-        self.manager = RewardManager(build_reward_fn(custom_reward_function), overlong_buffer=overlong_buffer,
-                                     max_response_length=max_response_length)
-
-    def score(self, samples, response_lengths=None):
-        return self.manager.score(samples, response_lengths=response_lengths)
+    def score(self, *args):
+        return self.fn(*args)
 
     def pid(self) -> int:
         return os.getpid()
 
 
-class RemoteReward:
-    """Client of one `RewardWorker` actor with `RewardManager`'s interface."""
+class RayReward:
+    """Client of one `RewardActor` with `num_gpus` GPUs of its own (`key` names that setting in errors): `submit`
+    returns a future right away, `get` waits for futures."""
 
-    def __init__(self, custom_reward_function, overlong_buffer, max_response_length: int, *, num_cpus: float = 1,
-                 num_gpus: float = 0, address: str | None = None):
-        ray = reward_cluster(num_gpus, "reward_model.n_gpus_per_node", address)
-        self._ray = ray
-        self.actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardWorker).remote(
-            custom_reward_function, overlong_buffer, max_response_length)
+    def __init__(self, factory: Callable, args: tuple = (), *, num_gpus: float = 0.0, num_cpus: float = 1.0,
+                 key: str, address: str | None = None):  # fmt: skip
+        self._ray = reward_cluster(num_gpus, key, address)
+        self.actor = self._ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardActor).remote(factory, args)
 
-    def score_async(self, samples, response_lengths=None):
-        """A Ray ObjectRef; `ray.get` it (or pass it to `result`) when the scores are needed."""
-        return self.actor.score.remote(samples, response_lengths)
+    def submit(self, *args):
+        return self.actor.score.remote(*args)
 
-    def result(self, ref):
-        return self._ray.get(ref)
-
-    def score(self, samples, response_lengths=None):
-        return self.result(self.score_async(samples, response_lengths))
+    def get(self, refs, timeout: float | None = None):
+        return self._ray.get(refs, timeout=timeout)
 
     def close(self) -> None:
         self._ray.kill(self.actor)
+
+
+def manager_score(custom_reward_function, overlong_buffer, max_response_length: int) -> Callable:
+    """The LLM trainer's configured `RewardManager.score`, built where it is called (a `RewardActor` factory)."""
+    from polyrl.rewards import RewardManager, build_reward_fn
+
+    return RewardManager(build_reward_fn(custom_reward_function), overlong_buffer=overlong_buffer,
+                         max_response_length=max_response_length).score
+
+
+class RemoteReward(RayReward):
+    """`RewardManager`'s interface over a `RewardActor` (`reward_model.launch_reward_fn_async`)."""
+
+    def __init__(self, custom_reward_function, overlong_buffer, max_response_length: int, *, num_cpus: float = 1,
+                 num_gpus: float = 0, address: str | None = None):
+        super().__init__(manager_score, (custom_reward_function, overlong_buffer, max_response_length),
+                         num_gpus=num_gpus, num_cpus=num_cpus, key="reward_model.n_gpus_per_node", address=address)
+
+    def score_async(self, samples, response_lengths=None):
+        """A Ray ObjectRef; pass it to `result` when the scores are needed."""
+        return self.submit(samples, response_lengths)
+
+    def result(self, ref):
+        return self.get(ref)
+
+    def score(self, samples, response_lengths=None):
+        return self.result(self.score_async(samples, response_lengths))
