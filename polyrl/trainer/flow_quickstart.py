@@ -92,11 +92,9 @@ def build(settings: BuildSettings, log=print):
 
 
 def _bar(total: int, desc: str):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+    from polyrl.utils.console import progress_bar
+
+    return progress_bar(total, desc=desc)  # on a terminal only: a log file gets no carriage-return redraws
 
 
 def make_policy(cfg: FlowConfig, transformer, encoder) -> FlowPolicy:

@@ -27,6 +27,7 @@ import torch
 
 from polyrl.data.dataset import write_parquet
 from polyrl.data.synthetic import make_rows
+from polyrl.utils.console import progress_bar
 
 
 @dataclass
@@ -156,8 +157,6 @@ def grpo_overrides(model_dir: Path, data_dir: Path, run_dir: Path, s: Quickstart
 
 def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_overrides: list[str] | None = None,
                    settings: QuickstartSettings | None = None) -> dict:
-    from tqdm.auto import tqdm
-
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
     from polyrl.trainer.ppo import PPOTrainer
@@ -172,12 +171,12 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
     write_parquet(train_rows, data_dir / "train.parquet")
     write_parquet(val_rows, data_dir / "val.parquet")
 
-    bar = tqdm(total=s.sft_steps + s.grpo_steps, desc="quickstart", unit="step", dynamic_ncols=True)
+    bar = progress_bar(s.sft_steps + s.grpo_steps, desc="quickstart: build + SFT warm-up")  # a terminal only
     try:
-        bar.set_description("quickstart: build + SFT warm-up")
         base = build_base_model(s)
         sft_dir = warm_up_with_sft(base, train_rows, s, progress=bar)
-        bar.set_description("quickstart: GRPO")
+        if bar is not None:
+            bar.set_description("quickstart: GRPO")
         overrides = grpo_overrides(sft_dir, data_dir, run, s) + list(extra_overrides or [])
         cfg = build_config(PPOConfig(), overrides)
         if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
@@ -190,7 +189,8 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
             after = trainer.fit(progress=bar)
             final = str(getattr(trainer, "final_checkpoint", ""))
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     key = next(k for k in before if k.startswith("val-core/") and "/acc/mean@" in k)
     result = {
         "accuracy_before": before[key],

@@ -194,9 +194,9 @@ def run_sft(cfg: SFTConfig) -> Path:
     save_config(cfg, Path(t.run_dir) / "config.yaml")
     tracker = Tracker(t.logger, t.run_dir, project_name=t.project_name, experiment_name=t.experiment_name,
                       config=to_dict(cfg))
-    from tqdm.auto import tqdm
+    from polyrl.utils.console import progress_bar
 
-    bar = tqdm(total=steps, desc="polyrl sft", unit="step") if t.progress_bar else None
+    bar = progress_bar(steps, desc="polyrl sft", enabled=t.progress_bar)  # a terminal only
     try:
         train_sft(model, samples, pad_id=tok.pad_token_id, batch_size=cfg.data.train_batch_size,
                   micro_batch_size=cfg.data.micro_batch_size_per_gpu, lr=cfg.optim.lr,
