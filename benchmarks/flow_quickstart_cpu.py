@@ -36,12 +36,13 @@ def mismatch(run_dir: str) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true", help="FP8 sampling (CPU emulation) with token-level TIS")
+    ap.add_argument("keys", nargs="*", help="extra KEY=VALUE overrides (e.g. actor_rollout_ref.rollout.seed=7)")
     args = ap.parse_args()
     os.environ["POLYRL_CACHE"] = tempfile.mkdtemp(prefix="polyrl-bench-cache-")
     from polyrl.trainer import flow_quickstart
 
     run = tempfile.mkdtemp(prefix="polyrl-bench-flow-")
-    r = flow_quickstart.run([f"trainer.default_local_dir={run}", *(FP8_KEYS if args.fp8 else [])])
+    r = flow_quickstart.run([f"trainer.default_local_dir={run}", *(FP8_KEYS if args.fp8 else []), *args.keys])
     gain = r["after"] - r["before"]
     device = f"CPU {platform.machine()} ({os.cpu_count()} cores)"
     print(f"device: {device}\nwall time {r['seconds']:.0f} s (limit 300 s); held-out reward {r['before']:.1f} -> "
@@ -59,7 +60,7 @@ def main() -> int:
                  f"IS mean {m['rollout_corr/rollout_is_mean']:.6f}, old_log_prob {m['timing_s/old_log_prob']:.2f} s "
                  f"of gen {m['timing_s/gen']:.2f} s")  # fmt: skip
     append_row(device, "flow_quickstart_cpu", f"tiny flow transformer on rendered digits, FlowGRPO {steps} steps, "
-               f"classifier reward (0-100){extra}", f"{r['seconds']:.0f} s, reward {r['before']:.1f} -> "
+               f"classifier reward (0-100){''.join('; ' + k for k in args.keys)}{extra}", f"{r['seconds']:.0f} s, reward {r['before']:.1f} -> "
                f"{r['after']:.1f} ({gain:+.1f})", limit="300 s budget", ratio_limit=f"{r['seconds'] / 300:.2f} of budget")  # fmt: skip
     return 0 if gain >= 15 and r["seconds"] <= 300 else 1
 
