@@ -14,7 +14,9 @@ mini-batch, so N processes compute the 1-process step up to float summation orde
 
 Deviations from the papers/upstream, on purpose:
 - old log-probs are the rollout's (flow_grpo); verl-omni recomputes them with the actor (~20% of a step). Rollout and
-  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested).
+  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested). With FP8 sampling
+  (`rollout.quantization=fp8`) or `algorithm.rollout_correction` set they are recomputed (`timing_s/old_log_prob`)
+  and the LLM's rollout correction weighs each (sample, trained step) by pi_old / pi_rollout.
 - one SDE window per batch (flow_grpo); verl-omni draws one per sample. The last grid step is always ODE.
 - samples in zero-std groups (advantage exactly 0) are skipped in the update: their loss gradient is 0 anyway.
 - no EMA of the weights (flow_grpo's SD3 eval uses one).
