@@ -163,6 +163,20 @@ def build_pipeline(transformer, *, tiny: bool, device, dtype):
     return pipe
 
 
+def offloaded(encode_fn, text_encoder, device):
+    """`encode_fn` with the text encoder moved to `device` for the call and back to host memory after it."""
+    text_encoder.to("cpu")
+
+    def encode(prompts):
+        text_encoder.to(device)
+        try:
+            return encode_fn(prompts)
+        finally:
+            text_encoder.to("cpu")
+
+    return encode
+
+
 def side_tflop(pipe, prompts: list[str], size: int, device) -> tuple[float, float]:
     """(text encoder TFLOP per prompt, VAE decode TFLOP per image), counted by torch's FLOP counter on one call."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -253,6 +267,9 @@ def main() -> None:
                     help="rollout.quantization=fp8 (e4m3 block GEMMs when sampling) + token-level TIS correction")
     ap.add_argument("--async-reward", action="store_true",
                     help="reward.async_reward: OCR in a worker process while the next rollout chunk is generated")
+    ap.add_argument("--offload-text-encoder", action="store_true",
+                    help="keep the text encoder in host memory except while it encodes (VeRL-Omni's rollout sleeps, "
+                         "weights offloaded, while the actor trains); frees ~14 GiB for FP8 copies / activations")
     ap.add_argument("--judge-gpu", help="also run a VLM-judge-sized model (benchmarks/flow_reward_judge.py) on this "
                                         "device for each image: in the async worker with --async-reward, else in the step")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
@@ -314,7 +331,8 @@ def main() -> None:
         te_tflop, vae_tflop = side_tflop(pipe, [p for p, _ in prompts[:8]], size, device)
         parts = FAMILIES["QwenImagePipeline"](pipe, height=size, width=size, max_sequence_length=256,
                                               guidance_scale=1.0)  # fmt: skip
-        policy = FlowPolicy(transformer, encode_fn=parts.encode_fn, decode_fn=parts.decode_fn, sigmas_fn=parts.sigmas_fn,
+        encode_fn = parts.encode_fn if not args.offload_text_encoder else offloaded(parts.encode_fn, pipe.text_encoder, device)
+        policy = FlowPolicy(transformer, encode_fn=encode_fn, decode_fn=parts.decode_fn, sigmas_fn=parts.sigmas_fn,
                             latent=parts.latent, true_cfg_scale=ro.pipeline.true_cfg_scale, device=device,
                             adapter=parts.adapter)  # fmt: skip
         reward_fn = image_rewards.build_reward({"ocr": 1.0})
