@@ -148,7 +148,8 @@ class FlowGRPOTrainer:
         check_batches(cfg, self.dist.world_size)
         check_correction(cfg)
         # FP8 GEMMs for the sampling forwards only (polyrl/rollout/fp8_dit.py); before compile and sharding
-        self.fp8 = fp8_dit.build(cfg.actor_rollout_ref.rollout.quantization, policy.transformer, self.dist.world_size)
+        self.fp8 = fp8_dit.build(cfg.actor_rollout_ref.rollout.quantization, policy.transformer,
+                                 self.dist.world_size)  # fmt: skip
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
