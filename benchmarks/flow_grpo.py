@@ -1,10 +1,28 @@
-"""FlowGRPO step throughput on the Qwen-Image transformer at its real size (issue 6's headline number).
+"""FlowGRPO step throughput on Qwen-Image at its real size (issues 6 and 23's headline numbers).
 
 Setup: diffusers' default `QwenImageTransformer2DModel()` (60 blocks, 20.4B params) with random bf16 weights, 512^2
 (1,024 image tokens of 64 channels), 10 sampling steps, SDE window 2 in [0, 5), true CFG 4.0 (both branches
-trained), LoRA r64 alpha 128 on verl-omni's target modules, group 16, gradient checkpointing. The text encoder is
-replaced by cached random prompt embeddings (T=128, dim 3584: what the cache holds after the first step anyway) and
-the VAE by a latent-space reward, both reported in the output row; the trainer code is the real one.
+trained), LoRA r64 alpha 128 on verl-omni's target modules, group 16, gradient checkpointing.
+
+Same work as VeRL-Omni (the default, issue 23): a whole `QwenImagePipeline` goes through the same code as `polyrl flow
+train` (`polyrl.models.diffusion.adapters` encode / decode, the trainer, the `ocr` reward), all inside the timed step:
+- text encoder: `Qwen2_5_VLForConditionalGeneration` with Qwen2.5-VL-7B's language model (28 layers, 3584 hidden,
+  28/4 heads, FFN 18944, vocab 152064; random bf16 weights) run by diffusers' `encode_prompt`, logits included as
+  there. Its vision tower is one small block: text-to-image never calls it. The tokenizer is a stand-in that returns
+  random ids, as many as Qwen's would give: the 34 template tokens the pipeline drops, ~4 characters of prompt per
+  token, 5 closing template tokens (`RandomIdTokenizer`).
+- prompt embeddings are cached only where VeRL-Omni caches them: its vLLM-Omni rollout encodes each request's prompt
+  and hands the embeddings to the actor with the sample, so the training passes of that step reuse them and nothing
+  survives the step. Here each step's rollout encodes its prompts once (the group's n images share one encoding,
+  and the negative prompt " " is encoded once per step: vLLM-Omni encodes per request, n times more text-encoder
+  work, ~0.1% of the DiT's), the update reuses them, and the next step encodes again
+  (`actor_rollout_ref.model.cache_prompt_embeds=False`, FlowPolicy's cache cleared in `FlowGRPOTrainer.generate`).
+- VAE: `AutoencoderKLQwenImage()` (the real config, random bf16 weights) decodes every image to 512^2 pixels.
+- reward: rapidocr OCR (`polyrl.rewards.image_rewards`, on the host CPU) against the prompt's quoted text. Random
+  weights draw no text, so rewards are ~0 and every group has zero std: `actor.skip_zero_adv=False` keeps every
+  sample in the update, so the update does the work of a real batch (VeRL-Omni trains every sample).
+`--latent-reward` is the older, lighter run (issue 6's rows): cached random prompt embeddings (T=128) stand in for
+the text encoder and a latent-space reward for VAE + OCR.
 
 Prints images/GPU/s and the timing_s/* breakdown next to VeRL-Omni's 0.305 img/GPU/s (4xH800, LoRA, CFG 4) and the
 compute limit. FLOPs: Qwen-Image is a dual-stream MMDiT, so a token passes through its own stream's weights only
@@ -15,8 +33,9 @@ is 10 x 2 rollout forwards + 2 x 2 trained steps x (fwd + input-grad bwd; LoRA n
 at 790 TFLOP/s dense bf16. (Rows recorded before 2026-11-21 11:00 used 2 x 20.4B x tokens per forward, 2.8x too
 many FLOPs, so their "limit" column, 0.46, was wrong; the measured img/s were right.)
 
-    python benchmarks/flow_grpo.py                  # GPU, real size
-    python benchmarks/flow_grpo.py --tiny --steps 2 # CPU smoke test of the same code path
+    python benchmarks/flow_grpo.py                  # GPU, real size, same work as VeRL-Omni
+    python benchmarks/flow_grpo.py --tiny --steps 1 # CPU smoke test of the same code path
+    python benchmarks/flow_grpo.py --fp8            # FP8 sampling GEMMs + old-log-prob recompute + TIS (issue 23)
     torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py   # data parallel: FSDP2, same work per GPU
 
 Under torchrun every rank builds the same random transformer on its GPU, the trainer shards it with FSDP2 per block,
@@ -27,6 +46,7 @@ and `--prompts` stays per GPU (the global batch is `--prompts` x processes), so 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 
@@ -65,6 +85,165 @@ def forward_tflop(transformer, img_tokens: int, txt_tokens: int) -> float:
     return (dense + 4 * c.num_layers * T**2 * c.num_attention_heads * c.attention_head_dim) / 1e12
 
 
+TEMPLATE_DROPPED, TEMPLATE_KEPT = 34, 5  # Qwen-Image's prompt template tokens before / after the prompt
+WORDS = ["OPEN", "Take With Food", "SALE 50%", "Hello World", "EXIT", "Fresh Bread", "No Parking", "CAFE", "2026",
+         "Welcome Home", "STOP", "Happy Birthday", "Library", "Night Market", "Gate 7", "Best Coffee in Town"]
+SCENES = ["a wooden sign on a rustic door", "a neon sign glowing above a street corner", "a chalkboard menu outside a "
+          "small bakery", "a paper label on a glass jar", "a banner hanging across a busy market street",
+          "a vintage poster on a brick wall", "a hand-painted sign in a sunny garden", "a metal plaque by an "
+          "office entrance"]  # fmt: skip
+
+
+def ocr_prompts(num: int) -> list[tuple[str, dict]]:
+    """flow_grpo's OCR task shape: a scene with text in double quotes, the quoted text as ground truth."""
+    out = []
+    for i in range(num):
+        text = WORDS[i % len(WORDS)]
+        scene = SCENES[(i // len(WORDS) + i) % len(SCENES)]
+        out.append((f'{scene}, with the words "{text}" clearly written on it, high detail, soft light', {}))
+    return out
+
+
+class RandomIdTokenizer:
+    """Stands in for Qwen2.5's tokenizer in `QwenImagePipeline.encode_prompt`: random ids, a Qwen-like count of them
+    (~4 characters per token; the template around the prompt is TEMPLATE_DROPPED + TEMPLATE_KEPT tokens), seeded by
+    the text so a prompt always encodes the same."""
+
+    def __init__(self, vocab_size: int, template: str):
+        self.vocab_size = vocab_size
+        self.template_chars = len(template.format(""))
+
+    def num_tokens(self, text: str) -> int:
+        return TEMPLATE_DROPPED + TEMPLATE_KEPT + max(1, (len(text) - self.template_chars + 3) // 4)
+
+    def __call__(self, texts, max_length=None, padding=True, truncation=True, return_tensors="pt", **_):
+        from transformers import BatchEncoding
+
+        lengths = [min(self.num_tokens(t), max_length or 10**9) for t in texts]
+        ids = torch.zeros(len(texts), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (t, n) in enumerate(zip(texts, lengths)):
+            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
+            ids[i, :n] = torch.randint(self.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+            mask[i, :n] = 1
+        return BatchEncoding({"input_ids": ids, "attention_mask": mask})
+
+
+def build_pipeline(transformer, *, tiny: bool, device, dtype):
+    """A `QwenImagePipeline` around `transformer`: Qwen2.5-VL-7B-shaped text encoder, the real VAE config and the
+    Qwen-Image scheduler config, random weights (tiny shapes with --tiny)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if tiny:
+        text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})  # fmt: skip
+        vae_kw = dict(base_dim=24, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)
+    else:  # Qwen2.5-VL-7B's language model
+        text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6,
+                    max_position_embeddings=128000, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})  # fmt: skip
+        vae_kw = {}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                                                 vocab_size=text["vocab_size"],
+                                                                 hidden_size=text["hidden_size"]))  # fmt: skip
+        vae = AutoencoderKLQwenImage(**vae_kw)
+    torch.set_default_dtype(prev)
+    sch = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
+                                          shift=1.0, shift_terminal=0.02, time_shift_type="exponential",
+                                          use_dynamic_shifting=True)  # fmt: skip
+    pipe = QwenImagePipeline(scheduler=sch, vae=vae.eval(), text_encoder=te.eval(), tokenizer=None,
+                             transformer=transformer)  # fmt: skip
+    pipe.tokenizer = RandomIdTokenizer(text["vocab_size"], pipe.prompt_template_encode)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def offloaded(encode_fn, text_encoder, device):
+    """`encode_fn` with the text encoder moved to `device` for the call and back to host memory after it."""
+    text_encoder.to("cpu")
+
+    def encode(prompts):
+        text_encoder.to(device)
+        try:
+            return encode_fn(prompts)
+        finally:
+            text_encoder.to("cpu")
+
+    return encode
+
+
+def side_tflop(pipe, prompts: list[str], size: int, device) -> tuple[float, float]:
+    """(text encoder TFLOP per prompt, VAE decode TFLOP per image), counted by torch's FLOP counter on one call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from polyrl.models.diffusion.adapters import FAMILIES
+
+    parts = FAMILIES["QwenImagePipeline"](pipe, height=size, width=size, max_sequence_length=256, guidance_scale=1.0)
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as te:
+            parts.encode_fn(prompts)
+        z = torch.randn(1, parts.latent.grid_h * parts.latent.grid_w, parts.latent.channels, device=device)
+        with FlopCounterMode(display=False) as vae:
+            parts.decode_fn(z.to(pipe.vae.dtype))
+    return te.get_total_flops() / len(prompts) / 1e12, vae.get_total_flops() / 1e12
+
+
+MISMATCH_KEYS = ("rollout_corr/kl", "rollout_corr/k3_kl", "training/rollout_probs_diff_mean",
+                 "training/rollout_probs_diff_max", "rollout_corr/rollout_is_mean", "rollout_corr/chi2_token")
+
+
+def latent_reward_fn():
+    """Stands in for VAE + OCR (--latent-reward); depends on the sample, so groups vary. A factory: async workers."""
+
+    def latent_reward(latents, prompts, metadata):
+        return -latents.float().flatten(1).abs().mean(1).cpu()
+
+    return latent_reward
+
+
+def latent_setup(transformer, ro, size: int, text_dim: int, text_len: int, device):
+    """Issue 6's lighter run: random prompt embeddings cached for the whole run, identity decode, latent reward."""
+    grid = size // 16
+    g = torch.Generator().manual_seed(0)
+    table = {}
+
+    def encode(prompts):  # stands in for the Qwen2.5-VL encoder, encoded once per prompt for the whole run
+        for p in prompts:
+            table.setdefault(p, torch.randn(text_len, text_dim, generator=g) * 0.02)
+        return [(table[p], torch.ones(text_len, dtype=torch.long)) for p in prompts]
+
+    def sigmas(n):
+        t = torch.linspace(1, 0, n + 1)
+        return 3 * t / (1 + 2 * t)
+
+    policy = FlowPolicy(transformer, encode_fn=encode, decode_fn=lambda z: z.float(), sigmas_fn=sigmas,
+                        latent=LatentShape(grid, grid, transformer.config.in_channels),
+                        true_cfg_scale=ro.pipeline.true_cfg_scale, device=device)  # fmt: skip
+    prompts = [(f"prompt {i}", {}) for i in range(64)]
+    return policy, latent_reward_fn(), prompts, text_len
+
+
+def work_words(args, result: dict) -> str:
+    """What the row's step did, for BENCHMARKS.md."""
+    if args.latent_reward:
+        words = "random text embeds, latent reward (no VAE/OCR)"
+    else:
+        words = (f"same work: Qwen2.5-VL-7B-shaped text encoder each step (random ids, {result['text_tokens_mean']:.0f} "
+                 f"prompt tokens), VAE decode to 512^2, rapidocr OCR"
+                 f"{f' + VLM-judge-sized model on {args.judge_gpu}' if args.judge_gpu else ''} "
+                 f"{'in a worker process' if args.async_reward else 'in the step'}, all samples trained")  # fmt: skip
+    if args.fp8:
+        words += (f"; FP8 sampling GEMMs + bf16 old-log-prob recompute (timing_s/old_log_prob "
+                  f"{result.get('timing_s/old_log_prob', 0):.1f}s), TIS token 2.0, mismatch KL "
+                  f"{result.get('rollout_corr/kl', float('nan')):.2e}")  # fmt: skip
+    return words
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
@@ -82,6 +261,17 @@ def main() -> None:
     ap.add_argument("--auto-memory", action="store_true",
                     help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
     ap.add_argument("--rollout-micro", type=int, help="images per sampling forward (default: --micro)")
+    ap.add_argument("--latent-reward", action="store_true",
+                    help="issue 6's lighter run: cached random prompt embeddings, latent reward (no text encoder/VAE/OCR)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="rollout.quantization=fp8 (e4m3 block GEMMs when sampling) + token-level TIS correction")
+    ap.add_argument("--async-reward", action="store_true",
+                    help="reward.async_reward: OCR in a worker process while the next rollout chunk is generated")
+    ap.add_argument("--offload-text-encoder", action="store_true",
+                    help="keep the text encoder in host memory except while it encodes (VeRL-Omni's rollout sleeps, "
+                         "weights offloaded, while the actor trains); frees ~14 GiB for FP8 copies / activations")
+    ap.add_argument("--judge-gpu", help="also run a VLM-judge-sized model (benchmarks/flow_reward_judge.py) on this "
+                                        "device for each image: in the async worker with --async-reward, else in the step")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
     ap.add_argument("--note", default="", help="with --record: words added to the row's config column")
@@ -109,18 +299,6 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     grid = size // 16  # VAE /8, packing /2
 
-    g = torch.Generator().manual_seed(0)
-    table = {}
-
-    def encode(prompts):  # stands in for the Qwen2.5-VL encoder; the trainer caches it per prompt anyway
-        for p in prompts:
-            table.setdefault(p, torch.randn(text_len, text_dim, generator=g) * 0.02)
-        return [(table[p], torch.ones(text_len, dtype=torch.long)) for p in prompts]
-
-    def sigmas(n):
-        t = torch.linspace(1, 0, n + 1)
-        return 3 * t / (1 + 2 * t)
-
     cfg = FlowConfig()
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps = 16, 10
@@ -135,9 +313,37 @@ def main() -> None:
     actor.diffusion_loss.clip_ratio = 1e-5
     actor.fsdp_config.reshard_after_forward = not args.keep_gathered
     cfg.trainer.progress_bar = False
-    policy = FlowPolicy(transformer, encode_fn=encode, decode_fn=lambda z: z.float(), sigmas_fn=sigmas,
-                        latent=LatentShape(grid, grid, transformer.config.in_channels),
-                        true_cfg_scale=ro.pipeline.true_cfg_scale, device=device)  # fmt: skip
+    ro.pipeline.height = ro.pipeline.width = size
+    if args.fp8:
+        ro.quantization = "fp8"
+        cfg.algorithm.rollout_correction.rollout_is = "token"  # TIS at 2.0, the LLM side's default threshold
+    cfg.reward.async_reward = args.async_reward
+    if args.latent_reward:
+        policy, reward_fn, prompts, text_tokens = latent_setup(transformer, ro, size, text_dim, text_len, device)
+        cfg.actor_rollout_ref.model.cache_prompt_embeds = True
+        te_tflop = vae_tflop = 0.0
+    else:
+        from polyrl.models.diffusion.adapters import FAMILIES
+        from polyrl.rewards import image_rewards
+
+        pipe = build_pipeline(transformer, tiny=args.tiny, device=device, dtype=dtype)
+        prompts = ocr_prompts(64)
+        te_tflop, vae_tflop = side_tflop(pipe, [p for p, _ in prompts[:8]], size, device)
+        parts = FAMILIES["QwenImagePipeline"](pipe, height=size, width=size, max_sequence_length=256,
+                                              guidance_scale=1.0)  # fmt: skip
+        encode_fn = parts.encode_fn if not args.offload_text_encoder else offloaded(parts.encode_fn, pipe.text_encoder, device)
+        policy = FlowPolicy(transformer, encode_fn=encode_fn, decode_fn=parts.decode_fn, sigmas_fn=parts.sigmas_fn,
+                            latent=parts.latent, true_cfg_scale=ro.pipeline.true_cfg_scale, device=device,
+                            adapter=parts.adapter)  # fmt: skip
+        reward_fn = image_rewards.build_reward({"ocr": 1.0})
+        if args.judge_gpu and not args.async_reward:
+            from benchmarks.flow_reward_judge import judge_reward
+
+            reward_fn = judge_reward(args.judge_gpu, args.tiny)
+        actor.skip_zero_adv = False  # random weights draw no text: train every sample, as a real batch would
+        tok = pipe.tokenizer
+        text_tokens = sum(tok.num_tokens(pipe.prompt_template_encode.format(p)) - TEMPLATE_DROPPED
+                          for p, _ in prompts) / len(prompts)  # fmt: skip
     if not args.full:
         policy.add_lora(64, 128, cfg.actor_rollout_ref.model.target_modules)
         for p in policy.trainable_parameters():  # LoRA weights in fp32 (the base stays bf16)
@@ -152,11 +358,17 @@ def main() -> None:
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    def latent_reward(latents, prompts, metadata):  # stands in for VAE + OCR; depends on the sample, so groups vary
-        return -latents.float().flatten(1).abs().mean(1).cpu()
+    scorer = None
+    if args.async_reward:
+        from polyrl.rewards import image_rewards
+        from polyrl.rewards.async_scorer import build_scorer
 
-    prompts = [(f"prompt {i}", {}) for i in range(64)]
-    trainer = FlowGRPOTrainer(cfg, policy, latent_reward, prompts, prompts[:2], dist=dist)
+        from benchmarks.flow_reward_judge import judge_reward
+
+        scorer = (build_scorer(cfg.reward, latent_reward_fn) if args.latent_reward else
+                  build_scorer(cfg.reward, judge_reward, (args.judge_gpu, args.tiny)) if args.judge_gpu else
+                  build_scorer(cfg.reward, image_rewards.build_reward, ({"ocr": 1.0},)))  # fmt: skip
+    trainer = FlowGRPOTrainer(cfg, policy, reward_fn, prompts, prompts[:2], dist=dist, async_scorer=scorer)
     trainer.step()  # warm-up (allocator, kernels)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -165,19 +377,28 @@ def main() -> None:
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU
     img_s = images / timing["timing_s/step"]  # the slowest rank's step time (merged metrics)
+    if scorer is not None:
+        scorer.close()
     cfg_mult = 1 if args.no_cfg else 2
-    fwd = forward_tflop(transformer, grid * grid, text_len)
+    fwd = forward_tflop(transformer, grid * grid, round(text_tokens))
     trained = 3 if args.full else 2  # forward + input-grad backward (+ weight-grad backward when full FT)
-    tflop_per_image = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * trained)
+    dit_tflop = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * trained)
+    # text encoder: each step's prompts once plus the negative prompt once (shared by the n images of a prompt)
+    te_per_image = te_tflop * (args.prompts + (cfg_mult > 1)) / images
+    tflop_per_image = dit_tflop + te_per_image + vae_tflop
     limit = PEAK_TFLOPS / tflop_per_image
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "processes": dist.world_size,
         "params_B": num_params / 1e9, "build_s": build_s, "images_per_step": images,
         "img_per_gpu_s": img_s, "peer_img_per_gpu_s": PEER_IMG_PER_GPU_S, "limit_img_per_gpu_s": limit,
-        "tflop_per_image": tflop_per_image, "achieved_tflops": img_s * tflop_per_image, **timing,
+        "tflop_per_image": tflop_per_image, "dit_tflop_per_image": dit_tflop, "text_encoder_tflop_per_image": te_per_image,
+        "vae_tflop_per_image": vae_tflop, "text_tokens_mean": text_tokens, "achieved_tflops": img_s * tflop_per_image,
+        "work": "latent reward" if args.latent_reward else "text encoder + DiT + VAE + OCR",
+        "fp8": args.fp8, "async_reward": args.async_reward, "judge_gpu": args.judge_gpu, **timing,
         "max_memory_gb": rows[-1].get("perf/max_memory_allocated_gb", 0.0),
         "ratio_mean": rows[-1].get("actor/ratio_mean"), "pg_clipfrac": rows[-1].get("actor/pg_clipfrac"),
         "grad_norm": rows[-1].get("actor/grad_norm"),
+        **{k: sum(r[k] for r in rows) / len(rows) for k in MISMATCH_KEYS if k in rows[-1]},
         "oom_retries": trainer.oom.num_retries, "grad_ckpt": cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         "micro": actor.ppo_micro_batch_size_per_gpu, "rollout_micro": ro.log_prob_micro_batch_size_per_gpu,
     }  # fmt: skip
@@ -198,8 +419,9 @@ def main() -> None:
                  f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
                  f"{', compiled blocks (update dynamic, rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
-                 f"update {timing['timing_s/update_actor']:.1f}s, ratio_mean {result['ratio_mean']:.6f}; "
-                 f"random text embeds, latent reward (no VAE/OCR){'; ' + args.note if args.note else ''}")  # fmt: skip
+                 f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s, "
+                 f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
+                 f"{'; ' + args.note if args.note else ''}")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
                    f"{img_s / limit:.2f}", path=args.rows_out)  # fmt: skip

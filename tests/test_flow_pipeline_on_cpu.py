@@ -135,3 +135,66 @@ def test_prompts_of_one_length_run_unmasked_with_the_same_velocity(pipe_dir):
         unmasked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, None))
         masked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, torch.ones(2, 5, dtype=torch.long)))
     torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
+
+
+def test_one_step_runs_text_encoder_dit_vae_and_ocr_each_step_with_fp8_sampling(pipe_dir):
+    """Every stage of the real pipeline inside the step: the text encoder encodes each step's prompts (no cache across
+    steps, as VeRL-Omni), the DiT samples with emulated FP8 GEMMs, the VAE decodes, rapidocr scores."""
+    from polyrl.rewards import image_rewards
+
+    torch.manual_seed(0)
+    cfg = _config(4.0, True, False)
+    cfg.actor_rollout_ref.rollout.quantization = "fp8"
+    cfg.algorithm.rollout_correction.rollout_is = "token"
+    cfg.actor_rollout_ref.actor.skip_zero_adv = False  # random weights draw no text: OCR scores 0, train them anyway
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    policy = load_pipeline_policy(pipe_dir, height=p.height, width=p.width, true_cfg_scale=p.true_cfg_scale,
+                                  max_sequence_length=p.max_sequence_length)  # fmt: skip
+    policy.add_lora(4, 8, cfg.actor_rollout_ref.model.target_modules)
+    calls = {"text_encoder": 0, "vae": 0, "ocr": 0}
+    policy.pipe.text_encoder.register_forward_hook(lambda *_: calls.__setitem__("text_encoder", calls["text_encoder"] + 1))
+    decode = policy.pipe.vae.decode
+
+    def counted_decode(z, **kw):
+        calls["vae"] += z.shape[0]
+        return decode(z, **kw)
+
+    policy.pipe.vae.decode = counted_decode
+    reward = image_rewards.build_reward({"ocr": 1.0})
+    ocr = reward.fns["ocr"]
+    read = ocr.read
+    ocr.read = lambda image: calls.__setitem__("ocr", calls["ocr"] + 1) or read(image)
+    prompts = [('a sign that reads "hi"', {}), ('a card that reads "ok"', {})]
+    trainer = FlowGRPOTrainer(cfg, policy, reward, prompts, prompts[:1])
+    for step in (1, 2):
+        before = dict(calls)
+        m = trainer.step()
+        assert calls["text_encoder"] > before["text_encoder"], f"step {step}: prompts not encoded"
+        assert calls["vae"] - before["vae"] == 4 and calls["ocr"] - before["ocr"] == 4  # 2 prompts x n=2
+    names = {id(mod): n for n, mod in policy.transformer.named_modules()}
+    assert any(names[id(lin)].endswith("attn.to_q.base_layer") for lin in trainer.fp8.linears)
+    assert m["training/rollout_probs_diff_max"] > 0 and "rollout_corr/k3_kl" in m  # e4m3 moved the step means
+    assert m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_polyrl_flow_train_runs_fp8_sampling_and_ocr_on_a_local_pipeline(pipe_dir, tmp_path):
+    import json
+
+    from polyrl.trainer import flow_cli
+
+    (tmp_path / "train.txt").write_text('a sign that reads "hi"\na card that reads "ok"\n')
+    run = tmp_path / "run"
+    code = flow_cli.main(["train", f"actor_rollout_ref.model.path={pipe_dir}", f"data.train_files={tmp_path / 'train.txt'}",
+                          "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+                          "actor_rollout_ref.rollout.pipeline.height=32", "actor_rollout_ref.rollout.pipeline.width=32",
+                          "actor_rollout_ref.rollout.pipeline.num_inference_steps=3",
+                          "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
+                          "actor_rollout_ref.rollout.algo.sde_window_size=1", "actor_rollout_ref.model.lora_rank=4",
+                          "actor_rollout_ref.rollout.quantization=fp8", "algorithm.rollout_correction.rollout_is=token",
+                          "trainer.total_training_steps=1", "trainer.test_freq=0", "trainer.logger=[file]",
+                          "trainer.progress_bar=False", f"trainer.default_local_dir={run}"])  # fmt: skip
+    assert code == 0
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("rollout_corr/kl", "training/rollout_probs_diff_mean", "timing_s/old_log_prob", "timing_s/reward"):
+        assert key in row, key

@@ -56,16 +56,21 @@ def clipped_loss(
     num_terms: int,
     kl_B: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights_B: torch.Tensor | None = None,
+    mask_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip loss of one micro-batch at one trained step, normalised by `num_terms` (= samples x steps of the
     whole mini-batch), so summing the micro-batch losses gives the mini-batch mean. Metrics are detached sums
-    over this micro-batch's terms (divide by `num_terms` to get means)."""
+    over this micro-batch's terms (divide by `num_terms` to get means). Rollout correction (polyrl/algorithms/
+    rollout_correction.py) enters as `is_weights_B` (truncated IS weights on the per-sample loss) and `mask_B`
+    (0 for rejected samples), exactly as the LLM's per-token ones do."""
     lp_BT, old_BT, adv_BT = log_prob_B.unsqueeze(-1), old_log_prob_B.unsqueeze(-1), adv_B.unsqueeze(-1)
-    mask_BT = torch.ones_like(lp_BT)
+    mask_BT = torch.ones_like(lp_BT) if mask_B is None else mask_B.to(lp_BT).unsqueeze(-1)
     cfg = PolicyLossConfig(clip_ratio=clip_ratio, clip_ratio_c=1e30)
     pg_loss, _ = policy_loss(
         "vanilla", old_log_prob_BT=old_BT, log_prob_BT=lp_BT, advantages_BT=adv_BT, response_mask_BT=mask_BT,
         loss_agg_mode="token-mean", cfg=cfg, num_tokens=num_terms,
+        rollout_is_weights_BT=None if is_weights_B is None else is_weights_B.to(lp_BT).unsqueeze(-1),
     )  # fmt: skip
     loss = pg_loss
     with torch.no_grad():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.learner.config import FSDPConfig
 from polyrl.trainer.core import LoopConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
@@ -55,6 +56,9 @@ class ModelConfig:
     """Transformer weight dtype: float32, bfloat16 or float16."""
     enable_gradient_checkpointing: bool | None = None
     """Recompute activations in backward (diffusers); None: auto, off until an OOM in the update turns it on."""
+    cache_prompt_embeds: bool = False
+    """Keep each prompt's text-encoder output for the whole run; false: encode each step's prompts at its rollout
+    and reuse them in that step's training passes only (what VeRL-Omni's rollout-to-actor hand-off does)."""
 
 
 @dataclass
@@ -183,6 +187,10 @@ class RolloutConfig:
     Larger than the actor's when training needs a small micro-batch (no gradient checkpointing) but sampling,
     which keeps no activations, runs faster on a larger one. Other batch shapes pick other GPU kernels, so the
     ratio then starts near 1 rather than exactly at 1: watch actor/ratio_mean against the tiny clip_ratio."""
+    quantization: str | None = None
+    """fp8: the sampling forwards run the transformer blocks' GEMMs in e4m3 (CPU: emulated), the trained forwards
+    stay in the model dtype; turns on the old-log-prob recompute that measures the gap (rollout_corr/*). Pair with
+    algorithm.rollout_correction (polyrl/rollout/fp8_dit.py)."""
 
 
 @dataclass
@@ -207,6 +215,9 @@ class AlgorithmConfig:
     """false: Dr.GRPO (no division by the std)."""
     global_std: bool = True
     """Divide by the whole batch's reward std instead of each group's."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """IS weights / rejection between the recomputed and the rollout's per-step log-probs (the LLM's keys; each
+    trained step is one "token"); enabling it recomputes old log-probs. bypass_mode is refused."""
 
 
 @dataclass

@@ -14,7 +14,9 @@ mini-batch, so N processes compute the 1-process step up to float summation orde
 
 Deviations from the papers/upstream, on purpose:
 - old log-probs are the rollout's (flow_grpo); verl-omni recomputes them with the actor (~20% of a step). Rollout and
-  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested).
+  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested). With FP8 sampling
+  (`rollout.quantization=fp8`) or `algorithm.rollout_correction` set they are recomputed (`timing_s/old_log_prob`)
+  and the LLM's rollout correction weighs each (sample, trained step) by pi_old / pi_rollout.
 - one SDE window per batch (flow_grpo); verl-omni draws one per sample. The last grid step is always ODE.
 - samples in zero-std groups (advantage exactly 0) are skipped in the update: their loss gradient is 0 anyway.
 - no EMA of the weights (flow_grpo's SD3 eval uses one).
@@ -38,13 +40,15 @@ from polyrl.distributed import data as dp_data
 from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.distributed.parallelize import param_groups
 from polyrl.algorithms import flow_grpo
+from polyrl.algorithms.rollout_correction import check_rollout_correction, compute_rollout_correction
 from polyrl.distributed import dit_fsdp
-from polyrl.rollout import sde_sampler
+from polyrl.rollout import fp8_dit, sde_sampler
 from polyrl.algorithms import sde as sde_lib
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.distributed.dit_fsdp import weight_dtype
 from polyrl.models.diffusion.pipeline import FlowPolicy
 from polyrl.trainer.core import TrainerCore
+from polyrl.trainer.metrics import rollout_logprob_gap
 from polyrl.trainer.oom import Change, OOMGuard, StageContext
 from polyrl.learner.actor import make_scheduler
 from polyrl.learner.master_weights import MasterWeights
@@ -110,6 +114,15 @@ class Rollout:
     """Index of each sample in the global batch (prompt index x n + j): its noise seed and its row in gathers."""
     traj: sde_sampler.Trajectory
     sigmas: torch.Tensor
+    old_log_probs_KB: torch.Tensor | None = None
+    """The trained policy's log-probs of the rollout's steps before the update (recomputed: FP8 sampling or rollout
+    correction); None: the rollout's own are pi_old."""
+    is_weights_BK: torch.Tensor | None = None
+    """Rollout-correction IS weights per (sample, trained step), or None."""
+    keep_BK: torch.Tensor | None = None
+    """Rollout-correction rejection mask per (sample, trained step), or None."""
+    correction_metrics: dict | None = None
+    """rollout_corr/* and training/rollout_probs_diff_* of this batch."""
 
 
 class FlowGRPOTrainer(TrainerCore):
@@ -133,14 +146,18 @@ class FlowGRPOTrainer(TrainerCore):
         self.dist = dist or DistEnv.setup(next(policy.transformer.parameters()).device.type,
                                           fsdp_size=actor.fsdp_config.fsdp_size,
                                           cpu_offload=actor.fsdp_config.cpu_offload)  # fmt: skip
+        sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
+        check_batches(cfg, self.dist.world_size)
+        check_correction(cfg)
         self.open_run()  # checkpoints, the checkpoint to resume, this run's directory (trainer/core.py)
         self.tracker = tracker or self.open_tracker()
         self.total_steps = cfg.trainer.total_training_steps
         self.timer = timer or StepTimer()
         self.timer.hooks.append(self.profiler)
         self.async_scorer = async_scorer
-        sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
-        check_batches(cfg, self.dist.world_size)
+        # FP8 GEMMs for the sampling forwards only (polyrl/rollout/fp8_dit.py); before compile and sharding
+        self.fp8 = fp8_dit.build(cfg.actor_rollout_ref.rollout.quantization, policy.transformer,
+                                 self.dist.world_size)  # fmt: skip
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
@@ -208,12 +225,15 @@ class FlowGRPOTrainer(TrainerCore):
         train_steps = sde_lib.sde_steps(ro.pipeline.num_inference_steps, sde_window_size=ro.algo.sde_window_size,
                                         sde_window_range=ro.algo.sde_window_range,
                                         timestep_fraction=ro.algo.timestep_fraction, generator=self._noise_gen)  # fmt: skip
+        if not self.cfg.actor_rollout_ref.model.cache_prompt_embeds:  # encoded here, reused by this step's update
+            self.policy.clear_prompt_cache()
         parts = []
         for lo in range(0, len(prompts), chunk):
             chunk_prompts = prompts[lo : lo + chunk]
             gens = sde_sampler.sample_generators(ro.seed, self.global_step, sample_ids[lo : lo + chunk])
             noise = torch.cat([self.policy.noise(1, g) for g in gens])
-            parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level, gens))
+            with fp8_dit.rollout_precision(self.fp8):
+                parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level, gens))
             if self.async_scorer is not None:  # score this chunk in the worker while the next one is generated
                 self.async_scorer.submit(lo, self.policy.decode(parts[-1].final_B).cpu(), chunk_prompts,
                                          metadata[lo : lo + chunk])  # fmt: skip
@@ -260,6 +280,9 @@ class FlowGRPOTrainer(TrainerCore):
         # the optimizer's: FSDP2 leaves a block's *unsharded* parameters registered on the module between a forward
         # without reshard (the last block's) and the next backward, so the module's list is not always these
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self._needs_old_log_probs() and rollout.old_log_probs_KB is None:  # once: an OOM retry keeps it
+            with self.timer.stage("old_log_prob"):
+                self._correct_rollout(rollout)
         self.policy.transformer.train()
         self.mini_batches_applied, num_seen = skip_mini_batches, 0
         for _ in range(actor.ppo_epochs):
@@ -301,7 +324,38 @@ class FlowGRPOTrainer(TrainerCore):
             metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
             metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/num_trained_samples"] = num_terms_all / max(len(traj.step_indices), 1)
+        metrics.update(rollout.correction_metrics or {})
         return metrics
+
+    def _needs_old_log_probs(self) -> bool:
+        """pi_old differs from the sampler's policy (FP8 GEMMs), or a correction needs both: recompute it, as the
+        LLM trainer's old_log_prob pass does for rollout correction."""
+        return self.fp8 is not None or self.cfg.algorithm.rollout_correction.enabled
+
+    @torch.no_grad()
+    def _correct_rollout(self, rollout: Rollout) -> None:
+        """pi_old of every trained step in the trained precision (actor micro-batches, the update's batch shapes), then
+        the shared rollout correction over [samples, trained steps]: each step plays the part of an LLM token."""
+        cfg = self.cfg.actor_rollout_ref
+        algo, traj, sigmas = cfg.rollout.algo, rollout.traj, rollout.sigmas
+        old_KB = torch.empty_like(traj.log_probs_KB)
+        micro = cfg.actor.ppo_micro_batch_size_per_gpu
+        for lo in range(0, len(rollout.prompts), micro):
+            mb = torch.arange(lo, min(lo + micro, len(rollout.prompts)))
+            prompts = [rollout.prompts[i] for i in mb.tolist()]
+            for k, i in enumerate(traj.step_indices):
+                x = traj.latents_KB[k, mb]
+                v = self.policy.velocity(x, sigmas[i].expand(len(mb)).to(x.device), prompts)
+                out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
+                                   sigma_max=float(sigmas[1]), x_next=traj.next_latents_KB[k, mb])  # fmt: skip
+                old_KB[k, mb] = out.log_prob_B.to(old_KB)
+        old_BK, roll_BK = old_KB.t(), traj.log_probs_KB.t()
+        mask_BK = torch.ones_like(old_BK)
+        weights_BK, keep_BK, metrics = compute_rollout_correction(old_BK, roll_BK, mask_BK,
+                                                                  self.cfg.algorithm.rollout_correction)  # fmt: skip
+        metrics.update(rollout_logprob_gap(roll_BK, old_BK, mask_BK))
+        rollout.old_log_probs_KB, rollout.is_weights_BK, rollout.correction_metrics = old_KB, weights_BK, metrics
+        rollout.keep_BK = keep_BK if self.cfg.algorithm.rollout_correction.rollout_rs is not None else None
 
     def _micro_batch_backward(self, rollout: Rollout, adv_B, mb, num_terms: int, scale: float, metric_sums) -> None:
         """Forward + loss (normalised by the mini-batch's `num_terms`) + backward of `loss * scale` for each trained
@@ -324,10 +378,13 @@ class FlowGRPOTrainer(TrainerCore):
                                    noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
                 kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
                                          v=v, ref_v=v_ref)  # fmt: skip
+            old_KB = traj.log_probs_KB if rollout.old_log_probs_KB is None else rollout.old_log_probs_KB
             loss, m = flow_grpo.clipped_loss(
-                out.log_prob_B, traj.log_probs_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
+                out.log_prob_B, old_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
                 clip_ratio=actor.diffusion_loss.clip_ratio, num_terms=num_terms, kl_B=kl_B,
                 kl_coef=actor.kl_loss_coef,
+                is_weights_B=None if rollout.is_weights_BK is None else rollout.is_weights_BK[mb, k],
+                mask_B=None if rollout.keep_BK is None else rollout.keep_BK[mb, k],
             )  # fmt: skip
             (loss * scale).backward()
             keep = 1.0 if scale else 0.0  # padding passes add zeros: every rank ends up with the same metric keys
@@ -488,6 +545,17 @@ class FlowGRPOTrainer(TrainerCore):
         super().fit(progress)
         return {"val": [m[self.val_key] for m in self.val_history],
                 "train": [m["critic/rewards/mean"] for m in self.train_history]}
+
+
+def check_correction(cfg: FlowConfig) -> None:
+    """`algorithm.rollout_correction` as the LLM checks it, less bypass mode (the flow default already is one)."""
+    from polyrl.errors import ConfigError
+
+    rc = cfg.algorithm.rollout_correction
+    check_rollout_correction(rc)
+    if rc.bypass_mode:
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=True: without a correction the flow trainer already "
+                          "uses the rollout's log-probs as old log-probs; set rollout_is or rollout_rs instead.")
 
 
 def _mixed_precision_trainables(module: torch.nn.Module) -> bool:

@@ -5,8 +5,9 @@ One class serves the quickstart's tiny transformer and diffusers pipelines loade
 called, how CFG combines, prompt encoder, decoder, sigma grid) lives in a small adapter in `polyrl/models/diffusion/adapters/`,
 registered by the pipeline's `_class_name`.
 
-- Prompt embeddings are computed once per distinct prompt and cached on the policy's device (the text encoder never
-  runs again; for real pipelines it can then be freed).
+- Prompt embeddings are computed once per distinct prompt and cached on the policy's device. The trainer clears the
+  cache at each rollout unless `actor_rollout_ref.model.cache_prompt_embeds=True`: VeRL-Omni's rollout encodes each
+  request's prompt and hands the embeddings to the actor for that step's training passes; nothing survives the step.
 - CFG: with `true_cfg_scale > 1` one forward runs the batch [positive; negative] and the adapter combines
   v = v_u + g (v_c - v_u) (Qwen-Image then rescales per token, v *= |v_c| / |v|). Gradients flow through both
   branches (flow_grpo Qwen-Image and verl-omni; flow_grpo SD3 detaches the unconditional one). FLUX.1-dev's guidance
@@ -69,6 +70,10 @@ class FlowPolicy:
                 for p, cond in zip(missing, self.encode_fn(missing)):
                     self._cache[p] = tuple(t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
                                            for t in cond)  # fmt: skip
+
+    def clear_prompt_cache(self) -> None:
+        """Forget every prompt embedding: the next use runs the text encoder again."""
+        self._cache.clear()
 
     def prompt_batch(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
         """The batched condition of `prompts` (Qwen-Image: embeds [B, T, D] and mask [B, T])."""

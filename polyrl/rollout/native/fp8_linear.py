@@ -52,17 +52,24 @@ class FP8Linear(nn.Module):
         self.weight_scale.data[lo:hi].copy_(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.is_cuda:
-            y = _scaled_mm_rowwise(x2, self.weight, self.weight_scale, self.bias, self.out_dtype)
-        else:
-            xq, xs = quantize_fp8_rows(x2)
-            w = self.weight.float() * self.weight_scale[:, None]
-            y = ((xq.float() * xs[:, None]) @ w.t()).to(self.out_dtype)
-            if self.bias is not None:
-                y = y + self.bias
-        return y.reshape(*lead, -1)
+        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """x W^T (+ b) with W in e4m3 rows (`quantize_fp8_rows`) and x quantised per token here: `_scaled_mm` on CUDA,
+    the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.is_cuda:
+        y = _scaled_mm_rowwise(x2, w_NK, w_scale_N, bias, out_dtype)
+    else:
+        xq, xs = quantize_fp8_rows(x2)
+        w = w_NK.float() * w_scale_N[:, None]
+        y = ((xq.float() * xs[:, None]) @ w.t()).to(out_dtype)
+        if bias is not None:
+            y = y + bias
+    return y.reshape(*lead, -1)
 
 
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
