@@ -193,7 +193,8 @@ def test_polyrl_flow_train_runs_fp8_sampling_and_ocr_on_a_local_pipeline(pipe_di
                           "actor_rollout_ref.rollout.algo.sde_window_size=1", "actor_rollout_ref.model.lora_rank=4",
                           "actor_rollout_ref.rollout.quantization=fp8", "algorithm.rollout_correction.rollout_is=token",
                           "trainer.total_training_steps=1", "trainer.test_freq=0", "trainer.logger=[file]",
-                          "trainer.progress_bar=False", f"trainer.default_local_dir={run}"])  # fmt: skip
+                          "trainer.progress_bar=False", f"trainer.run_dir={run}",
+                          f"trainer.default_local_dir={run / 'ckpt'}"])  # fmt: skip
     assert code == 0
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("rollout_corr/kl", "training/rollout_probs_diff_mean", "timing_s/old_log_prob", "timing_s/reward"):

@@ -59,20 +59,20 @@ RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 
 def _shrink_flow_update(cfg, ctx: StageContext) -> Change | None:
     """Gradient checkpointing first (the micro-batch shapes stay those of the rollout), then half the micro-batch."""
-    arr = cfg.actor_rollout_ref
-    if not arr.model.enable_gradient_checkpointing:
+    roles = cfg.actor_rollout_ref
+    if not roles.model.enable_gradient_checkpointing:
         ctx.model.enable_gradient_checkpointing()
-        arr.model.enable_gradient_checkpointing = True
+        roles.model.enable_gradient_checkpointing = True
         return Change("actor_rollout_ref.model.enable_gradient_checkpointing", False, True)
-    old = arr.actor.ppo_micro_batch_size_per_gpu
-    arr.actor.ppo_micro_batch_size_per_gpu = max(1, old // 2)
+    old = roles.actor.ppo_micro_batch_size_per_gpu
+    roles.actor.ppo_micro_batch_size_per_gpu = max(1, old // 2)
     return Change("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
 
 
 def _shrink_flow_gen(cfg, ctx: StageContext) -> Change | None:
-    arr = cfg.actor_rollout_ref
-    old = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-    arr.rollout.log_prob_micro_batch_size_per_gpu = max(1, old // 2)
+    roles = cfg.actor_rollout_ref
+    old = roles.rollout.log_prob_micro_batch_size_per_gpu or roles.actor.ppo_micro_batch_size_per_gpu
+    roles.rollout.log_prob_micro_batch_size_per_gpu = max(1, old // 2)
     return Change("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", old, old // 2) if old > 1 else None
 
 
@@ -104,7 +104,7 @@ def check_batches(cfg: FlowConfig, world_size: int) -> None:
 
 
 @dataclass
-class Rollout:
+class FlowSamples:
     """One RL step's samples on this rank: prompts (B = prompts x n), group ids, trajectories and final latents."""
 
     prompts: list[str]
@@ -208,7 +208,7 @@ class FlowGRPOTrainer(TrainerCore):
 
     # ------------------------------------------------------------------ stages
 
-    def generate(self, batch: list[tuple[str, dict]], prompt_ids: list[int] | None = None) -> Rollout:
+    def generate(self, batch: list[tuple[str, dict]], prompt_ids: list[int] | None = None) -> FlowSamples:
         """Sample rollout.n images per prompt in micro-batch chunks; one SDE window for the whole batch.
 
         `prompt_ids`: each prompt's index in the global batch (default 0..len-1); it seeds the samples' noise."""
@@ -244,7 +244,7 @@ class FlowGRPOTrainer(TrainerCore):
             step_indices=parts[0].step_indices,
             final_B=torch.cat([p.final_B for p in parts]),
         )
-        return Rollout(prompts, metadata, group_ids, sample_ids, traj, sigmas)
+        return FlowSamples(prompts, metadata, group_ids, sample_ids, traj, sigmas)
 
     def _sample(self, noise, prompts, sigmas, train_steps, noise_level, generators) -> sde_sampler.Trajectory:
         ro = self.cfg.actor_rollout_ref.rollout
@@ -255,13 +255,13 @@ class FlowGRPOTrainer(TrainerCore):
         return sde_sampler.sample(velocity, noise, sigmas, sde_type=ro.algo.sde_type, noise_level=noise_level,
                               train_steps=train_steps, generators=generators)  # fmt: skip
 
-    def score(self, rollout: Rollout) -> torch.Tensor:
+    def score(self, rollout: FlowSamples) -> torch.Tensor:
         if self.async_scorer is not None:
             return self.async_scorer.collect(len(rollout.prompts))
         images = self.policy.decode(rollout.traj.final_B)
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
-    def update_actor(self, rollout: Rollout, adv_B: torch.Tensor, skip_mini_batches: int = 0) -> dict[str, float]:
+    def update_actor(self, rollout: FlowSamples, adv_B: torch.Tensor, skip_mini_batches: int = 0) -> dict[str, float]:
         """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated).
         `skip_mini_batches`: already applied by an attempt that ran out of memory (trainer/oom.py resumes after them).
 
@@ -333,7 +333,7 @@ class FlowGRPOTrainer(TrainerCore):
         return self.fp8 is not None or self.cfg.algorithm.rollout_correction.enabled
 
     @torch.no_grad()
-    def _correct_rollout(self, rollout: Rollout) -> None:
+    def _correct_rollout(self, rollout: FlowSamples) -> None:
         """pi_old of every trained step in the trained precision (actor micro-batches, the update's batch shapes), then
         the shared rollout correction over [samples, trained steps]: each step plays the part of an LLM token."""
         cfg = self.cfg.actor_rollout_ref
@@ -357,7 +357,7 @@ class FlowGRPOTrainer(TrainerCore):
         rollout.old_log_probs_KB, rollout.is_weights_BK, rollout.correction_metrics = old_KB, weights_BK, metrics
         rollout.keep_BK = keep_BK if self.cfg.algorithm.rollout_correction.rollout_rs is not None else None
 
-    def _micro_batch_backward(self, rollout: Rollout, adv_B, mb, num_terms: int, scale: float, metric_sums) -> None:
+    def _micro_batch_backward(self, rollout: FlowSamples, adv_B, mb, num_terms: int, scale: float, metric_sums) -> None:
         """Forward + loss (normalised by the mini-batch's `num_terms`) + backward of `loss * scale` for each trained
         step of samples `mb`; its metric sums are added to `metric_sums` (zeros when `scale` is 0: a padding pass)."""
         cfg = self.cfg.actor_rollout_ref
@@ -493,10 +493,10 @@ class FlowGRPOTrainer(TrainerCore):
         return f"val-core/{self.cfg.data.data_source}/reward/mean@1"
 
     def _log_samples(self, images_BCHW: torch.Tensor) -> None:
-        arr = (images_BCHW.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        if arr.shape[-1] == 1:
-            arr = arr[..., 0]
-        self.tracker.log_images("val/samples", list(arr), step=self.global_step)
+        pixels = (images_BCHW.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        if pixels.shape[-1] == 1:
+            pixels = pixels[..., 0]
+        self.tracker.log_images("val/samples", list(pixels), step=self.global_step)
 
     # ------------------------------------------------------------------ checkpoints (the protocol: trainer/core.py)
 
