@@ -52,9 +52,11 @@ class FSDPConfig:
     fsdp_size: int = -1
     """Shard group size; -1 shards over all ranks."""
     forward_prefetch: bool = False
-    """FSDP forward prefetch."""
+    """FSDP2 explicit forward prefetch: each block's forward starts the next block's all-gather (several processes;
+    distributed/parallelize.py)."""
     model_dtype: str = "fp32"
-    """Master weight dtype (fp32 or bf16)."""
+    """Dtype the model is built and trained in (verl's name for model.dtype): a non-default value sets model.dtype;
+    the default fp32 defers to model.dtype."""
     dtype: str = "bfloat16"
     """Compute dtype for forward/backward on GPU (autocast); CPU computes in float32."""
     use_torch_compile: bool = False

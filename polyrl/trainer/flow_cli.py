@@ -50,6 +50,9 @@ def train(argv: list[str]) -> int:
     from polyrl.utils.tracking import Tracker
 
     cfg = build_config(FlowConfig(), argv)
+    from polyrl.trainer.checks import check_flow_supported
+
+    check_flow_supported(cfg)  # before launching and loading: fsdp_config.model_dtype sets model.dtype
     code = _maybe_launch(cfg, argv)
     if code is not None:
         return code

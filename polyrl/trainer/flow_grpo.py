@@ -42,6 +42,7 @@ from polyrl.algorithms import flow_grpo
 from polyrl.distributed import dit_fsdp
 from polyrl.rollout import sde_sampler
 from polyrl.algorithms import sde as sde_lib
+from polyrl.trainer.checks import check_flow_supported
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.distributed.dit_fsdp import weight_dtype
 from polyrl.models.diffusion.pipeline import FlowPolicy
@@ -133,6 +134,7 @@ class FlowGRPOTrainer:
         self.async_scorer = async_scorer
         sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
         check_batches(cfg, self.dist.world_size)
+        check_flow_supported(cfg)  # the CLI ran it already; a trainer built directly (tests, quickstart) runs it here
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them

@@ -42,7 +42,7 @@ from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
-from polyrl.trainer.checks import check_batch_sizes, check_supported
+from polyrl.trainer.checks import check_batch_sizes, check_supported, resolve_model_dtypes
 from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
@@ -79,6 +79,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    resolve_model_dtypes(cfg)  # verl's fsdp_config.model_dtype is model.dtype
     resolve_switches(cfg)  # token-budget micro-batches unless a size is set; the budgets themselves: plan_memory
 
 
@@ -593,7 +594,7 @@ class PPOTrainer(CheckpointingMixin):
                     last_val = self.validate()
                     metrics.update(last_val)
                 if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
-                    self.save_checkpoint()
+                    self.save_checkpoint(export_hf="hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
                     metrics.update(self.timer.pop())
                 with bar_lifted(bar):  # the logger's line never shares the bar's line
                     self.tracker.log(metrics, step=self.global_step)

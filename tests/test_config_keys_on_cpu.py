@@ -1,0 +1,286 @@
+"""Every key of `polyrl keys train|sft|flow` is read by the code or refused by a check (STYLE.md rule 13).
+
+The method, static and fast (AST only, nothing is trained):
+
+1. The leaves. Each tree (`PPOConfig`, `SFTConfig`, `FlowConfig`) is walked to its leaf keys, e.g.
+   `actor_rollout_ref.actor.fsdp_config.forward_prefetch`: the leaf name `forward_prefetch`, its parent group
+   `fsdp_config`, and the dataclass that defines it (`FSDPConfig`).
+2. The readers. A tree is read by the modules its trainer imports: the import closure (module-level and
+   function-local imports alike) of the tree's entry modules, plus `polyrl/cli.py`, whose imports are not followed
+   because it dispatches to every trainer. So `data.val_files` read by the RL trainer does not count for `polyrl sft`.
+3. The reads. In those modules, every attribute load `x.name` and `getattr(x, "name")` is a read, with a hint of
+   what `x` is: the last attribute of its dotted chain after expanding local aliases (`a = cfg.actor_rollout_ref.actor`
+   then `a.clip_ratio` is read on `actor`), or the class a parameter is annotated with (`fsdp: FSDPConfig`).
+   Stores (`cfg.x = ...`) are not reads. Field declarations are not reads; methods of config classes are (a property
+   such as `FSDPConfig.cpu_offload` reads its fields on `self`). Whole-tree dumps (`to_dict`, `save_config`) are not
+   attribute reads, so copying a config into config.yaml or a tracker never counts as reading it.
+4. A key is read when its leaf is read on its parent group's name or its class, or (when the receiver is a plain
+   name such as `cfg`, which the AST cannot type) by name alone if no other class of that tree has a field of that
+   name; and when every group on its path is read the same way (`critic.model.fsdp_config` needs a `.fsdp_config`
+   read on a `model`: reading the actor's FSDP settings does not read the critic's).
+5. A key that is not read must be refused: it is in `polyrl.config_checks.REFUSED_KEYS` (keys refused when set to
+   anything but their default), and this test sets each of them to a non-default value and asserts the tree's check
+   raises a ConfigError naming the key.
+
+Limits (why this is a lint, not a proof): reads are matched by name and receiver, not by type inference, so two
+groups with the same name in one tree (`actor_rollout_ref.rollout` and the top-level `rollout`) and a read through an
+untyped function argument can vouch for each other. The test below proves the method catches what it is for: a new
+field nothing reads fails it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+
+import polyrl
+from polyrl.config import set_key
+from polyrl.errors import ConfigError
+
+ROOT = Path(polyrl.__file__).resolve().parent
+ENTRIES = {  # modules that run each tree's trainer; their import closure reads that tree
+    "train": ["trainer/ppo.py", "trainer/async_ppo.py", "trainer/checks.py"],
+    "sft": ["trainer/sft.py"],
+    "flow": ["trainer/flow_cli.py", "trainer/flow_grpo.py", "trainer/flow_quickstart.py"],
+}
+DISPATCHER = "cli.py"  # reads keys of every tree; its imports are not followed
+
+
+def trees() -> dict:
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.flow_config import FlowConfig
+    from polyrl.trainer.sft import SFTConfig
+
+    return {"train": PPOConfig(), "sft": SFTConfig(), "flow": FlowConfig()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    key: str  # dotted
+    cls: str  # the dataclass that declares the field
+    groups: tuple[tuple[str, str], ...]  # (parent name, group name) for every group on the path, outermost first
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit(".", 1)[-1]
+
+    @property
+    def parent(self) -> str:
+        return self.groups[-1][1] if self.groups else ""
+
+
+def leaves(cfg, prefix: str = "", groups: tuple = ()) -> list[Leaf]:
+    out = []
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(val):
+            parent = groups[-1][1] if groups else ""
+            out += leaves(val, f"{prefix}{f.name}.", groups + ((parent, f.name),))
+        else:
+            out.append(Leaf(f"{prefix}{f.name}", type(cfg).__name__, groups))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the readers
+def _module_path(name: str) -> Path | None:
+    rel = name.removeprefix("polyrl").lstrip(".").replace(".", "/")
+    for p in (ROOT / rel / "__init__.py", ROOT / f"{rel}.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _imports(path: Path) -> set[Path]:
+    pkg = path.relative_to(ROOT.parent).with_suffix("").parts
+    pkg = pkg[:-1] if pkg[-1] != "__init__" else pkg[:-1]
+    found = set()
+    for node in ast.walk(_tree(path)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ((base,) if base else ()))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for n in names:
+            if n.startswith("polyrl") and (p := _module_path(n)) is not None:
+                found.add(p)
+    return found
+
+
+def readers(tree: str) -> set[Path]:
+    todo, seen = [ROOT / e for e in ENTRIES[tree]], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or p == ROOT / DISPATCHER:
+            continue
+        seen.add(p)
+        todo += _imports(p)
+    return seen | {ROOT / DISPATCHER}
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+# ----------------------------------------------------------------------------------------------- the reads
+class _Reads(ast.NodeVisitor):
+    """(hint, name) of every attribute load; the hint is the receiver's last dotted part or `class:<Name>`."""
+
+    def __init__(self, config_classes: set[str]):
+        self.config_classes = config_classes
+        self.reads: set[tuple[str, str]] = set()
+        self.scopes: list[dict[str, ast.AST | str]] = [{}]
+
+    def _chain(self, node, depth: int = 0) -> list[str]:
+        if depth > 20:
+            return []
+        if isinstance(node, ast.Attribute):
+            return self._chain(node.value, depth + 1) + [node.attr]
+        if isinstance(node, ast.Name):
+            for scope in reversed(self.scopes):
+                if node.id in scope:
+                    v = scope[node.id]
+                    return [v] if isinstance(v, str) else self._chain(v, depth + 1)
+            return [node.id]
+        return []
+
+    def _hint(self, receiver) -> str:
+        chain = self._chain(receiver)
+        return chain[-1] if chain else ""
+
+    def _bind_function(self, node) -> None:
+        scope: dict[str, ast.AST | str] = {}
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        for a in args:
+            names = {n.id for n in ast.walk(a.annotation) if isinstance(n, ast.Name)} if a.annotation else set()
+            if len(names & self.config_classes) == 1:  # `cfg: FlowConfig`, `custom: CustomRewardConfig | None`
+                scope[a.arg] = f"class:{(names & self.config_classes).pop()}"
+        for sub in ast.walk(node):  # aliases: `a = cfg.actor`, `a, r = x.actor, x.rollout`
+            if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
+                t, v = sub.targets[0], sub.value
+                if isinstance(t, ast.Name) and isinstance(v, (ast.Attribute, ast.Name)):
+                    scope.setdefault(t.id, v)
+                elif isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) and len(t.elts) == len(v.elts):
+                    for te, ve in zip(t.elts, v.elts):
+                        if isinstance(te, ast.Name) and isinstance(ve, (ast.Attribute, ast.Name)):
+                            scope.setdefault(te.id, ve)
+        self.scopes.append(scope)
+
+    def visit_FunctionDef(self, node):
+        self._bind_function(node)
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node):
+        if node.name in self.config_classes:  # field declarations are not reads; methods are, on `self`
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self.scopes.append({"self": f"class:{node.name}"})
+                    self.visit(item)
+                    self.scopes.pop()
+            return
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node):
+        if isinstance(node.ctx, ast.Load):
+            self.reads.add((self._hint(node.value), node.attr))
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            self.reads.add((self._hint(node.args[0]), node.args[1].value))
+        self.generic_visit(node)
+
+
+def reads_in(paths, config_classes: set[str]) -> set[tuple[str, str, frozenset]]:
+    """(hint, name, config classes the module names) of every read in `paths`."""
+    out = set()
+    for p in paths:
+        v = _Reads(config_classes)
+        v.visit(_tree(p))
+        mentions = frozenset(config_classes & _identifiers(p))
+        out |= {(hint, name, mentions) for hint, name in v.reads}
+    return out
+
+
+def _identifiers(path: Path) -> set[str]:
+    tree = _tree(path)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def unread_keys(cfg, reads) -> list[str]:
+    """The leaves of `cfg` that `reads` does not read (the module docstring's step 4)."""
+    ls = leaves(cfg)
+    classes_of_name: dict[str, set[str]] = {}
+    for leaf in ls:
+        classes_of_name.setdefault(leaf.name, set()).add(leaf.cls)
+    group_classes: dict[str, set[str]] = {}  # group name -> classes of the groups with that name
+    _collect_groups(cfg, group_classes)
+    known = set(group_classes) | {f"class:{c}" for cs in group_classes.values() for c in cs}
+    by_name: dict[str, list[tuple[str, frozenset]]] = {}
+    for hint, name, mentions in reads:
+        by_name.setdefault(name, []).append((hint, mentions))
+
+    def read_on(name: str, parent: str, classes: set[str], unique: bool) -> bool:
+        for hint, mentions in by_name.get(name, ()):
+            if hint == parent or hint in {f"class:{c}" for c in classes}:
+                return True
+            if hint not in known and (unique or classes & mentions):  # an untyped receiver: `cfg.x`, `c.enable`
+                return True
+        return False
+
+    def group_read(parent: str, group: str) -> bool:
+        if not parent:  # a top-level group: read on the tree object, whatever it is called
+            return bool(by_name.get(group))
+        return read_on(group, parent, group_classes[parent], unique=len(group_classes[group]) == 1)
+
+    return [leaf.key for leaf in ls
+            if not (read_on(leaf.name, leaf.parent, {leaf.cls}, unique=len(classes_of_name[leaf.name]) == 1)
+                    and all(group_read(p, g) for p, g in leaf.groups))]
+
+
+def _collect_groups(cfg, out: dict[str, set[str]]) -> None:
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(val):
+            out.setdefault(f.name, set()).add(type(val).__name__)
+            _collect_groups(val, out)
+
+
+def config_classes(cfg, out: set[str] | None = None) -> set[str]:
+    out = set() if out is None else out
+    out.add(type(cfg).__name__)
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(v := getattr(cfg, f.name)):
+            config_classes(v, out)
+    return out
+
+
+def unread(tree: str) -> list[str]:
+    cfg = trees()[tree]
+    return unread_keys(cfg, reads_in(readers(tree), config_classes(cfg)))
+
+
+@pytest.mark.parametrize("tree", ["train", "sft", "flow"])
+def test_every_key_is_read_or_refused(tree):
+    from polyrl.config_checks import REFUSED_KEYS
+
+    missing = [k for k in unread(tree) if k not in REFUSED_KEYS.get(tree, {})]
+    assert not missing, (f"`polyrl keys {tree}` accepts keys that nothing reads: {missing}. Read each one where it "
+                         "takes effect, or refuse values other than its default (polyrl.config_checks.REFUSED_KEYS).")
+
+
+if __name__ == "__main__":
+    for t in ("train", "sft", "flow"):
+        print(t, unread(t))
