@@ -18,7 +18,9 @@ The method, static and fast (AST only, nothing is trained):
    name such as `cfg`, which the AST cannot type) by name alone if no other class of that tree has a field of that
    name; and when every group on its path is read the same way (`critic.model.fsdp_config` needs a `.fsdp_config`
    read on a `model`: reading the actor's FSDP settings does not read the critic's).
-5. A key that is not read must be refused: it is in `polyrl.config_checks.REFUSED_KEYS` (keys refused when set to
+   A read inside a call that also names the full key in a string (`to_dtype(cfg.dtype,
+   "actor_rollout_ref.rollout.dtype")`, the user-error convention) reads that key whatever the receiver is.
+5. A key that is not read must be refused: it is in `polyrl.trainer.key_checks.REFUSED_KEYS` (keys refused when set to
    anything but their default), and this test sets each of them to a non-default value and asserts the tree's check
    raises a ConfigError naming the key.
 
@@ -190,12 +192,21 @@ class _Reads(ast.NodeVisitor):
             return
         self.generic_visit(node)
 
+    def _keys_named(self, call) -> list[str]:
+        return [n.value for n in ast.walk(call) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and "." in n.value and " " not in n.value]
+
     def visit_Attribute(self, node):
         if isinstance(node.ctx, ast.Load):
             self.reads.add((self._hint(node.value), node.attr))
         self.generic_visit(node)
 
     def visit_Call(self, node):
+        for key in self._keys_named(node):  # `to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")`
+            leaf = key.rsplit(".", 1)[-1]
+            if any(isinstance(a, ast.Attribute) and a.attr == leaf and isinstance(a.ctx, ast.Load)
+                   for a in ast.walk(node)):
+                self.reads.add((f"key:{key}", leaf))
         if isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
                 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
             self.reads.add((self._hint(node.args[0]), node.args[1].value))
@@ -232,11 +243,13 @@ def unread_keys(cfg, reads) -> list[str]:
     for hint, name, mentions in reads:
         by_name.setdefault(name, []).append((hint, mentions))
 
-    def read_on(name: str, parent: str, classes: set[str], unique: bool) -> bool:
+    def read_on(name: str, parent: str, classes: set[str], unique: bool, key: str = "") -> bool:
         for hint, mentions in by_name.get(name, ()):
+            if key and hint == f"key:{key}":
+                return True
             if hint == parent or hint in {f"class:{c}" for c in classes}:
                 return True
-            if hint not in known and (unique or classes & mentions):  # an untyped receiver: `cfg.x`, `c.enable`
+            if hint not in known and not hint.startswith("key:") and (unique or classes & mentions):  # an untyped receiver: `cfg.x`, `c.enable`
                 return True
         return False
 
@@ -246,7 +259,7 @@ def unread_keys(cfg, reads) -> list[str]:
         return read_on(group, parent, group_classes[parent], unique=len(group_classes[group]) == 1)
 
     return [leaf.key for leaf in ls
-            if not (read_on(leaf.name, leaf.parent, {leaf.cls}, unique=len(classes_of_name[leaf.name]) == 1)
+            if not (read_on(leaf.name, leaf.parent, {leaf.cls}, len(classes_of_name[leaf.name]) == 1, leaf.key)
                     and all(group_read(p, g) for p, g in leaf.groups))]
 
 
@@ -274,11 +287,106 @@ def unread(tree: str) -> list[str]:
 
 @pytest.mark.parametrize("tree", ["train", "sft", "flow"])
 def test_every_key_is_read_or_refused(tree):
-    from polyrl.config_checks import REFUSED_KEYS
+    from polyrl.trainer.key_checks import REFUSED_KEYS
 
     missing = [k for k in unread(tree) if k not in REFUSED_KEYS.get(tree, {})]
     assert not missing, (f"`polyrl keys {tree}` accepts keys that nothing reads: {missing}. Read each one where it "
-                         "takes effect, or refuse values other than its default (polyrl.config_checks.REFUSED_KEYS).")
+                         "takes effect, or refuse values other than its default (polyrl.trainer.key_checks.REFUSED_KEYS).")
+
+
+def _check(tree: str, cfg) -> None:
+    """The checks each trainer runs on its tree before anything is loaded."""
+    if tree == "train":
+        from polyrl.trainer.checks import check_supported
+        from polyrl.trainer.ppo import resolve_defaults
+
+        resolve_defaults(cfg)
+        check_supported(cfg)
+    elif tree == "flow":
+        from polyrl.trainer.checks import check_flow_supported
+
+        check_flow_supported(cfg)
+    else:
+        from polyrl.trainer.key_checks import refuse_unread
+
+        refuse_unread(cfg, "sft")
+
+
+def _set_non_default(cfg, key: str, value) -> None:
+    """Set `key` to a value of its type other than `value` (its default)."""
+    candidates = [not value] if isinstance(value, bool) else [value + 7] if isinstance(value, (int, float)) else []
+    for candidate in candidates + [7, "something_else", ["x"], {"x": 1}]:
+        if candidate == value:
+            continue
+        try:
+            return set_key(cfg, key, candidate)
+        except ConfigError:
+            continue
+    raise AssertionError(f"no non-default value fits {key}")
+
+
+@pytest.mark.parametrize("tree", ["train", "sft", "flow"])
+def test_refused_keys_are_refused(tree):
+    from polyrl.trainer.key_checks import REFUSED_KEYS, get_key
+
+    _check(tree, trees()[tree])  # the defaults pass
+    for key in REFUSED_KEYS[tree]:
+        cfg = trees()[tree]
+        _set_non_default(cfg, key, get_key(cfg, key))
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            _check(tree, cfg)
+
+
+def test_a_new_field_nobody_reads_fails_the_walk(monkeypatch):
+    """The method catches what it is for: a field added to a config class and read nowhere (a synthetic class
+    mounted in the tree), while the same field read by a module (an AST read on its group) passes."""
+
+    @dataclasses.dataclass
+    class Knobs:
+        fresh_knob: int = 3
+        """A new key."""
+
+    @dataclasses.dataclass
+    class Other:
+        fresh_knob: int = 4
+        """The same name in another group."""
+
+    @dataclasses.dataclass
+    class Tree:
+        actor: Knobs = dataclasses.field(default_factory=Knobs)
+        """A group."""
+        critic: Other = dataclasses.field(default_factory=Other)
+        """Another group."""
+
+    def reads(src: str) -> set:
+        v = _Reads({"Tree", "Knobs", "Other"})
+        v.visit(ast.parse(src))
+        return {(h, n, frozenset()) for h, n in v.reads}
+
+    cfg = Tree()
+    assert unread_keys(cfg, set()) == ["actor.fresh_knob", "critic.fresh_knob"]
+    both = "def f(cfg):\n    a = cfg.actor\n    return a.fresh_knob + cfg.critic.fresh_knob\n"
+    assert unread_keys(cfg, reads(both)) == []
+    # read on the other group only: the actor's key stays unread
+    assert unread_keys(cfg, reads("def f(cfg):\n    return cfg.actor, cfg.critic.fresh_knob\n")) == [
+        "actor.fresh_knob"]
+
+
+def test_a_new_field_in_a_real_config_class_fails_the_walk(monkeypatch):
+    """A field added to the real `FSDPConfig` (shared by the actor, the reference and the critic) is unread in
+    every tree that mounts it."""
+    from polyrl.learner import config as learner_config
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(learner_config.FSDPConfig)]
+    patched = dataclasses.make_dataclass("FSDPConfig", [*fields, ("zz_unread_knob", int, dataclasses.field(
+        default=0))], namespace={"cpu_offload": learner_config.FSDPConfig.cpu_offload})
+    monkeypatch.setattr(learner_config, "FSDPConfig", patched)
+    from polyrl.trainer.flow_config import FlowActorConfig
+
+    cfg = trees()["flow"]
+    cfg.actor_rollout_ref.actor = FlowActorConfig(fsdp_config=patched())
+    missing = unread_keys(cfg, reads_in(readers("flow"), config_classes(cfg)))
+    assert "actor_rollout_ref.actor.fsdp_config.zz_unread_knob" in missing
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.algorithms.advantages import compute_advantage
-from polyrl.algorithms.losses import PolicyLossConfig, agg_loss, policy_loss
+from polyrl.algorithms.losses import LossKnobs, agg_loss, policy_loss
 
 ADV_EPS = 1e-4  # flow_grpo's epsilon in (R - mean) / (std + eps)
 
@@ -62,7 +62,7 @@ def clipped_loss(
     over this micro-batch's terms (divide by `num_terms` to get means)."""
     lp_BT, old_BT, adv_BT = log_prob_B.unsqueeze(-1), old_log_prob_B.unsqueeze(-1), adv_B.unsqueeze(-1)
     mask_BT = torch.ones_like(lp_BT)
-    cfg = PolicyLossConfig(clip_ratio=clip_ratio, clip_ratio_c=1e30)
+    cfg = LossKnobs(clip_ratio=clip_ratio, clip_ratio_c=1e30)
     pg_loss, _ = policy_loss(
         "vanilla", old_log_prob_BT=old_BT, log_prob_BT=lp_BT, advantages_BT=adv_BT, response_mask_BT=mask_BT,
         loss_agg_mode="token-mean", cfg=cfg, num_tokens=num_terms,

@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
+def micro_batch_per_gpu(per_gpu: int | None, deprecated_global: int | None, num_data_shards: int) -> int | None:
+    """verl's pair of micro-batch keys as sequences per GPU: the `*_per_gpu` key, else the deprecated global one
+    divided over the data shards (what verl's workers do); None when neither is set. The trainer and its checks both
+    call this, so they agree."""
+    if per_gpu is not None:
+        return per_gpu
+    return None if deprecated_global is None else deprecated_global // num_data_shards
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -150,7 +159,7 @@ class ActorConfig:
     shuffle: bool = False
     """Shuffle sequences between PPO epochs."""
     data_loader_seed: int | None = None
-    """Seed for the epoch shuffle."""
+    """Seed of the mini-batch shuffle (actor.shuffle); None: trainer.seed."""
     use_torch_compile: bool | None = None
     """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA."""
     ulysses_sequence_parallel_size: int = 1

@@ -13,6 +13,7 @@ import importlib.util
 
 from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
+from polyrl.learner.config import micro_batch_per_gpu
 from polyrl.trainer.async_config import check_async
 from polyrl.trainer.key_checks import refuse_unread
 
@@ -77,12 +78,10 @@ def check_batch_sizes(cfg) -> None:
     if (d.train_batch_size * r.n) % ws:
         raise ConfigError(
             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} is not divisible by the {ws} processes.")
-    micro = a.ppo_micro_batch_size_per_gpu
-    if a.ppo_micro_batch_size is not None and micro is not None:
+    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size_per_gpu is not None:
         raise ConfigError("Set only one of actor.ppo_micro_batch_size (deprecated, global) and "
                           "actor.ppo_micro_batch_size_per_gpu.")
-    if a.ppo_micro_batch_size is not None:
-        micro = a.ppo_micro_batch_size // ws
+    micro = micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, ws)
     if not a.use_dynamic_bsz:
         if micro is None:
             raise ConfigError("Set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (sequences per forward/"
@@ -160,15 +159,15 @@ def check_rollout_switches(r) -> None:
                           "them); set it to True.")
 
 
-def check_critic(c) -> None:
+def check_critic(critic) -> None:
     """Token-budget micro-batches are the actor's alone; the critic cuts micro-batches by sequence count."""
-    if not c.enable:
+    if not critic.enable:
         return
-    default = type(c)()
-    for key, value, unset in (("use_dynamic_bsz", c.use_dynamic_bsz, default.use_dynamic_bsz),
-                              ("ppo_max_token_len_per_gpu", c.ppo_max_token_len_per_gpu,
+    default = type(critic)()
+    for key, value, unset in (("use_dynamic_bsz", critic.use_dynamic_bsz, default.use_dynamic_bsz),
+                              ("ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
                                default.ppo_max_token_len_per_gpu),
-                              ("forward_max_token_len_per_gpu", c.forward_max_token_len_per_gpu,
+                              ("forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
                                default.forward_max_token_len_per_gpu)):
         if value != unset:
             raise ConfigError(f"critic.{key}={value!r}: the critic cuts micro-batches by sequence count, not by token "

@@ -41,6 +41,8 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
         "data.dataloader_num_workers": "prompts are tokenized once at load time, so there is no loader worker",
         "data.return_raw_chat": "the raw chat is always kept with each prompt",
         "actor_rollout_ref.model.use_shm": "models load from local disk, not through shared memory",
+        "actor_rollout_ref.model.use_fused_kernels": _CHUNKED,
+        "actor_rollout_ref.actor.use_fused_kernels": _CHUNKED,
         "actor_rollout_ref.actor.entropy_from_logits_with_chunking": _CHUNKED,
         "actor_rollout_ref.actor.entropy_checkpointing": _CHUNKED,
         "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _CHUNKED,
@@ -56,6 +58,8 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
                                                  "rollout",
         "actor_rollout_ref.rollout.data_parallel_size": "it is derived from the number of processes",
         "actor_rollout_ref.rollout.agent": "single-turn generation is the only loop (no agent loop)",
+        **{f"critic.model.{k}": "the critic trains every weight (no LoRA)"
+           for k in ("lora_rank", "lora_alpha", "target_modules")},
         "critic.shuffle": "the critic's epochs run over the mini-batches in order",
         "critic.checkpoint.async_save": "saves are synchronous and atomic",
         "algorithm.pf_ppo": "PF-PPO is not implemented (algorithm.use_pf_ppo is refused too)",
