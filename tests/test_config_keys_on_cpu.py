@@ -14,9 +14,10 @@ The method, static and fast (AST only, nothing is trained):
    Stores (`cfg.x = ...`) are not reads. Field declarations are not reads; methods of config classes are (a property
    such as `FSDPConfig.cpu_offload` reads its fields on `self`). Whole-tree dumps (`to_dict`, `save_config`) are not
    attribute reads, so copying a config into config.yaml or a tracker never counts as reading it.
-4. A key is read when its leaf is read on its parent group's name or its class, or (when the receiver is a plain
-   name such as `cfg`, which the AST cannot type) by name alone if no other class of that tree has a field of that
-   name; and when every group on its path is read the same way (`critic.model.fsdp_config` needs a `.fsdp_config`
+4. A key is read when its leaf is read on its parent group's name or its class, or, when the receiver is a plain
+   name the AST cannot type (`cfg.x`, `c.enable`), when no other class of that tree has a field of that name or the
+   module names the key's class (imports it, annotates with it); and when every group on its path is read the same
+   way (`critic.model.fsdp_config` needs a `.fsdp_config`
    read on a `model`: reading the actor's FSDP settings does not read the critic's).
    A read inside a call that also names the full key in a string (`to_dtype(cfg.dtype,
    "actor_rollout_ref.rollout.dtype")`, the user-error convention) reads that key whatever the receiver is.
@@ -26,8 +27,9 @@ The method, static and fast (AST only, nothing is trained):
 
 Limits (why this is a lint, not a proof): reads are matched by name and receiver, not by type inference, so two
 groups with the same name in one tree (`actor_rollout_ref.rollout` and the top-level `rollout`) and a read through an
-untyped function argument can vouch for each other. The test below proves the method catches what it is for: a new
-field nothing reads fails it.
+untyped function argument can vouch for each other, and so can the same key of two trees named in a shared module
+(`algorithm.adv_estimator`; flow's is refused explicitly). The tests below prove the method catches what it is for:
+a new field that nothing reads fails it.
 """
 
 from __future__ import annotations
@@ -249,7 +251,8 @@ def unread_keys(cfg, reads) -> list[str]:
                 return True
             if hint == parent or hint in {f"class:{c}" for c in classes}:
                 return True
-            if hint not in known and not hint.startswith("key:") and (unique or classes & mentions):  # an untyped receiver: `cfg.x`, `c.enable`
+            untyped = hint not in known and not hint.startswith("key:")  # `cfg.x`, `c.enable`
+            if untyped and (unique or classes & mentions):
                 return True
         return False
 
@@ -291,7 +294,8 @@ def test_every_key_is_read_or_refused(tree):
 
     missing = [k for k in unread(tree) if k not in REFUSED_KEYS.get(tree, {})]
     assert not missing, (f"`polyrl keys {tree}` accepts keys that nothing reads: {missing}. Read each one where it "
-                         "takes effect, or refuse values other than its default (polyrl.trainer.key_checks.REFUSED_KEYS).")
+                         "takes effect, or refuse values other than its default "
+                         "(polyrl.trainer.key_checks.REFUSED_KEYS).")
 
 
 def _check(tree: str, cfg) -> None:

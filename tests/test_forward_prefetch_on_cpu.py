@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn

@@ -6,9 +6,9 @@ left (embeddings, final norm, lm_head). Parameter names are unchanged, so HF nam
 
 Knobs (verl's `fsdp_config` keys): `reshard_after_forward`, mixed precision (`mixed_precision.param_dtype` /
 `reduce_dtype`, default bf16 compute with fp32 gradient reduction on GPU; CPU stays fp32 because gloo and CPU
-matmuls gain nothing from bf16), `forward_prefetch` (explicit prefetch of the next block's all-gather), CPU offload (`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps
-parameters, gradients and hence optimizer state on the CPU, all three together) and `fsdp_size` (the mesh, built by
-`DistEnv`).
+matmuls gain nothing from bf16), `forward_prefetch` (explicit prefetch of the next block's all-gather), CPU offload
+(`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps parameters, gradients and hence optimizer
+state on the CPU, all three together) and `fsdp_size` (the mesh, built by `DistEnv`).
 
 Blocks and root of a diffusers DiT (the FlowGRPO trainer): its `*transformer_blocks` lists, and the transformer itself;
 the patch/text/time embeddings and output projection outside the blocks are replicated like an LM's embeddings.

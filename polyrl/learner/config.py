@@ -25,7 +25,8 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.0
     """Warmup as a fraction of the total training steps."""
     total_training_steps: int = -1
-    """Set by the trainer from the data and trainer.total_training_steps."""
+    """verl sets it from the data; polyrl's schedule counts the trainer's steps (trainer.total_training_steps or the
+    epochs), so it must stay -1."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -164,12 +165,12 @@ class ActorConfig:
     """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallel degree (needs as many GPUs)."""
-    entropy_from_logits_with_chunking: bool = False
-    """Accepted for verl; polyrl always computes log-probs and entropy in LM-head chunks (training/logprobs.py)."""
-    entropy_checkpointing: bool = False
-    """Accepted for verl; polyrl always recomputes each chunk's logits in backward (training/logprobs.py)."""
+    entropy_from_logits_with_chunking: bool = True
+    """polyrl always computes log-probs and entropy in LM-head chunks (learner/logprobs.py); False is refused."""
+    entropy_checkpointing: bool = True
+    """polyrl always recomputes each chunk's logits in backward (learner/logprobs.py); False is refused."""
     use_fused_kernels: bool = False
-    """Fused log-prob kernels (polyrl's chunked log-probs play this role; no extra kernel)."""
+    """verl's fused log-prob kernels: refused (polyrl's chunked log-probs play this role; no extra kernel)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy-loss variant and its parameters."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -200,10 +201,10 @@ class RefConfig:
     """Sharding and offload of the reference."""
     use_torch_compile: bool = False
     """torch.compile the reference."""
-    entropy_from_logits_with_chunking: bool = False
-    """Chunked log-softmax for the reference."""
-    entropy_checkpointing: bool = False
-    """Accepted for symmetry with the actor."""
+    entropy_from_logits_with_chunking: bool = True
+    """The reference's log-probs are computed in LM-head chunks too; False is refused."""
+    entropy_checkpointing: bool = True
+    """Accepted for symmetry with the actor (the reference has no backward); False is refused."""
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings."""
 

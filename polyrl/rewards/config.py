@@ -6,7 +6,7 @@ The trainer's config tree mounts these; the keys are the ones verl's DAPO recipe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

@@ -234,7 +234,7 @@ def check_supported(cfg) -> None:
         raise ConfigError("actor_rollout_ref.model.enable_activation_offload needs a GPU; set it to False on CPU.")
     if arr.model.use_liger:
         raise ConfigError("actor_rollout_ref.model.use_liger: Liger kernels are not bundled with polyrl; set it to "
-                          "False (use_fused_kernels gives chunked log-probs without it).")
+                          "False (polyrl computes log-probs in LM-head chunks without it).")
     check_strategies(cfg)
     check_rollout_switches(r)
     check_critic(cfg.critic)
@@ -296,8 +296,8 @@ def resolve_model_dtypes(cfg) -> None:
     resolve_model_dtype(arr.model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config.model_dtype")
     ref = arr.ref.fsdp_config
     key = "actor_rollout_ref.ref.fsdp_config.model_dtype"
-    if ref.model_dtype != type(ref)().model_dtype and to_dtype(ref.model_dtype, key) != to_dtype(arr.model.dtype,
-                                                                                                "actor_rollout_ref.model.dtype"):
+    actor_dtype = to_dtype(arr.model.dtype, "actor_rollout_ref.model.dtype")
+    if ref.model_dtype != type(ref)().model_dtype and to_dtype(ref.model_dtype, key) != actor_dtype:
         raise ConfigError(f"{key}={ref.model_dtype}: the reference is a copy of the actor, built in "
                           f"actor_rollout_ref.model.dtype={arr.model.dtype}; remove it.")
 

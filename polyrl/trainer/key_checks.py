@@ -17,7 +17,9 @@ from typing import Any
 from polyrl.errors import ConfigError
 
 _NO_VERL_WORKERS = "polyrl runs in-process, without verl's workers"
-_CHUNKED = "polyrl always computes log-probs and entropy in LM-head chunks, recomputed in backward (learner/logprobs.py)"
+_CHUNKED = ("polyrl always computes log-probs and entropy in LM-head chunks, recomputed in backward "
+            "(learner/logprobs.py)")
+_FUSED = f"{_CHUNKED}, which is the memory saving the fused kernels are for"
 _FSDP_WRAP = "polyrl's FSDP2 wraps each transformer block (distributed/parallelize.py)"
 _FSDP1 = "it is an FSDP1 flag and polyrl uses FSDP2, whose parameters are always the original ones"
 _TRAINER_SETS = "the trainer sets it from the data and trainer.total_training_steps; set trainer.total_training_steps"
@@ -41,8 +43,8 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
         "data.dataloader_num_workers": "prompts are tokenized once at load time, so there is no loader worker",
         "data.return_raw_chat": "the raw chat is always kept with each prompt",
         "actor_rollout_ref.model.use_shm": "models load from local disk, not through shared memory",
-        "actor_rollout_ref.model.use_fused_kernels": _CHUNKED,
-        "actor_rollout_ref.actor.use_fused_kernels": _CHUNKED,
+        "actor_rollout_ref.model.use_fused_kernels": _FUSED,
+        "actor_rollout_ref.actor.use_fused_kernels": _FUSED,
         "actor_rollout_ref.actor.entropy_from_logits_with_chunking": _CHUNKED,
         "actor_rollout_ref.actor.entropy_checkpointing": _CHUNKED,
         "actor_rollout_ref.ref.entropy_from_logits_with_chunking": _CHUNKED,
@@ -101,4 +103,4 @@ def refuse_unread(cfg: Any, tree: str) -> None:
     for key, why in REFUSED_KEYS[tree].items():
         value, default = get_key(cfg, key), default_of(type(cfg), key)
         if value != default:
-            raise ConfigError(f"{key}={value!r} has no effect in polyrl: {why}. Remove it (default {default!r}).")
+            raise ConfigError(f"{key}={value!r} is not available in polyrl: {why}. Remove it (default {default!r}).")

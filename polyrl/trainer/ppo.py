@@ -124,7 +124,6 @@ class PPOTrainer(CheckpointingMixin):
         self.total_steps = len(self.sampler) * t.total_epochs
         if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
-        arr.actor.optim.total_training_steps = self.total_steps
 
         model = load_policy(arr.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
@@ -593,7 +592,8 @@ class PPOTrainer(CheckpointingMixin):
                     last_val = self.validate()
                     metrics.update(last_val)
                 if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
-                    self.save_checkpoint(export_hf="hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+                    hf = "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents
+                    self.save_checkpoint(export_hf=hf)
                     metrics.update(self.timer.pop())
                 with bar_lifted(bar):  # the logger's line never shares the bar's line
                     self.tracker.log(metrics, step=self.global_step)
