@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
+def mini_batch_per_gpu(prompts: int, n: int, num_data_shards: int) -> int:
+    """Sequences of one mini-batch on each data shard: verl's ppo_mini_batch_size counts prompts, each with n
+    samples, split over the data shards."""
+    return prompts * n // num_data_shards
+
+
 def micro_batch_per_gpu(per_gpu: int | None, deprecated_global: int | None, num_data_shards: int) -> int | None:
     """verl's pair of micro-batch keys as sequences per GPU: the `*_per_gpu` key, else the deprecated global one
     divided over the data shards (what verl's workers do); None when neither is set. The trainer and its checks both

@@ -13,7 +13,7 @@ import importlib.util
 
 from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
-from polyrl.learner.config import micro_batch_per_gpu
+from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.trainer.async_config import check_async
 from polyrl.trainer.key_checks import refuse_unread
 
@@ -86,7 +86,7 @@ def check_batch_sizes(cfg) -> None:
         if micro is None:
             raise ConfigError("Set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (sequences per forward/"
                               "backward), or use_dynamic_bsz=True with ppo_max_token_len_per_gpu.")
-        per_gpu = seqs_per_mini // ws
+        per_gpu = mini_batch_per_gpu(a.ppo_mini_batch_size, r.n, ws)
         if micro < 1 or micro > per_gpu:
             raise ConfigError(
                 f"actor.ppo_micro_batch_size_per_gpu={micro} must be between 1 and the {per_gpu} sequences each GPU "

@@ -55,7 +55,7 @@ from polyrl.learner.actor import (
     make_scheduler,
 )
 from polyrl.learner.batch import build_batch
-from polyrl.learner.config import micro_batch_per_gpu
+from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
 from polyrl.learner.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
@@ -214,9 +214,8 @@ class PPOTrainer(CheckpointingMixin):
             model.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
                                 weight_decay=c.optim.weight_decay)
-        n = arr.rollout.n
-        mini = (c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size) * n
         shards = self.dist.data.world_size
+        mini = mini_batch_per_gpu(c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, arr.rollout.n, shards)
         micro = micro_batch_per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, shards) or \
             micro_batch_per_gpu(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size, shards) or \
             micro_batch_per_gpu(arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.ppo_micro_batch_size, shards) or mini
@@ -444,7 +443,7 @@ class PPOTrainer(CheckpointingMixin):
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
         shards = self.dist.data.world_size
-        mini = min(B, a.ppo_mini_batch_size * r.n // shards)  # this shard's part of a mini-batch
+        mini = min(B, mini_batch_per_gpu(a.ppo_mini_batch_size, r.n, shards))
         micro = micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, shards) or mini
         temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
         alg = self.cfg.algorithm
