@@ -393,6 +393,52 @@ def test_a_new_field_in_a_real_config_class_fails_the_walk(monkeypatch):
     assert "actor_rollout_ref.actor.fsdp_config.zz_unread_knob" in missing
 
 
+def test_model_dtype_is_the_model_dtype():
+    """verl's fsdp_config.model_dtype: a non-default value sets model.dtype; a disagreement is refused."""
+    from polyrl.trainer.checks import resolve_model_dtypes
+
+    cfg = trees()["train"]
+    set_key(cfg, "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16")
+    resolve_model_dtypes(cfg)
+    assert cfg.actor_rollout_ref.model.dtype == "bfloat16"
+    set_key(cfg, "actor_rollout_ref.model.dtype", "float16")
+    with pytest.raises(ConfigError, match="disagree"):
+        resolve_model_dtypes(cfg)
+    cfg = trees()["train"]
+    set_key(cfg, "actor_rollout_ref.ref.fsdp_config.model_dtype", "bf16")  # the reference copies the actor (fp32)
+    with pytest.raises(ConfigError, match="ref.fsdp_config.model_dtype"):
+        resolve_model_dtypes(cfg)
+
+
+@pytest.mark.parametrize("key, value, ok", [
+    ("actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra", "hf_model"], True),
+    ("actor_rollout_ref.actor.checkpoint.save_contents", ["model"], False),
+    ("actor_rollout_ref.actor.checkpoint.load_contents", ["model", "optimizer", "extra", "hf_model"], False),
+    ("critic.checkpoint.save_contents", ["model", "optimizer", "extra", "hf_model"], False),  # no critic export
+])
+def test_checkpoint_contents_are_honoured_or_refused(key, value, ok):
+    from polyrl.trainer.checks import check_supported
+
+    cfg = trees()["train"]
+    set_key(cfg, key, value)
+    if ok:
+        check_supported(cfg)
+    else:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            check_supported(cfg)
+
+
+def test_deprecated_global_micro_batch_is_divided_over_data_shards():
+    """The trainer and its checks derive per-GPU sizes with the same function (ppo.py used to take verl's deprecated
+    global `ppo_micro_batch_size` as a per-GPU size)."""
+    from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
+
+    assert micro_batch_per_gpu(None, 8, 2) == 4
+    assert micro_batch_per_gpu(3, None, 2) == 3
+    assert micro_batch_per_gpu(None, None, 2) is None
+    assert mini_batch_per_gpu(4, 8, 2) == 16
+
+
 if __name__ == "__main__":
     for t in ("train", "sft", "flow"):
         print(t, unread(t))
