@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (divides the process count)")
     args = ap.parse_args()
 
-    from polyrl.algorithms.losses import PolicyLossConfig
+    from polyrl.algorithms.losses import LossKnobs
     from polyrl.distributed import DistEnv
     from polyrl.distributed.parallelize import param_groups, parallelize
     from polyrl.distributed.weights import full_tensors
@@ -105,7 +105,7 @@ def main() -> None:
     seqs_per_shard = args.seqs_per_gpu * args.sp  # one data shard = one SP group (one rank without --sp)
     s = UpdateSettings(mini_batch_size=seqs_per_shard, micro_batch_size=args.micro * args.sp, ppo_epochs=1,
                        temperature=1.0, loss_mode="vanilla", loss_agg_mode="token-mean",
-                       knobs=PolicyLossConfig(loss_scale_factor=float(args.resp_len)), grad_clip=1.0,
+                       knobs=LossKnobs(loss_scale_factor=float(args.resp_len)), grad_clip=1.0,
                        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
                        calculate_entropy=False, old_from_current=True)
     vocab = SHAPES[args.shape]["vocab_size"]

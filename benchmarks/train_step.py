@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polyrl.algorithms.losses import PolicyLossConfig  # noqa: E402
+from polyrl.algorithms.losses import LossKnobs  # noqa: E402
 from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler  # noqa: E402
 from polyrl.learner.batch import build_batch  # noqa: E402
 from polyrl.learner.flops import mfu, peak_flops, training_flops  # noqa: E402
@@ -63,7 +63,7 @@ def make_batch(num_seqs: int, prompt_len: int, resp_min: int, resp_max: int, voc
 
 def settings(num_seqs, max_token_len):
     return UpdateSettings(mini_batch_size=num_seqs, micro_batch_size=num_seqs, ppo_epochs=1, temperature=1.0,
-                          loss_mode="vanilla", loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1.0,
+                          loss_mode="vanilla", loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1.0,
                           entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
                           calculate_entropy=True, old_from_current=True, max_token_len=max_token_len)
 

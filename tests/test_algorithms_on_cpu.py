@@ -11,7 +11,7 @@ from polyrl.algorithms import (
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
-    PolicyLossConfig,
+    LossKnobs,
     agg_loss,
     apply_kl_in_reward,
     compute_advantage,
@@ -297,7 +297,7 @@ def test_policy_loss_gradient_micro_batch_invariance(name, mode):
     old = -torch.rand(8, 6, generator=g) * 2
     adv = torch.randn(8, 6, generator=g)
     new = (old + 0.3 * torch.randn(8, 6, generator=g)).requires_grad_(True)
-    cfg = PolicyLossConfig(clip_ratio_high=0.28)
+    cfg = LossKnobs(clip_ratio_high=0.28)
 
     def run(rows):
         loss, _ = policy_loss(
@@ -327,7 +327,7 @@ def _pl(name, log_ratio, adv, mask=None, old=None, mode="token-mean", **cfg):
     mask = torch.ones_like(log_ratio) if mask is None else mask
     loss, metrics = policy_loss(
         name, old_log_prob_BT=old, log_prob_BT=new, advantages_BT=adv, response_mask_BT=mask,
-        loss_agg_mode=mode, cfg=PolicyLossConfig(**cfg),
+        loss_agg_mode=mode, cfg=LossKnobs(**cfg),
     )  # fmt: skip
     (grad,) = torch.autograd.grad(loss, new)
     return loss, metrics, grad
@@ -687,7 +687,7 @@ def test_geo_mean_sequence_geometric_ratio():
     # IS weights become per-sequence geometric means: row 0 [2, .5] -> 1, row 1 [4, 1] -> 2: (-1.161834 + 1.809675)/2
     old = torch.full_like(lr, -1.0)
     loss, _ = policy_loss("geo_mean", old_log_prob_BT=old, log_prob_BT=old + lr, advantages_BT=adv,
-                          response_mask_BT=torch.ones_like(lr), loss_agg_mode="token-mean", cfg=PolicyLossConfig(),
+                          response_mask_BT=torch.ones_like(lr), loss_agg_mode="token-mean", cfg=LossKnobs(),
                           rollout_is_weights_BT=T([[2.0, 0.5], [4.0, 1.0]]))
     close(loss, 0.323920)
 

@@ -37,8 +37,6 @@ def test_nothing_below_the_loops_imports_a_loop_or_the_cli(facts):
     assert facts["lower_layer_upward_imports"] == []
 
 
-@pytest.mark.xfail(strict=False, reason="the config-schema branch (one config schema, issue 19) removes the "
-                                        "duplicate *Config classes; drop this xfail once it is merged")
 def test_no_config_class_name_is_defined_twice(facts):
     assert facts["duplicate_config_classes"] == {}
 

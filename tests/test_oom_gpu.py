@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.oom import OOMGuard, StageContext
 from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, make_scheduler
@@ -35,7 +35,7 @@ def _update(model, batch, budget, guard_cfg=None, logs=None):
                                              num_cycles=0.5), fwd=ForwardSettings())
     s = lambda: UpdateSettings(  # noqa: E731
         mini_batch_size=64, micro_batch_size=64, ppo_epochs=1, temperature=1.0, loss_mode="vanilla",
-        loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.0, use_kl_loss=False,
+        loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1e9, entropy_coeff=0.0, use_kl_loss=False,
         kl_loss_coef=0.0, kl_loss_type="low_var_kl", old_from_current=True,
         max_token_len=guard_cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu if guard_cfg else budget)
     if guard_cfg is None:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from polyrl.algorithms import PolicyLossConfig, policy_loss
+from polyrl.algorithms import LossKnobs, policy_loss
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig as RC
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.errors import ConfigError
@@ -99,7 +99,7 @@ def test_is_weights_multiply_the_vanilla_loss():
     # on-policy (ratio 1), A = [1, -1]: per-token losses [-1, 1]; weights [2, .5] -> token-mean (-2 + .5)/2 = -.75
     logp = T([[-1.0, -1.0]], requires_grad=True)
     loss, _ = policy_loss("vanilla", old_log_prob_BT=logp.detach(), log_prob_BT=logp, advantages_BT=T([[1.0, -1.0]]),
-                          response_mask_BT=T([[1.0, 1.0]]), loss_agg_mode="token-mean", cfg=PolicyLossConfig(),
+                          response_mask_BT=T([[1.0, 1.0]]), loss_agg_mode="token-mean", cfg=LossKnobs(),
                           rollout_is_weights_BT=T([[2.0, 0.5]]))
     close(loss, -0.75)
     (grad,) = torch.autograd.grad(loss, logp)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.models.loader import load_causal_lm
 from polyrl.learner.actor import (Actor, ForwardSettings, UpdateSettings, logprobs_and_entropy, make_scheduler,
                                    micro_batches)
@@ -105,7 +105,7 @@ def test_token_budget_micro_batches_with_shared_prompts_give_the_same_update(tin
                                                  min_lr_ratio=0.0, num_cycles=0.5),
                       fwd=ForwardSettings(pack_on_cpu=True, share_prompts=share))
         s = UpdateSettings(mini_batch_size=12, micro_batch_size=12, ppo_epochs=1, temperature=1.0,
-                           loss_mode="vanilla", loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9,
+                           loss_mode="vanilla", loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1e9,
                            entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
                            old_from_current=True, max_token_len=budget)
         actor.update(batch, s)

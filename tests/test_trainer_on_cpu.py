@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.cli import main as cli_main
 from polyrl.models.loader import load_causal_lm
 from polyrl.learner import actor as actor_mod
@@ -35,7 +35,7 @@ def _actor(model, lr=1e-2, sgd=False):
 
 def _settings(**kw):
     base = dict(mini_batch_size=8, micro_batch_size=8, ppo_epochs=1, temperature=1.0, loss_mode="vanilla",
-                loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.01,
+                loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1e9, entropy_coeff=0.01,
                 use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
     base.update(kw)
     return UpdateSettings(**base)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polyrl.algorithms import entropy_from_logits
-from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.models.loader import load_causal_lm
 from polyrl.trainer.metrics import rollout_logprob_gap
 from polyrl.learner.actor import (Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy,
@@ -85,7 +85,7 @@ def test_packed_gradients_equal_padded_gradients(tiny_model_dir):
 
 def _settings(**kw):
     base = dict(mini_batch_size=12, micro_batch_size=12, ppo_epochs=1, temperature=1.0, loss_mode="vanilla",
-                loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.01,
+                loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1e9, entropy_coeff=0.01,
                 use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
     base.update(kw)
     return UpdateSettings(**base)

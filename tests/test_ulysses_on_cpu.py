@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.algorithms.losses import PolicyLossConfig
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.distributed.ulysses import check_heads, owned_predictions, pad_packed
 from polyrl.errors import ConfigError
 from polyrl.learner.actor import Actor, ForwardSettings, UpdateSettings, compute_logprobs, logprobs_and_entropy
@@ -56,7 +56,7 @@ def _batch(num_rows=8, seed=11):
 
 def _settings():
     return UpdateSettings(mini_batch_size=4, micro_batch_size=2, ppo_epochs=1, temperature=0.7, loss_mode="vanilla",
-                          loss_agg_mode="token-mean", knobs=PolicyLossConfig(), grad_clip=1e9, entropy_coeff=0.01,
+                          loss_agg_mode="token-mean", knobs=LossKnobs(), grad_clip=1e9, entropy_coeff=0.01,
                           use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 
 

@@ -28,7 +28,7 @@ from polyrl.algorithms.kl import (
 from polyrl.algorithms.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
-    PolicyLossConfig,
+    LossKnobs,
     agg_loss,
     check_loss_agg_mode,
     entropy_from_logits,
@@ -48,7 +48,7 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
-    "PolicyLossConfig",
+    "LossKnobs",
     "RolloutCorrectionConfig",
     "agg_loss",
     "apply_kl_in_reward",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.algorithms.advantages import compute_advantage
-from polyrl.algorithms.losses import PolicyLossConfig, agg_loss, policy_loss
+from polyrl.algorithms.losses import LossKnobs, agg_loss, policy_loss
 
 ADV_EPS = 1e-4  # flow_grpo's epsilon in (R - mean) / (std + eps)
 
@@ -66,7 +66,7 @@ def clipped_loss(
     (0 for rejected samples), exactly as the LLM's per-token ones do."""
     lp_BT, old_BT, adv_BT = log_prob_B.unsqueeze(-1), old_log_prob_B.unsqueeze(-1), adv_B.unsqueeze(-1)
     mask_BT = torch.ones_like(lp_BT) if mask_B is None else mask_B.to(lp_BT).unsqueeze(-1)
-    cfg = PolicyLossConfig(clip_ratio=clip_ratio, clip_ratio_c=1e30)
+    cfg = LossKnobs(clip_ratio=clip_ratio, clip_ratio_c=1e30)
     pg_loss, _ = policy_loss(
         "vanilla", old_log_prob_BT=old_BT, log_prob_BT=lp_BT, advantages_BT=adv_BT, response_mask_BT=mask_BT,
         loss_agg_mode="token-mean", cfg=cfg, num_tokens=num_terms,

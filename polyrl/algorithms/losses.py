@@ -81,7 +81,7 @@ def agg_loss(
 
 
 @dataclass
-class PolicyLossConfig:
+class LossKnobs:
     """Knobs of the policy losses (verl's actor.clip_ratio* and actor.policy_loss.* keys)."""
 
     clip_ratio: float = 0.2
@@ -110,6 +110,17 @@ class PolicyLossConfig:
     """sapo: gate temperature for tokens with a non-positive advantage."""
     dro_beta: float = 0.1
     """dro: weight of the quadratic log-ratio penalty 0.5 * beta * (log pi - log pi_old)^2; must be > 0."""
+
+    @classmethod
+    def from_config(cls, actor, *, max_response_length: int) -> "LossKnobs":
+        """From verl's `actor.*` clip keys and `actor.policy_loss.*`; loss_scale_factor defaults to the max response
+        length."""
+        pl = actor.policy_loss
+        return cls(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+                   clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, tau_pos=actor.tau_pos,
+                   tau_neg=actor.tau_neg, loss_scale_factor=actor.loss_scale_factor or max_response_length,
+                   clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                   kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
 
     @property
     def low(self) -> float:
@@ -146,7 +157,7 @@ def policy_loss(
     advantages_BT: torch.Tensor,
     response_mask_BT: torch.Tensor,
     loss_agg_mode: str,
-    cfg: PolicyLossConfig,
+    cfg: LossKnobs,
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
     rollout_is_weights_BT: torch.Tensor | None = None,

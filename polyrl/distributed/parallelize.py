@@ -6,9 +6,9 @@ left (embeddings, final norm, lm_head). Parameter names are unchanged, so HF nam
 
 Knobs (verl's `fsdp_config` keys): `reshard_after_forward`, mixed precision (`mixed_precision.param_dtype` /
 `reduce_dtype`, default bf16 compute with fp32 gradient reduction on GPU; CPU stays fp32 because gloo and CPU
-matmuls gain nothing from bf16), CPU offload (`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps
-parameters, gradients and hence optimizer state on the CPU, all three together) and `fsdp_size` (the mesh, built by
-`DistEnv`).
+matmuls gain nothing from bf16), `forward_prefetch` (explicit prefetch of the next block's all-gather), CPU offload
+(`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps parameters, gradients and hence optimizer
+state on the CPU, all three together) and `fsdp_size` (the mesh, built by `DistEnv`).
 
 Blocks and root of a diffusers DiT (the FlowGRPO trainer): its `*transformer_blocks` lists, and the transformer itself;
 the patch/text/time embeddings and output projection outside the blocks are replicated like an LM's embeddings.
@@ -72,7 +72,17 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
     fully_shard(decoder, reshard_after_forward=cfg.reshard_after_forward,
                 ignored_params={p for p in decoder.parameters() if id(p) not in block_params}, **kw)
     _all_reduce_grads_of(replicated)
+    if cfg.forward_prefetch:
+        prefetch_forward(blocks)
     return model
+
+
+def prefetch_forward(blocks: list[nn.Module]) -> None:
+    """`fsdp_config.forward_prefetch`: each block's forward first issues the next block's all-gather, so it overlaps
+    this block's compute even when the CPU is not running ahead of the GPU (FSDP2's implicit prefetch needs that).
+    Costs one more block's full weights in memory during forward."""
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
 
 
 def _base(model: nn.Module) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 
 from polyrl.algorithms import agg_loss, kl_penalty, policy_loss
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction_tensors
-from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
+from polyrl.algorithms.losses import LossKnobs
 from polyrl.errors import ConfigError
 from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.distributed.ulysses import check_heads, gather_predictions, shard_packed
@@ -306,6 +306,17 @@ class UpdateSettings:
     max_token_len: int | None = None  # use_dynamic_bsz: micro-batches cut by this token budget instead of rows
     rollout_correction: RolloutCorrectionConfig | None = None  # bypass mode: correct pi_theta vs pi_rollout here
     skip_mini_batches: int = 0  # already applied by an attempt that ran out of memory (trainer/oom.py resumes)
+
+    @classmethod
+    def from_config(cls, actor, *, max_response_length: int, **derived) -> UpdateSettings:
+        """`actor_rollout_ref.actor.*` as they are; `derived` holds what the trainer works out per batch (batch sizes,
+        temperature, old_from_current, rollout_correction, skip_mini_batches)."""
+        return cls(ppo_epochs=actor.ppo_epochs, loss_mode=actor.policy_loss.loss_mode,
+                   loss_agg_mode=actor.loss_agg_mode, grad_clip=actor.grad_clip, entropy_coeff=actor.entropy_coeff,
+                   use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+                   shuffle=actor.shuffle, calculate_entropy=actor.calculate_entropy,
+                   knobs=LossKnobs.from_config(actor, max_response_length=max_response_length),
+                   max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None, **derived)
 
 
 class Actor:

@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
+def mini_batch_per_gpu(prompts: int, n: int, num_data_shards: int) -> int:
+    """Sequences of one mini-batch on each data shard: verl's ppo_mini_batch_size counts prompts, each with n
+    samples, split over the data shards."""
+    return prompts * n // num_data_shards
+
+
+def micro_batch_per_gpu(per_gpu: int | None, deprecated_global: int | None, num_data_shards: int) -> int | None:
+    """verl's pair of micro-batch keys as sequences per GPU: the `*_per_gpu` key, else the deprecated global one
+    divided over the data shards (what verl's workers do); None when neither is set. The trainer and its checks both
+    call this, so they agree."""
+    if per_gpu is not None:
+        return per_gpu
+    return None if deprecated_global is None else deprecated_global // num_data_shards
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -16,7 +31,8 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.0
     """Warmup as a fraction of the total training steps."""
     total_training_steps: int = -1
-    """Set by the trainer from the data and trainer.total_training_steps."""
+    """verl sets it from the data; polyrl's schedule counts the trainer's steps (trainer.total_training_steps or the
+    epochs), so it must stay -1."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -52,9 +68,11 @@ class FSDPConfig:
     fsdp_size: int = -1
     """Shard group size; -1 shards over all ranks."""
     forward_prefetch: bool = False
-    """FSDP forward prefetch."""
+    """FSDP2 explicit forward prefetch: each block's forward starts the next block's all-gather (several processes;
+    distributed/parallelize.py)."""
     model_dtype: str = "fp32"
-    """Master weight dtype (fp32 or bf16)."""
+    """Dtype the model is built and trained in (verl's name for model.dtype): a non-default value sets model.dtype;
+    the default fp32 defers to model.dtype."""
     dtype: str = "bfloat16"
     """Compute dtype for forward/backward on GPU (autocast); CPU computes in float32."""
     use_torch_compile: bool = False
@@ -148,17 +166,17 @@ class ActorConfig:
     shuffle: bool = False
     """Shuffle sequences between PPO epochs."""
     data_loader_seed: int | None = None
-    """Seed for the epoch shuffle."""
+    """Seed of the mini-batch shuffle (actor.shuffle); None: trainer.seed."""
     use_torch_compile: bool | None = None
     """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallel degree (needs as many GPUs)."""
-    entropy_from_logits_with_chunking: bool = False
-    """Accepted for verl; polyrl always computes log-probs and entropy in LM-head chunks (training/logprobs.py)."""
-    entropy_checkpointing: bool = False
-    """Accepted for verl; polyrl always recomputes each chunk's logits in backward (training/logprobs.py)."""
+    entropy_from_logits_with_chunking: bool = True
+    """polyrl always computes log-probs and entropy in LM-head chunks (learner/logprobs.py); False is refused."""
+    entropy_checkpointing: bool = True
+    """polyrl always recomputes each chunk's logits in backward (learner/logprobs.py); False is refused."""
     use_fused_kernels: bool = False
-    """Fused log-prob kernels (polyrl's chunked log-probs play this role; no extra kernel)."""
+    """verl's fused log-prob kernels: refused (polyrl's chunked log-probs play this role; no extra kernel)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy-loss variant and its parameters."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -189,10 +207,10 @@ class RefConfig:
     """Sharding and offload of the reference."""
     use_torch_compile: bool = False
     """torch.compile the reference."""
-    entropy_from_logits_with_chunking: bool = False
-    """Chunked log-softmax for the reference."""
-    entropy_checkpointing: bool = False
-    """Accepted for symmetry with the actor."""
+    entropy_from_logits_with_chunking: bool = True
+    """The reference's log-probs are computed in LM-head chunks too; False is refused."""
+    entropy_checkpointing: bool = True
+    """Accepted for symmetry with the actor (the reference has no backward); False is refused."""
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings."""
 

@@ -31,7 +31,7 @@ class ModelConfig:
     lora_adapter_path: str | None = None
     """Start from a saved peft adapter directory."""
     use_fused_kernels: bool = False
-    """Fused linear + cross-entropy for log-probs (computed in chunks from hidden states)."""
+    """verl's fused linear + cross-entropy kernels: refused (polyrl computes log-probs in LM-head chunks instead)."""
     use_liger: bool = False
     """Liger kernels (not bundled; refused)."""
     trust_remote_code: bool = False

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.models.config import ModelConfig
 from polyrl.models.gguf import find_gguf, load_gguf_causal_lm, load_gguf_tokenizer
 from polyrl.utils.device import DTYPES, to_dtype
 
@@ -83,7 +84,7 @@ def apply_lora(model, *, rank: int, alpha: int, target_modules, adapter_path: st
     return get_peft_model(model, cfg)
 
 
-def load_policy(model_cfg, *, device: torch.device, key: str = "actor_rollout_ref.model.path"):
+def load_policy(model_cfg: ModelConfig, *, device: torch.device, key: str = "actor_rollout_ref.model.path"):
     """The trainable policy: HF model in `model_cfg.dtype`, with LoRA and gradient checkpointing as configured."""
     dtype = to_dtype(model_cfg.dtype, "actor_rollout_ref.model.dtype")
     model = load_causal_lm(model_cfg.path, dtype=dtype, key=key, trust_remote_code=model_cfg.trust_remote_code,

@@ -1,6 +1,6 @@
 """Rewards: built-in rule scorers dispatched on data_source, custom reward files, and the reward manager."""
 
-from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig, RewardConfig
+from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
 from polyrl.rewards.custom import load_custom_reward
 from polyrl.rewards.manager import RewardManager
 from polyrl.rewards.rule import default_compute_score, register_rule
@@ -13,5 +13,5 @@ def build_reward_fn(custom: CustomRewardConfig | None):
     return default_compute_score
 
 
-__all__ = ["CustomRewardConfig", "OverlongBufferConfig", "RewardConfig", "RewardManager", "build_reward_fn",
+__all__ = ["CustomRewardConfig", "OverlongBufferConfig", "RewardManager", "build_reward_fn",
            "default_compute_score", "load_custom_reward", "register_rule"]

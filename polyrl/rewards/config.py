@@ -6,8 +6,7 @@ The trainer's config tree mounts these; the keys are the ones verl's DAPO recipe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 
 @dataclass
@@ -28,12 +27,3 @@ class OverlongBufferConfig:
     """Penalty at max_response_length; it grows linearly from 0 at the start of the zone."""
     log: bool = False
     """Log the penalty (reward_extra/overlong_reward) and the overlong fraction (reward_extra/overlong)."""
-
-
-@dataclass
-class RewardConfig:
-    reward_manager: Literal["naive", "dapo"] = "naive"
-    """verl's reward manager name; both score each sample with the reward function, and both apply overlong_buffer
-    when it is enabled (verl applies it only under 'dapo'; here enabling it is enough)."""
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    """DAPO overlong reward shaping."""

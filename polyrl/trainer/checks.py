@@ -13,7 +13,9 @@ import importlib.util
 
 from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
+from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.trainer.async_config import check_async
+from polyrl.trainer.key_checks import refuse_unread
 
 
 def _gpus_available() -> int:
@@ -76,17 +78,15 @@ def check_batch_sizes(cfg) -> None:
     if (d.train_batch_size * r.n) % ws:
         raise ConfigError(
             f"data.train_batch_size * rollout.n = {d.train_batch_size * r.n} is not divisible by the {ws} processes.")
-    micro = a.ppo_micro_batch_size_per_gpu
-    if a.ppo_micro_batch_size is not None and micro is not None:
+    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size_per_gpu is not None:
         raise ConfigError("Set only one of actor.ppo_micro_batch_size (deprecated, global) and "
                           "actor.ppo_micro_batch_size_per_gpu.")
-    if a.ppo_micro_batch_size is not None:
-        micro = a.ppo_micro_batch_size // ws
+    micro = micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, ws)
     if not a.use_dynamic_bsz:
         if micro is None:
             raise ConfigError("Set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (sequences per forward/"
                               "backward), or use_dynamic_bsz=True with ppo_max_token_len_per_gpu.")
-        per_gpu = seqs_per_mini // ws
+        per_gpu = mini_batch_per_gpu(a.ppo_mini_batch_size, r.n, ws)
         if micro < 1 or micro > per_gpu:
             raise ConfigError(
                 f"actor.ppo_micro_batch_size_per_gpu={micro} must be between 1 and the {per_gpu} sequences each GPU "
@@ -128,6 +128,67 @@ def check_sequence_parallel(cfg) -> None:
     if procs % sp:
         raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} does not divide the {procs} "
                           f"processes; use a divisor of {procs}.")
+
+
+def check_strategies(cfg) -> None:
+    """verl's fsdp and fsdp2 both name polyrl's FSDP2 engine; each role's `strategy` (and its `fsdp_config.strategy`
+    alias) must be one of them."""
+    arr = cfg.actor_rollout_ref
+    for key, value in (("actor_rollout_ref.actor.strategy", arr.actor.strategy),
+                       ("actor_rollout_ref.actor.fsdp_config.strategy", arr.actor.fsdp_config.strategy),
+                       ("actor_rollout_ref.ref.strategy", arr.ref.strategy),
+                       ("actor_rollout_ref.ref.fsdp_config.strategy", arr.ref.fsdp_config.strategy),
+                       ("critic.strategy", cfg.critic.strategy)):
+        if value not in (None, "fsdp", "fsdp2"):
+            raise ConfigError(f"{key}={value!r} is not available; use fsdp2 (megatron is not bundled).")
+
+
+def check_rollout_switches(r) -> None:
+    """Switches of verl's engines that polyrl's native engine has always on."""
+    if r.name == "native" and not r.enable_prefix_caching:
+        raise ConfigError("actor_rollout_ref.rollout.enable_prefix_caching=False: the native engine always shares a "
+                          "prompt's KV blocks among its n samples; set it to True (or use rollout.name=hf, which "
+                          "shares nothing).")
+    if r.name == "native" and not r.enable_chunked_prefill:
+        raise ConfigError("actor_rollout_ref.rollout.enable_chunked_prefill=False: the native engine always splits "
+                          "prefills into chunks of rollout.max_num_batched_tokens; set it to True and raise "
+                          "max_num_batched_tokens for larger chunks.")
+    if not r.calculate_log_probs:
+        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs=False: the engines always return the "
+                          "sampled tokens' log-probs (rollout correction and training/rollout_probs_diff_mean read "
+                          "them); set it to True.")
+
+
+def check_critic(critic) -> None:
+    """Token-budget micro-batches are the actor's alone; the critic cuts micro-batches by sequence count."""
+    if not critic.enable:
+        return
+    default = type(critic)()
+    for key, value, unset in (("use_dynamic_bsz", critic.use_dynamic_bsz, default.use_dynamic_bsz),
+                              ("ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
+                               default.ppo_max_token_len_per_gpu),
+                              ("forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+                               default.forward_max_token_len_per_gpu)):
+        if value != unset:
+            raise ConfigError(f"critic.{key}={value!r}: the critic cuts micro-batches by sequence count, not by token "
+                              "budget; remove it and set critic.ppo_micro_batch_size_per_gpu.")
+
+
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+
+
+def check_checkpoint_contents(role: str, ckpt) -> None:
+    """verl's contents: polyrl always saves and loads model, optimizer and extra (a resume needs all three); hf_model
+    adds the HF export to every checkpoint (the final one always has it)."""
+    for name, contents in (("save_contents", ckpt.save_contents), ("load_contents", ckpt.load_contents)):
+        hf = name == "save_contents" and role.endswith("actor")  # the critic has no HF export
+        allowed = CHECKPOINT_CONTENTS + (("hf_model",) if hf else ())
+        unknown = [c for c in contents if c not in allowed]
+        missing = [c for c in CHECKPOINT_CONTENTS if c not in contents]
+        if unknown or missing:
+            raise ConfigError(f"{role}.checkpoint.{name}={list(contents)}: polyrl checkpoints always hold model, "
+                              "optimizer and extra; "
+                              f"use {list(allowed)}.")
 
 
 def check_gdpo(alg) -> None:
@@ -176,10 +237,16 @@ def check_supported(cfg) -> None:
         raise ConfigError("actor_rollout_ref.model.enable_activation_offload needs a GPU; set it to False on CPU.")
     if arr.model.use_liger:
         raise ConfigError("actor_rollout_ref.model.use_liger: Liger kernels are not bundled with polyrl; set it to "
-                          "False (use_fused_kernels gives chunked log-probs without it).")
-    if arr.actor.strategy not in ("fsdp", "fsdp2"):
-        raise ConfigError(f"actor_rollout_ref.actor.strategy={arr.actor.strategy!r} is not available; use fsdp2 "
-                          "(megatron is not bundled).")
+                          "False (polyrl computes log-probs in LM-head chunks without it).")
+    check_strategies(cfg)
+    check_rollout_switches(r)
+    check_critic(cfg.critic)
+    for role, contents in (("actor_rollout_ref.actor", arr.actor.checkpoint), ("critic", cfg.critic.checkpoint)):
+        check_checkpoint_contents(role, contents)
+    if cfg.reward_model.reward_manager not in ("naive", "dapo"):
+        raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; use "
+                          "naive or dapo (both apply reward_model.overlong_buffer when it is enabled).")
+    refuse_unread(cfg, "train")
     if cfg.trainer.nnodes > 1 and importlib.util.find_spec("ray") is None:
         raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs Ray for multi-node placement; "
                           "`pip install 'polyrl[ray]'` or run on one node.")
@@ -207,3 +274,42 @@ def check_supported(cfg) -> None:
         raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}; use auto, disable or resume_path.")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder).")
+
+
+def resolve_model_dtype(model_cfg, fsdp, fsdp_key: str, model_key: str = "actor_rollout_ref.model.dtype") -> None:
+    """verl's `fsdp_config.model_dtype` is the dtype the FSDP-wrapped model is built in, which is polyrl's
+    `model.dtype`: a non-default model_dtype sets model.dtype (in place); the default fp32 defers to model.dtype."""
+    from polyrl.utils.device import to_dtype
+
+    if fsdp.model_dtype == type(fsdp)().model_dtype:
+        return
+    asked = to_dtype(fsdp.model_dtype, fsdp_key)
+    if model_cfg.dtype != type(model_cfg)().dtype and to_dtype(model_cfg.dtype, model_key) != asked:
+        raise ConfigError(f"{fsdp_key}={fsdp.model_dtype} and {model_key}={model_cfg.dtype} disagree: both are the "
+                          "trained weights' dtype; set only one of them.")
+    model_cfg.dtype = str(asked).removeprefix("torch.")
+
+
+def resolve_model_dtypes(cfg) -> None:
+    """The actor's fsdp_config.model_dtype (see resolve_model_dtype); the reference is a copy of the actor, so its
+    model_dtype may only repeat the actor's."""
+    from polyrl.utils.device import to_dtype
+
+    arr = cfg.actor_rollout_ref
+    resolve_model_dtype(arr.model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config.model_dtype")
+    ref = arr.ref.fsdp_config
+    key = "actor_rollout_ref.ref.fsdp_config.model_dtype"
+    actor_dtype = to_dtype(arr.model.dtype, "actor_rollout_ref.model.dtype")
+    if ref.model_dtype != type(ref)().model_dtype and to_dtype(ref.model_dtype, key) != actor_dtype:
+        raise ConfigError(f"{key}={ref.model_dtype}: the reference is a copy of the actor, built in "
+                          f"actor_rollout_ref.model.dtype={arr.model.dtype}; remove it.")
+
+
+def check_flow_supported(cfg) -> None:
+    """`polyrl flow train`: the keys refused for some values, then those with nothing to act on (key_checks.py)."""
+    a = cfg.actor_rollout_ref.actor
+    resolve_model_dtype(cfg.actor_rollout_ref.model, a.fsdp_config, "actor_rollout_ref.actor.fsdp_config.model_dtype")
+    if a.fsdp_config.strategy not in (None, "fsdp", "fsdp2"):
+        raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.strategy={a.fsdp_config.strategy!r} is not "
+                          "available; use fsdp2.")
+    refuse_unread(cfg, "flow")

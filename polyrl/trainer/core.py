@@ -7,7 +7,8 @@ A loop subclasses `TrainerCore`, sets `cfg` (with a `trainer` section that is a 
 - `checkpoint_state() -> {name: tensor dict | object}` and `load_checkpoint_state(state)`: the weights and optimizer
   state of a single process; with several processes `sharded_modules() -> (model, optimizer)` go through DCP instead;
 - `extra_state() -> dict` / `load_extra_state(extra)`: step counters, schedulers, RNG streams (plain objects);
-- optionally `export_writers()` (the final checkpoint's exports, e.g. the HF model) and `after_fit()`.
+- optionally `export_writers()` (the final checkpoint's exports, e.g. the HF model; `exports_every_save()` for every
+  checkpoint) and `after_fit()`.
 
 Cadence, one rule each (verl's keys):
 - validate: before training when `trainer.val_before_train` (a fresh run only), every `trainer.test_freq` steps, and
@@ -131,7 +132,7 @@ class TrainerCore:
     def save_checkpoint(self, final: bool = False) -> Path:
         """Every rank calls it; the final checkpoint carries the exports (`export_writers`)."""
         extra = {**self.extra_state(), "global_step": self.global_step, "run_dir": str(self.run_dir.resolve())}
-        writers = self.export_writers() if final else None
+        writers = self.export_writers() if final or self.exports_every_save() else None
         with self.timer.stage("save_checkpoint"):
             if self.dist.is_distributed:
                 from polyrl.distributed.checkpoint import save_sharded
@@ -159,6 +160,10 @@ class TrainerCore:
 
     def export_writers(self) -> dict:
         return {}
+
+    def exports_every_save(self) -> bool:
+        """Exports with every checkpoint, not only the final one (verl's checkpoint.save_contents has hf_model)."""
+        return False
 
     def after_fit(self) -> None:
         pass

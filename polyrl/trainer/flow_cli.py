@@ -49,6 +49,9 @@ def train(argv: list[str]) -> int:
     from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
     cfg = build_config(FlowConfig(), argv)
+    from polyrl.trainer.checks import check_flow_supported
+
+    check_flow_supported(cfg)  # before launching and loading: fsdp_config.model_dtype sets model.dtype
     code = _maybe_launch(cfg, argv)
     if code is not None:
         return code

@@ -18,7 +18,7 @@ from polyrl.utils.profiler import GlobalProfilerConfig
 
 
 @dataclass
-class DataConfig:
+class FlowDataConfig:
     """Prompts."""
 
     train_files: str | None = None
@@ -36,7 +36,7 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class FlowModelConfig:
     """Which model, and LoRA or full fine-tuning."""
 
     path: str | None = None
@@ -62,7 +62,7 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
+class FlowOptimConfig:
     """AdamW."""
 
     lr: float = 3e-4
@@ -88,10 +88,10 @@ class DiffusionLossConfig:
 
 
 @dataclass
-class ActorConfig:
+class FlowActorConfig:
     """The trained policy."""
 
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: FlowOptimConfig = field(default_factory=FlowOptimConfig)
     """Optimizer."""
     ppo_mini_batch_size: int = 5
     """Prompts per optimizer step (train_batch_size / this = optimizer steps per RL step)."""
@@ -157,7 +157,7 @@ class AlgoConfig:
 
 
 @dataclass
-class ValKwargs:
+class FlowValKwargs:
     """Validation sampling: ODE with the evaluation step count."""
 
     num_inference_steps: int = 20
@@ -169,7 +169,7 @@ class ValKwargs:
 
 
 @dataclass
-class RolloutConfig:
+class FlowRolloutConfig:
     """How images are sampled."""
 
     n: int = 8
@@ -178,7 +178,7 @@ class RolloutConfig:
     """Shape, steps and CFG."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """SDE settings."""
-    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    val_kwargs: FlowValKwargs = field(default_factory=FlowValKwargs)
     """Validation sampling."""
     seed: int = 42
     """Rollout noise seed."""
@@ -194,19 +194,19 @@ class RolloutConfig:
 
 
 @dataclass
-class ActorRolloutRefConfig:
+class FlowActorRolloutRefConfig:
     """Model, actor and rollout (the reference is the adapter-disabled or frozen model)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: FlowModelConfig = field(default_factory=FlowModelConfig)
     """Model."""
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: FlowActorConfig = field(default_factory=FlowActorConfig)
     """Actor."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: FlowRolloutConfig = field(default_factory=FlowRolloutConfig)
     """Rollout."""
 
 
 @dataclass
-class AlgorithmConfig:
+class FlowAlgorithmConfig:
     """Advantage."""
 
     adv_estimator: str = "flow_grpo"
@@ -221,7 +221,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class CustomRewardConfig:
+class FlowCustomRewardConfig:
     """A user reward `fn(images, prompts, metadata) -> scores` loaded from a file."""
 
     path: str | None = None
@@ -243,12 +243,12 @@ class RewardPoolConfig:
 
 
 @dataclass
-class RewardConfig:
+class FlowRewardConfig:
     """Reward functions and where they run."""
 
     reward_fns: dict = field(default_factory=dict)
     """Weighted multi-reward, {name: weight} over the built-ins (ocr, digit_classifier); empty: the task default."""
-    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    custom_reward_function: FlowCustomRewardConfig = field(default_factory=FlowCustomRewardConfig)
     """Custom reward by path (joins reward_fns with weight 1 when set)."""
     async_reward: bool = False
     """Score each rollout chunk in a separate process while the next chunk is generated."""
@@ -276,13 +276,13 @@ class FlowTrainerConfig(LoopConfig):
 class FlowConfig:
     """The whole FlowGRPO config tree."""
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: FlowDataConfig = field(default_factory=FlowDataConfig)
     """Prompts."""
-    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    actor_rollout_ref: FlowActorRolloutRefConfig = field(default_factory=FlowActorRolloutRefConfig)
     """Model, actor, rollout."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    algorithm: FlowAlgorithmConfig = field(default_factory=FlowAlgorithmConfig)
     """Advantage."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: FlowRewardConfig = field(default_factory=FlowRewardConfig)
     """Rewards."""
     trainer: FlowTrainerConfig = field(default_factory=FlowTrainerConfig)
     """Loop."""

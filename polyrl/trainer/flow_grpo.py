@@ -44,6 +44,7 @@ from polyrl.algorithms.rollout_correction import check_rollout_correction, compu
 from polyrl.distributed import dit_fsdp
 from polyrl.rollout import fp8_dit, sde_sampler
 from polyrl.algorithms import sde as sde_lib
+from polyrl.trainer.checks import check_flow_supported
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.distributed.dit_fsdp import weight_dtype
 from polyrl.models.diffusion.pipeline import FlowPolicy
@@ -149,6 +150,7 @@ class FlowGRPOTrainer(TrainerCore):
         sde_lib.check_step_type(cfg.actor_rollout_ref.rollout.algo.sde_type)
         check_batches(cfg, self.dist.world_size)
         check_correction(cfg)
+        check_flow_supported(cfg)  # the CLI ran it already; a trainer built directly (tests, quickstart) runs it here
         self.open_run()  # checkpoints, the checkpoint to resume, this run's directory (trainer/core.py)
         self.tracker = tracker or self.open_tracker()
         self.total_steps = cfg.trainer.total_training_steps

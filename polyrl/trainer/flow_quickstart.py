@@ -175,6 +175,9 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
     if not torch.cuda.is_available():
         torch.set_num_threads(pick_num_threads())
     cfg = build_config(default_config(), list(argv or []))
+    from polyrl.trainer.checks import check_flow_supported
+
+    check_flow_supported(cfg)  # before the model is built: fsdp_config.model_dtype sets model.dtype
     transformer, clf, encoder = build(settings or BuildSettings(), log=log)
     policy = make_policy(cfg, transformer, encoder)
     if (extra := own_run_dir(cfg)):

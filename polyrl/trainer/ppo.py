@@ -30,7 +30,6 @@ import torch
 
 from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller, select_groups
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
-from polyrl.algorithms.losses import PolicyLossConfig as LossKnobs
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
@@ -41,7 +40,7 @@ from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
-from polyrl.trainer.checks import check_batch_sizes, check_supported
+from polyrl.trainer.checks import check_batch_sizes, check_supported, resolve_model_dtypes
 from polyrl.trainer.job import check_data_parallel
 from polyrl.trainer.checkpointing import CheckpointingMixin, export_dtype
 from polyrl.trainer.core import TrainerCore
@@ -57,6 +56,7 @@ from polyrl.learner.actor import (
     make_scheduler,
 )
 from polyrl.learner.batch import build_batch
+from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
 from polyrl.learner.memory import plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
@@ -78,6 +78,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    resolve_model_dtypes(cfg)  # verl's fsdp_config.model_dtype is model.dtype
     resolve_switches(cfg)  # token-budget micro-batches unless a size is set; the budgets themselves: plan_memory
 
 
@@ -120,7 +121,6 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         self.total_steps = len(self.sampler) * t.total_epochs
         if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
-        arr.actor.optim.total_training_steps = self.total_steps
 
         model = load_policy(arr.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
@@ -169,7 +169,8 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
                                                         "rollout": arr.rollout.profiler})
         self.timer = StepTimer(hooks=[self.profiler])
-        self.generator = torch.Generator().manual_seed(t.seed)  # mini-batch shuffles
+        shuffle_seed = arr.actor.data_loader_seed if arr.actor.data_loader_seed is not None else t.seed
+        self.generator = torch.Generator().manual_seed(shuffle_seed)  # mini-batch shuffles (actor.shuffle)
         self.global_step = 0
         self._bar = None  # the progress bar while fit() runs (log lines are written with it lifted)
         if self.dist.is_rank0:
@@ -201,16 +202,18 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
 
         c, arr = self.cfg.critic, self.cfg.actor_rollout_ref
         lm = load_causal_lm(c.model.path or arr.model.path, key="critic.model.path",
-                            trust_remote_code=c.model.trust_remote_code, override_config=c.model.override_config)
+                            trust_remote_code=c.model.trust_remote_code, override_config=c.model.override_config,
+                            external_lib=c.model.external_lib)
         model = ValueModel(lm).to(self.device)
         if c.model.enable_gradient_checkpointing:
             model.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
                                 weight_decay=c.optim.weight_decay)
-        n = arr.rollout.n
-        mini = (c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size) * n
-        micro = c.ppo_micro_batch_size_per_gpu or c.forward_micro_batch_size_per_gpu or \
-            arr.actor.ppo_micro_batch_size_per_gpu or mini
+        shards = self.dist.data.world_size
+        mini = mini_batch_per_gpu(c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, arr.rollout.n, shards)
+        micro = micro_batch_per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, shards) or \
+            micro_batch_per_gpu(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size, shards) or \
+            micro_batch_per_gpu(arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.ppo_micro_batch_size, shards) or mini
         return Critic(model, opt, cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                       grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
                       micro_batch_size=min(micro, mini))
@@ -434,38 +437,33 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
     def _update_settings(self, batch, skip_mini_batches: int = 0) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
-        mini = min(B, a.ppo_mini_batch_size * r.n // self.dist.data.world_size)  # this shard's part of a mini-batch
-        micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or mini
-        knobs = LossKnobs(clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                          clip_ratio_c=a.clip_ratio_c, clip_cov_ratio=a.policy_loss.clip_cov_ratio,
-                          clip_cov_lb=a.policy_loss.clip_cov_lb, clip_cov_ub=a.policy_loss.clip_cov_ub,
-                          kl_cov_ratio=a.policy_loss.kl_cov_ratio, ppo_kl_coef=a.policy_loss.ppo_kl_coef,
-                          loss_scale_factor=a.loss_scale_factor or self.cfg.data.max_response_length,
-                          tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=a.policy_loss.dro_beta)
+        shards = self.dist.data.world_size
+        mini = min(B, mini_batch_per_gpu(a.ppo_mini_batch_size, r.n, shards))
+        micro = micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, shards) or mini
         temperature = r.temperature if r.do_sample and r.temperature > 0 else 1.0
         alg = self.cfg.algorithm
         # pi_old must exist before the update for rollout correction (decoupled) and OTB; bypass reads the rollout's
         needs_old = alg.rollout_correction.enabled or alg.adv_estimator in _NEEDS_SUM_PI_SQUARED
-        return UpdateSettings(
-            mini_batch_size=mini, micro_batch_size=min(micro, mini), ppo_epochs=a.ppo_epochs, temperature=temperature,
-            loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode, knobs=knobs, grad_clip=a.grad_clip,
-            entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-            kl_loss_type=a.kl_loss_type, shuffle=a.shuffle, calculate_entropy=a.calculate_entropy,
+        return UpdateSettings.from_config(
+            a, max_response_length=self.cfg.data.max_response_length, mini_batch_size=mini,
+            micro_batch_size=min(micro, mini), temperature=temperature,
             old_from_current=(a.ppo_epochs == 1 and mini >= B and not alg.use_kl_in_reward and not needs_old),
             rollout_correction=alg.rollout_correction if alg.rollout_correction.bypass_mode else None,
-            max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
             skip_mini_batches=skip_mini_batches)
 
     def _old_logprobs(self, model, batch, s: UpdateSettings) -> torch.Tensor:
         r = self.cfg.actor_rollout_ref.rollout
-        return compute_logprobs(model, batch, temperature=s.temperature,
-                                micro_batch_size=r.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+        micro = micro_batch_per_gpu(r.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size,
+                                    self.dist.data.world_size)
+        return compute_logprobs(model, batch, temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
                                 max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
                                 fwd=self.actor.fwd, dp=self.dist)
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref
-        kw = dict(temperature=s.temperature, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu or s.micro_batch_size,
+        micro = micro_batch_per_gpu(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size,
+                                    self.dist.data.world_size)
+        kw = dict(temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
                   max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
                   fwd=self.actor.fwd, dp=self.dist)
         if self.ref_model == "disable_adapter":
@@ -562,6 +560,9 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
 
     # ------------------------------------------------------------------------------------------------ the loop
     # fit(), checkpoints and resume: polyrl.trainer.core.TrainerCore
+    def exports_every_save(self) -> bool:
+        return "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents
+
     def after_fit(self) -> None:
         if self.dist.is_rank0:
             self._write_report()

@@ -179,12 +179,16 @@ def run_sft(cfg: SFTConfig) -> Path:
     from polyrl.utils.device import pick_device
     from polyrl.utils.tracking import Tracker
 
+    from polyrl.trainer.key_checks import refuse_unread
+
+    refuse_unread(cfg, "sft")
     t = cfg.trainer
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
     t.run_dir = t.run_dir or f"runs/{t.project_name}/{t.experiment_name}"
     t.default_local_dir = t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
-    tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                         custom_chat_template=cfg.model.custom_chat_template)
     samples = load_sft_dataset(cfg.data.train_files, tok, prompt_key=cfg.data.prompt_key,
                                response_key=cfg.data.response_key, messages_key=cfg.data.messages_key,
                                max_length=cfg.data.max_length, truncation=cfg.data.truncation)
