@@ -158,11 +158,11 @@ def resolve_switches(cfg) -> None:
     """The auto switches that need no memory numbers: token-budget micro-batches unless a micro-batch size is set;
     the log-prob passes follow the actor unless their own size is set (verl's interpolated default). Runs before the
     batch-size checks (it decides which of them apply)."""
-    arr = cfg.actor_rollout_ref
-    a = arr.actor
+    roles = cfg.actor_rollout_ref
+    a = roles.actor
     if a.use_dynamic_bsz is None:
         a.use_dynamic_bsz = a.ppo_micro_batch_size_per_gpu is None and a.ppo_micro_batch_size is None
-    for role in (arr.rollout, arr.ref):
+    for role in (roles.rollout, roles.ref):
         if role.log_prob_use_dynamic_bsz is None:
             role.log_prob_use_dynamic_bsz = a.use_dynamic_bsz and (role.log_prob_micro_batch_size_per_gpu is None
                                                                    and role.log_prob_micro_batch_size is None)
@@ -175,8 +175,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
     world_size = dist.world_size if dist is not None else 1
     resolve_switches(cfg)
-    arr, data = cfg.actor_rollout_ref, cfg.data
-    a, r, ref, m = arr.actor, arr.rollout, arr.ref, arr.model
+    roles, data = cfg.actor_rollout_ref, cfg.data
+    a, r, ref, m = roles.actor, roles.rollout, roles.ref, roles.model
     shape = ModelShape.of(model)
     max_seq_len = data.max_prompt_length + data.max_response_length
     extra = 0

@@ -109,8 +109,8 @@ def check_sequence_parallel(cfg) -> None:
     """Ulysses (polyrl/distributed/ulysses.py): the actor's degree, which the reference shares; no critic SP."""
     import os
 
-    arr = cfg.actor_rollout_ref
-    sp, ref_sp = arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size
+    roles = cfg.actor_rollout_ref
+    sp, ref_sp = roles.actor.ulysses_sequence_parallel_size, roles.ref.ulysses_sequence_parallel_size
     if cfg.critic.ulysses_sequence_parallel_size != 1:
         raise ConfigError(f"critic.ulysses_sequence_parallel_size={cfg.critic.ulysses_sequence_parallel_size}: the "
                           "critic has no sequence parallelism in polyrl; set it to 1.")
@@ -121,7 +121,7 @@ def check_sequence_parallel(cfg) -> None:
                           f"{sp}; the reference runs on the actor's sequence-parallel groups, so set it to {sp}.")
     if sp == 1:
         return
-    if not arr.model.use_remove_padding:
+    if not roles.model.use_remove_padding:
         raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} splits the packed row and "
                           "needs actor_rollout_ref.model.use_remove_padding=True.")
     procs = int(os.environ.get("WORLD_SIZE", "0")) or cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
@@ -133,11 +133,11 @@ def check_sequence_parallel(cfg) -> None:
 def check_strategies(cfg) -> None:
     """verl's fsdp and fsdp2 both name polyrl's FSDP2 engine; each role's `strategy` (and its `fsdp_config.strategy`
     alias) must be one of them."""
-    arr = cfg.actor_rollout_ref
-    for key, value in (("actor_rollout_ref.actor.strategy", arr.actor.strategy),
-                       ("actor_rollout_ref.actor.fsdp_config.strategy", arr.actor.fsdp_config.strategy),
-                       ("actor_rollout_ref.ref.strategy", arr.ref.strategy),
-                       ("actor_rollout_ref.ref.fsdp_config.strategy", arr.ref.fsdp_config.strategy),
+    roles = cfg.actor_rollout_ref
+    for key, value in (("actor_rollout_ref.actor.strategy", roles.actor.strategy),
+                       ("actor_rollout_ref.actor.fsdp_config.strategy", roles.actor.fsdp_config.strategy),
+                       ("actor_rollout_ref.ref.strategy", roles.ref.strategy),
+                       ("actor_rollout_ref.ref.fsdp_config.strategy", roles.ref.fsdp_config.strategy),
                        ("critic.strategy", cfg.critic.strategy)):
         if value not in (None, "fsdp", "fsdp2"):
             raise ConfigError(f"{key}={value!r} is not available; use fsdp2 (megatron is not bundled).")
@@ -207,8 +207,8 @@ def check_gdpo(alg) -> None:
 
 def check_supported(cfg) -> None:
     """Refuse settings polyrl cannot honour here, each with the reason and the alternative."""
-    arr = cfg.actor_rollout_ref
-    r = arr.rollout
+    roles = cfg.actor_rollout_ref
+    r = roles.rollout
     ngpu = _gpus_available()
     check_async(cfg)
     if r.name in ("vllm", "sglang", "trtllm"):
@@ -228,20 +228,20 @@ def check_supported(cfg) -> None:
             "runs one full replica per GPU (data-parallel rollout), which is faster for models that fit one GPU; "
             "set it to 1.")
     check_sequence_parallel(cfg)
-    for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config)):
+    for role, fsdp in (("actor", roles.actor.fsdp_config), ("ref", roles.ref.fsdp_config)):
         if fsdp.cpu_offload and ngpu == 0:
             raise ConfigError(
                 f"actor_rollout_ref.{role}.fsdp_config.param_offload/optimizer_offload offload GPU memory to the CPU, "
                 "and there is no GPU here; set them to False on a CPU machine.")
-    if arr.model.enable_activation_offload and ngpu == 0:
+    if roles.model.enable_activation_offload and ngpu == 0:
         raise ConfigError("actor_rollout_ref.model.enable_activation_offload needs a GPU; set it to False on CPU.")
-    if arr.model.use_liger:
+    if roles.model.use_liger:
         raise ConfigError("actor_rollout_ref.model.use_liger: Liger kernels are not bundled with polyrl; set it to "
                           "False (polyrl computes log-probs in LM-head chunks without it).")
     check_strategies(cfg)
     check_rollout_switches(r)
     check_critic(cfg.critic)
-    for role, contents in (("actor_rollout_ref.actor", arr.actor.checkpoint), ("critic", cfg.critic.checkpoint)):
+    for role, contents in (("actor_rollout_ref.actor", roles.actor.checkpoint), ("critic", cfg.critic.checkpoint)):
         check_checkpoint_contents(role, contents)
     if cfg.reward_model.reward_manager not in ("naive", "dapo"):
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; use "
@@ -267,7 +267,7 @@ def check_supported(cfg) -> None:
     if cfg.trainer.default_hdfs_dir:
         raise ConfigError("trainer.default_hdfs_dir: HDFS upload is not supported; leave it null and copy "
                           "trainer.default_local_dir yourself.")
-    if arr.actor.checkpoint.async_save:
+    if roles.actor.checkpoint.async_save:
         raise ConfigError("actor.checkpoint.async_save is not implemented (saves are synchronous and atomic); "
                           "set it to False.")
     if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
@@ -295,14 +295,14 @@ def resolve_model_dtypes(cfg) -> None:
     model_dtype may only repeat the actor's."""
     from polyrl.utils.device import to_dtype
 
-    arr = cfg.actor_rollout_ref
-    resolve_model_dtype(arr.model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config.model_dtype")
-    ref = arr.ref.fsdp_config
+    roles = cfg.actor_rollout_ref
+    resolve_model_dtype(roles.model, roles.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config.model_dtype")
+    ref = roles.ref.fsdp_config
     key = "actor_rollout_ref.ref.fsdp_config.model_dtype"
-    actor_dtype = to_dtype(arr.model.dtype, "actor_rollout_ref.model.dtype")
+    actor_dtype = to_dtype(roles.model.dtype, "actor_rollout_ref.model.dtype")
     if ref.model_dtype != type(ref)().model_dtype and to_dtype(ref.model_dtype, key) != actor_dtype:
         raise ConfigError(f"{key}={ref.model_dtype}: the reference is a copy of the actor, built in "
-                          f"actor_rollout_ref.model.dtype={arr.model.dtype}; remove it.")
+                          f"actor_rollout_ref.model.dtype={roles.model.dtype}; remove it.")
 
 
 def check_flow_supported(cfg) -> None:

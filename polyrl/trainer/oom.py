@@ -72,12 +72,12 @@ def _halve_budget(holder, prefix: str, dyn: str, budget: str, micro: str, ctx: S
 
 
 def shrink_update(cfg, ctx: StageContext) -> Change | None:
-    arr = cfg.actor_rollout_ref
-    change = _halve_budget(arr.actor, "actor_rollout_ref.actor.", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+    roles = cfg.actor_rollout_ref
+    change = _halve_budget(roles.actor, "actor_rollout_ref.actor.", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
                            "ppo_micro_batch_size_per_gpu", ctx)
-    if change is None and not arr.model.enable_gradient_checkpointing and ctx.model is not None:
+    if change is None and not roles.model.enable_gradient_checkpointing and ctx.model is not None:
         ctx.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        arr.model.enable_gradient_checkpointing = True
+        roles.model.enable_gradient_checkpointing = True
         change = Change("actor_rollout_ref.model.enable_gradient_checkpointing", False, True)
     return change
 

@@ -67,13 +67,13 @@ from polyrl.utils.timing import StepTimer
 
 def resolve_defaults(cfg: PPOConfig) -> None:
     """Fill verl's derived defaults (rollout lengths, KL-loss implies a reference, ...) in place."""
-    arr = cfg.actor_rollout_ref
-    arr.rollout.response_length = arr.rollout.response_length or cfg.data.max_response_length
-    arr.rollout.prompt_length = arr.rollout.prompt_length or cfg.data.max_prompt_length
-    if arr.actor.optim.warmup_style and arr.actor.optim.lr_scheduler_type == "constant":
-        arr.actor.optim.lr_scheduler_type = arr.actor.optim.warmup_style
-    if arr.actor.optim.clip_grad is not None:
-        arr.actor.grad_clip = arr.actor.optim.clip_grad
+    roles = cfg.actor_rollout_ref
+    roles.rollout.response_length = roles.rollout.response_length or cfg.data.max_response_length
+    roles.rollout.prompt_length = roles.rollout.prompt_length or cfg.data.max_prompt_length
+    if roles.actor.optim.warmup_style and roles.actor.optim.lr_scheduler_type == "constant":
+        roles.actor.optim.lr_scheduler_type = roles.actor.optim.warmup_style
+    if roles.actor.optim.clip_grad is not None:
+        roles.actor.grad_clip = roles.actor.optim.clip_grad
     if cfg.critic.enable is None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.trainer.default_local_dir is None:
@@ -97,22 +97,22 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
             raise ConfigError("actor_rollout_ref.hybrid_engine=False is the 2-process off-policy pipeline; start it "
                               "with `polyrl train` (trainer/async_ppo.py), not by building a PPOTrainer.")
         self.cfg = cfg
-        arr, t = cfg.actor_rollout_ref, cfg.trainer
+        roles, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
-        offload = arr.actor.fsdp_config.cpu_offload or arr.ref.fsdp_config.cpu_offload
-        self.dist = dist or DistEnv.setup(t.device, fsdp_size=arr.actor.fsdp_config.fsdp_size, cpu_offload=offload,
-                                          sp_size=arr.actor.ulysses_sequence_parallel_size,
-                                          timeout_s=arr.nccl_timeout)
+        offload = roles.actor.fsdp_config.cpu_offload or roles.ref.fsdp_config.cpu_offload
+        self.dist = dist or DistEnv.setup(t.device, fsdp_size=roles.actor.fsdp_config.fsdp_size, cpu_offload=offload,
+                                          sp_size=roles.actor.ulysses_sequence_parallel_size,
+                                          timeout_s=roles.nccl_timeout)
         check_data_parallel(cfg, self.dist.data.world_size)  # data shards: world / ulysses size
-        arr.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
+        roles.rollout.seed += self.dist.data.rank  # each data shard samples its own stream
         self.device = self.dist.device if self.dist.is_distributed else pick_device(t.device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         self.open_run()  # checkpoints, the checkpoint to resume, this run's directory (trainer/core.py)
 
-        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path,
-                                        custom_chat_template=arr.model.custom_chat_template,
-                                        trust_remote_code=arr.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(roles.model.tokenizer_path or roles.model.path,
+                                        custom_chat_template=roles.model.custom_chat_template,
+                                        trust_remote_code=roles.model.trust_remote_code)
         self.train_data = load_rl_dataset(cfg.data.train_files, self.tokenizer, cfg.data)
         self.val_data = load_rl_dataset(cfg.data.val_files, self.tokenizer, cfg.data) if cfg.data.val_files else []
         seed = cfg.data.seed if cfg.data.seed is not None else t.seed
@@ -122,17 +122,17 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
 
-        model = load_policy(arr.model, device=self.device)
+        model = load_policy(roles.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
         plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
             self.rollout_replica = copy.deepcopy(model)
-            parallelize(model, self.dist.mesh, arr.actor.fsdp_config, self.device)
+            parallelize(model, self.dist.mesh, roles.actor.fsdp_config, self.device)
         self.model = model
-        self.export_dtype = export_dtype(t.export_dtype, arr.model.path, trained=next(model.parameters()).dtype)
-        optim = arr.actor.optim
+        self.export_dtype = export_dtype(t.export_dtype, roles.model.path, trained=next(model.parameters()).dtype)
+        optim = roles.actor.optim
         params = param_groups(model)  # polyrl.distributed: sharded and replicated parameters in separate groups
         optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                       weight_decay=optim.weight_decay)
@@ -142,7 +142,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                                    kind=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio,
                                    num_cycles=optim.num_cycles)
         self.actor = Actor(model, optimizer, scheduler, dp=self.dist,
-                           fwd=ForwardSettings.from_config(arr.model, arr.actor))
+                           fwd=ForwardSettings.from_config(roles.model, roles.actor))
         self.ref_model = self._make_reference(model)
         self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
         self.critic = self._make_critic() if cfg.critic.enable else None
@@ -166,10 +166,10 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         else:
             self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
                                         max_response_length=cfg.data.max_response_length)
-        self.profiler = Profiler(cfg.global_profiler, {"actor": arr.actor.profiler, "ref": arr.ref.profiler,
-                                                        "rollout": arr.rollout.profiler})
+        self.profiler = Profiler(cfg.global_profiler, {"actor": roles.actor.profiler, "ref": roles.ref.profiler,
+                                                        "rollout": roles.rollout.profiler})
         self.timer = StepTimer(hooks=[self.profiler])
-        shuffle_seed = arr.actor.data_loader_seed if arr.actor.data_loader_seed is not None else t.seed
+        shuffle_seed = roles.actor.data_loader_seed if roles.actor.data_loader_seed is not None else t.seed
         self.generator = torch.Generator().manual_seed(shuffle_seed)  # mini-batch shuffles (actor.shuffle)
         self.global_step = 0
         self._bar = None  # the progress bar while fit() runs (log lines are written with it lifted)
@@ -200,8 +200,8 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         from polyrl.models.loader import load_causal_lm
         from polyrl.learner.critic import Critic, ValueModel
 
-        c, arr = self.cfg.critic, self.cfg.actor_rollout_ref
-        lm = load_causal_lm(c.model.path or arr.model.path, key="critic.model.path",
+        c, roles = self.cfg.critic, self.cfg.actor_rollout_ref
+        lm = load_causal_lm(c.model.path or roles.model.path, key="critic.model.path",
                             trust_remote_code=c.model.trust_remote_code, override_config=c.model.override_config,
                             external_lib=c.model.external_lib)
         model = ValueModel(lm).to(self.device)
@@ -210,10 +210,10 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
                                 weight_decay=c.optim.weight_decay)
         shards = self.dist.data.world_size
-        mini = mini_batch_per_gpu(c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, arr.rollout.n, shards)
+        mini = mini_batch_per_gpu(c.ppo_mini_batch_size or roles.actor.ppo_mini_batch_size, roles.rollout.n, shards)
         micro = micro_batch_per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, shards) or \
             micro_batch_per_gpu(c.forward_micro_batch_size_per_gpu, c.forward_micro_batch_size, shards) or \
-            micro_batch_per_gpu(arr.actor.ppo_micro_batch_size_per_gpu, arr.actor.ppo_micro_batch_size, shards) or mini
+            micro_batch_per_gpu(roles.actor.ppo_micro_batch_size_per_gpu, roles.actor.ppo_micro_batch_size, shards) or mini
         return Critic(model, opt, cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                       grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
                       micro_batch_size=min(micro, mini))
