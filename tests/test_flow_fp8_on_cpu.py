@@ -1,5 +1,7 @@
 """FP8 sampling for the DiT (CPU emulation) and the LLM's rollout correction applied to FlowGRPO's per-step log-probs."""
 
+import tempfile
+
 import pytest
 import torch
 from torch import nn
@@ -87,7 +89,9 @@ def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False):
     actor.diffusion_loss.clip_ratio, actor.use_kl_loss, actor.kl_loss_coef = 1e-3, kl, 0.01
     cfg.algorithm.rollout_correction.rollout_is = rollout_is
     cfg.algorithm.rollout_correction.rollout_is_threshold = threshold
-    cfg.trainer.progress_bar = False
+    cfg.trainer.progress_bar, cfg.trainer.logger = False, []
+    run = tempfile.mkdtemp(prefix="polyrl-test-fp8-")  # its own run folder: nothing written into the working tree
+    cfg.trainer.run_dir, cfg.trainer.default_local_dir = run, f"{run}/checkpoints"
     torch.manual_seed(0)
     policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
     prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
