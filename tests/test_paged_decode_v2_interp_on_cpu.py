@@ -1,6 +1,7 @@
-"""The v2 paged-decode kernel (`paged_decode_v2.py`) under Triton's CPU interpreter, against a torch reference that
-attends over the dequantised K/V: fp32, fp16 and e4m3 caches (e4m3 with bf16 queries, the engine's case), 1 and 3 splits, GQA groups that give one, two and four
-kv heads per program, ragged context lengths including 0 and partial pages, block tables out of order.
+"""The v2 paged-decode kernel (`paged_decode_v2.py`) under Triton's CPU interpreter, against a torch reference
+that attends over the dequantised K/V: fp32, fp16 and e4m3 caches (e4m3 with bf16 queries, the engine's case), 1 and
+3 splits, GQA groups that give one, two and four kv heads per program, ragged context lengths including 0 and partial
+pages, block tables out of order.
 
 Skipped unless `triton` imports AND TRITON_INTERPRET=1 (CI has neither, so it skips there). Run it with
 `TRITON_INTERPRET=1 PYTHONPATH=/work/triton_site:. python -m pytest -q tests/test_paged_decode_v2_interp_on_cpu.py`.

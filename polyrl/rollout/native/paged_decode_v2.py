@@ -1,4 +1,4 @@
-"""Paged-decode attention, variant 2: whole pages of several kv heads per step (`engine_kwargs.native.decode_kernel=v2`).
+"""Paged-decode attention, variant 2: whole pages of several kv heads per step (`...native.decode_kernel=v2`).
 
 Same contract as `paged_decode.py` (v1): one new query token per sequence, bf16/fp32 or e4m3 K/V with one fp32 scale
 per (token, kv head), split-K partials merged by v1's `_combine_kernel`, zero-length rows write zeros, one split
@@ -178,7 +178,8 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     return out
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False, num_heads: int | None = None) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
+                      num_heads: int | None = None) -> int:
     """Enough (sequence, head block, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that.
     num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
     blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
