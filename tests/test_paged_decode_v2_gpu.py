@@ -117,6 +117,10 @@ def test_engine_v2_decodes_as_v1():
         outs[kernel] = eng.generate(prompts, sp)
         del eng
         torch.cuda.empty_cache()
-    same = np.mean([a == b for r, o in zip(outs["v1"].token_ids, outs["v2"].token_ids) for a, b in zip(r, o)])
-    print(f"v2 vs v1 greedy tokens equal at {same:.1%} of positions")
-    assert same > 0.9  # the same math in another summation order: rare near-tie flips only
+    ref, out = outs["v1"], outs["v2"]
+    first = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
+             for r, o in zip(ref.token_ids, out.token_ids)]
+    gaps = [abs(a - b) for r, o, i in zip(ref.logprobs, out.logprobs, first) for a, b in zip(r[:i], o[:i])]
+    print(f"v2 vs v1: tokens before the first flip {np.mean(first):.1f}/48; logprob gap mean {np.mean(gaps):.2e}")
+    # the same quantised cache and math in another summation order: far below FP8-vs-bf16's 0.107 (fp8 test)
+    assert np.mean(gaps) < 0.02 and np.mean(first) > 24
