@@ -135,3 +135,18 @@ def test_v2_agrees_with_v1_under_the_interpreter():
     a = v1.paged_decode(q, k, v, meta(2), D**-0.5, *scales)
     b = v2.paged_decode(q, k, v, meta(2), D**-0.5, *scales)
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_v2_splits_fill_whole_waves():
+    """132 SMs (an H100): the fewest splits whose programs fill the last wave to 90%; v2's fewer programs per
+    sequence (one head block for Qwen-1.5B) need more splits than v1 at the same batch."""
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
+    slots = v2.CONFIG["programs_per_sm"] * 132
+    for batch, heads, kv_heads in ((64, 12, 2), (128, 12, 2), (64, 32, 8), (8, 12, 2), (1, 12, 2)):
+        n = v2.choose_num_splits(batch, kv_heads, 132, num_heads=heads)
+        programs = batch * kv_heads // v2.heads_per_program(heads, kv_heads) * n
+        waves = -(-programs // slots)
+        assert 1 <= n <= 16
+        assert programs / (waves * slots) >= 0.9 or n == 16, (batch, heads, n)
+        assert n == 1 or (programs // n) / slots < 0.9  # one split would not do

@@ -128,10 +128,11 @@ def _paged_decode_v2_kernel(
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
-# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Untuned guesses (no GPU when
-# written): `benchmarks/decode_kernel.py` sweeps them and prints the best.
-CONFIG = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=1)
-CONFIG_FP8 = dict(rows=256, num_warps=4, num_stages=3, programs_per_sm=1)
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not tuned (no GPU when written):
+# the same bytes per step as v1's tuned tiles (16 KB of K), and two programs per SM for e4m3 because it is bound by
+# instruction latency rather than bytes. `benchmarks/decode_kernel.py` sweeps them and prints the best.
+CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
+CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 
 
 def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
@@ -180,8 +181,11 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
                       num_heads: int | None = None) -> int:
-    """Enough (sequence, head block, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that.
+    """The fewest splits (up to 16) whose (sequence, head block, split) programs fill their last wave of
+    `programs_per_sm` per SM at least 90% (else the fullest): v2 has KVH / HB times fewer programs than v1, so
+    a batch that fills the GPU with v1 can leave half of it idle, or a second wave nearly empty, with v2.
     num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
     blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
-    want = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
-    return max(1, min(16, -(-want // max(1, batch * blocks))))
+    slots = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
+    fill = lambda n: n * batch * blocks / (slots * -(-n * batch * blocks // slots))  # noqa: E731
+    return next((n for n in range(1, 17) if fill(n) >= 0.9), max(range(1, 17), key=fill))
