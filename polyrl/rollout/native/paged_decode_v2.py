@@ -43,6 +43,62 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
 
 
 @triton.jit
+def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff, col_tok, own_head,
+          d, pg, N: tl.constexpr, BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One online-softmax step over the N cache rows of PAGES whole pages from token `start`. MASKED: the step may
+    run past `hi` (the split's last, partial step); the full steps skip every token mask (~20% fewer instructions)."""
+    page = start // BS + pg
+    if MASKED:
+        blk = tl.load(bt_row + page, mask=page * BS < hi, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + page).to(tl.int64)
+    # every row starts at a multiple of 16 elements (Triton specialises the strides so): say so after the reshape,
+    # which hides it, so that the row loads vectorise and pipeline
+    off = tl.multiple_of(tl.reshape(blk[:, None] * stride_kb + page_off[None, :], [N]), 16)
+    soff = tl.reshape(blk[:, None] * (BS * KVH) + page_soff[None, :], [N])
+    if MASKED:
+        tm = start + col_tok < hi
+        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    else:
+        k = tl.load(K + off[:, None] + d[None, :])
+        v = tl.load(V + off[:, None] + d[None, :])
+    if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
+        if MASKED:
+            k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
+            v_sc = tl.load(VS + soff, mask=tm, other=0.0)
+        else:
+            k_sc = tl.load(KS + soff) * scale
+            v_sc = tl.load(VS + soff)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if FP8:
+        sc = sc * k_sc[None, :]
+    else:
+        sc = sc * scale
+    if MASKED:
+        sc = tl.where(own_head & tm[None, :], sc, float("-inf"))
+    else:
+        sc = tl.where(own_head, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * v_sc[None, :]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _paged_decode_v2_kernel(
     Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
     stride_qt, stride_qh,
@@ -85,42 +141,14 @@ def _paged_decode_v2_kernel(
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, D], tl.float32)
-    for start in range(lo, hi, TILE):
-        page = start // BS + pg
-        blk = tl.load(BT + seq_row * stride_bt + page, mask=page * BS < hi, other=0).to(tl.int64)
-        # every row starts at a multiple of 16 elements (Triton specialises the strides so): say so after the
-        # reshape, which hides it, so that the row loads vectorise and pipeline
-        off = tl.multiple_of(tl.reshape(blk[:, None] * stride_kb + page_off[None, :], [N]), 16)
-        tm = start + col_tok < hi
-        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
-            soff = tl.reshape(blk[:, None] * (BS * KVH) + page_soff[None, :], [N])
-            k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
-            v_sc = tl.load(VS + soff, mask=tm, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        if FP8:
-            sc = sc * k_sc[None, :]
-        else:
-            sc = sc * scale
-        sc = tl.where(own_head & tm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        pv = p
-        if FP8:
-            pv = p * v_sc[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
-        m = m_new
+    bt_row = BT + seq_row * stride_bt
+    full = lo + tl.maximum(hi - lo, 0) // TILE * TILE  # whole steps end here; a partial one may follow
+    for start in range(lo, full, TILE):
+        m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False)
+    if full < hi:
+        m, l, acc = _step(q, m, l, acc, full, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True)
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
