@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out BENCHMARKS.md] [--budget-s 45]
     TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke --rows-out /tmp/r.md
+    PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
 
 Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
 (as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
@@ -19,6 +20,12 @@ After the main grid, a short sweep of v2's e4m3 launch config (cache rows per st
 until `--budget-s` seconds have passed since the start; it prints the best, to be committed as CONFIG_FP8 if it wins.
 Rows (one per model x batch x dtype: v2 against v1) go to `--rows-out` (default: BENCHMARKS.md); on the device
 machine pass a file under $OUT and append it here.
+
+`--sass` needs no GPU: it compiles both kernels for sm_90 (Triton's bundled ptxas) and prints, per launch config, the
+registers, spill stack, shared memory and the main loop's SASS instruction count per (token, kv head) per warp, with
+its shared-memory loads (LDS), conversions (F2FP) and MMAs. Static counts, not time: a guide for an instruction-bound
+kernel, and how v2 was designed without a GPU (pointer/stride arguments are assumed 16-divisible, as Triton
+specialises them at run time).
 """
 
 from __future__ import annotations
@@ -122,8 +129,9 @@ def sweep(cache: Cache, sms: int, deadline: float) -> None:
     q = torch.randn(BATCHES[0], MODELS["qwen-1.5b"][0], D, dtype=ACT, device=DEV)
     committed, best = dict(v2.CONFIG_FP8), (float("inf"), None)
     print(f"\n== v2 e4m3 sweep, qwen-1.5b B={BATCHES[0]} (committed {committed})", flush=True)
-    for rows, warps, stages, pps in [(128, 4, 3, 2), (128, 8, 3, 2), (256, 4, 2, 2), (256, 8, 2, 2), (128, 4, 3, 4),
-                                     (128, 4, 3, 1), (256, 4, 3, 1), (512, 8, 2, 1), (64, 4, 3, 2), (256, 8, 3, 4)]:
+    # sm_90 SASS (--sass): rows 256 with 4 warps spills registers, so it is left out
+    for rows, warps, stages, pps in [(128, 4, 3, 2), (128, 4, 3, 1), (128, 4, 2, 2), (128, 8, 3, 2), (256, 8, 3, 2),
+                                     (128, 4, 3, 4), (64, 4, 3, 2), (256, 8, 2, 1)]:
         if time.time() > deadline:
             print("  (budget reached: sweep stopped)")
             break
@@ -137,6 +145,75 @@ def sweep(cache: Cache, sms: int, deadline: float) -> None:
     v2.CONFIG_FP8.update(committed)
     if best[1]:
         print(f"  best rows/warps/stages/programs_per_sm {best[1]}: {best[0]:.0f} us")
+
+
+def sass_report() -> None:
+    """Static loop statistics of v1 and v2 compiled for sm_90 on this machine (see the module docstring)."""
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    cuobjdump = nvdisasm.with_name("cuobjdump")
+    ptr = {"Q": "*bf16", "SeqSlots": "*i64", "BT": "*i32", "CL": "*i32", "LSE": "*fp32", "scale": "fp32"}
+
+    def build(fn, consts, fp8, warps, stages):
+        kv, sc = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
+        types = dict(ptr, K=kv, V=kv, KS=sc, VS=sc, O="*fp32")  # O: split partials (SPLITS=2)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and n not in ("scale", "CL")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+    def loop_stats(kernel):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True).stdout
+        ins, labels = [], {}
+        for line in sass.splitlines():
+            if m := re.match(r"\s*(\.L_x_\d+):", line):
+                labels[m.group(1)] = len(ins)
+            elif m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line):
+                ins.append(m.group(1))
+        back = [(labels[m.group(1)], i) for i, t in enumerate(ins)
+                if (m := re.search(r"BRA.*?(\.L_x_\d+)", t)) and labels.get(m.group(1), len(ins)) < i]
+        lo, hi = max(back, key=lambda b: b[1] - b[0])  # the main loop: the longest backward branch
+        ops = Counter(t.split()[t.startswith("@")].split(".")[0] for t in ins[lo : hi + 1])
+        regs, stack = (re.search(rf"{k}:(\d+)", res).group(1) for k in ("REG", "STACK"))
+        return hi - lo + 1, ops, regs, stack
+
+    print("| kernel | model | K/V | config | regs | stack | smem KB | loop instr | per token-head | LDS | F2FP | HMMA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, (heads, kv_heads) in MODELS.items():
+        group = heads // kv_heads
+        for fp8 in (False, True):
+            c1 = v1.CONFIG_FP8 if fp8 else v1.CONFIG
+            hb = v2.heads_per_program(heads, kv_heads)
+            gp = max(16, triton.next_power_of_2(group))
+            runs = [("v1", v1._paged_decode_kernel, dict(G=group, GP=gp, TILE=c1["tile"], KVH=kv_heads),
+                     c1["num_warps"], c1["num_stages"], c1["tile"])]
+            v2_configs = [v2.CONFIG_FP8 if fp8 else v2.CONFIG] + [dict(rows=256, num_warps=8, num_stages=3)] * fp8
+            for c2 in v2_configs:
+                rows = max(c2["rows"], BS * hb)
+                runs.append(("v2", v2._paged_decode_v2_kernel,
+                             dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)), PAGES=rows // (BS * hb),
+                                  KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
+            for name, fn, consts, warps, stages, rows in runs:
+                consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
+                kernel = build(fn, consts, fp8, warps, stages)
+                n, ops, regs, stack = loop_stats(kernel)
+                print(f"| {name} | {model} | {'e4m3' if fp8 else 'bf16'} | rows {rows} warps {warps} stages {stages} | "
+                      f"{regs} | {stack} | {kernel.metadata.shared / 1024:.0f} | {n} | {n * warps / rows:.1f} | "
+                      f"{ops['LDS']} | {ops['F2FP']} | {ops['HMMA']} |", flush=True)
 
 
 def _interpreter_scalar_index() -> None:
@@ -159,7 +236,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=45.0, help="stop the config sweep after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
                     "the script's flow, measures nothing")
+    ap.add_argument("--sass", action="store_true", help="no GPU: static sm_90 loop statistics of both kernels")
     args = ap.parse_args()
+    if args.sass:
+        sass_report()
+        return
     if args.smoke:
         global DEV, ACT, CTX, BATCHES
         DEV, ACT, CTX, BATCHES = "cpu", torch.float16, 64, (2, 3)
