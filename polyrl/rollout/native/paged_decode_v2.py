@@ -23,9 +23,20 @@ v2's design:
   costs no more MMA or softmax work than v1, which pads each head's group of G rows to 16 (HB * G <= 16 here).
 - Scales fold in as in v1: the score column times K's scale, the probability column times V's scale before P.V; e4m3
   is upcast to fp16 in registers (one conversion instruction on Hopper), scores and softmax stay fp32.
+- Whole steps run without token masks; only a split's last, partial step is masked (`_step(MASKED=True)`).
+
+What it buys, measured statically (no GPU here: `benchmarks/decode_kernel.py --sass` compiles both kernels for sm_90
+and counts the main loop's SASS instructions per (token, kv head) per warp; Qwen-1.5B heads, committed configs):
+bf16 v1 35.1 -> v2 22.4; e4m3 v1 46.6 -> v2 32.1 (-31%). Both pipeline their K/V loads (cp.async), no spills. The
+largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and Hopper
+(sm_90) has no transposing ldmatrix for 8-bit data, so Triton gathers V's bytes one LDS.U8 at a time (182 of the 1,026 loop
+instructions are shared-memory loads). Storing each V page transposed ([D, block_size * kv_heads]) makes that operand
+contiguous along the contraction like K's: 32.1 -> 25.6 in the same count (tried in the kernel, not kept: it needs
+the cache writer, the prefill gather and v1 to agree on the layout). Converting V before the layout change instead
+(scale, inline-asm conversion) does not help: Triton moves every elementwise op past it.
 Not done: TMA / tensor descriptors (Hopper's TMA cannot gather scattered pages into one tile; one descriptor load per
-page would shrink the dots to a page). Whether v2 beats v1 is for `benchmarks/decode_kernel.py` on a GPU to say; the
-engine's default stays v1 until it does.
+page would shrink the dots to a page). Whether v2 beats v1 in time is for `benchmarks/decode_kernel.py` on a GPU to
+say; the engine's default stays v1 until it does.
 """
 
 from __future__ import annotations
@@ -158,9 +169,10 @@ def _paged_decode_v2_kernel(
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
-# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not tuned (no GPU when written):
-# the same bytes per step as v1's tuned tiles (16 KB of K), and two programs per SM for e4m3 because it is bound by
-# instruction latency rather than bytes. `benchmarks/decode_kernel.py` sweeps them and prints the best.
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not timed (no GPU when written):
+# the same bytes per step as v1's tuned tiles (16 KB of K), no register spills on sm_90 (rows 256 with 4 warps
+# spills), and two programs per SM for e4m3, which is bound by instructions rather than bytes.
+# `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
 CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 
