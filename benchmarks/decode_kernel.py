@@ -191,7 +191,8 @@ def sass_report() -> None:
         regs, stack = (re.search(rf"{k}:(\d+)", res).group(1) for k in ("REG", "STACK"))
         return hi - lo + 1, ops, regs, stack
 
-    print("| kernel | model | K/V | config | regs | stack | smem KB | loop instr | per token-head | LDS | F2FP | HMMA |")
+    print("| kernel | model | K/V | config | regs | stack | smem KB | loop instr | per token-head | LDS | F2FP "
+          "| HMMA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, (heads, kv_heads) in MODELS.items():
         group = heads // kv_heads
@@ -205,8 +206,8 @@ def sass_report() -> None:
             for c2 in v2_configs:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
-                             dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)), PAGES=rows // (BS * hb),
-                                  KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
+                             dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
+                                  PAGES=rows // (BS * hb), KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
                 kernel = build(fn, consts, fp8, warps, stages)
@@ -250,8 +251,10 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
     hbm = next((v for k, v in HBM_SPEC.items() if k in dev), HBM_SPEC["H100"])
     copy_bw = copy_bandwidth()
-    print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 | v2 vs v1 rel err |")
+    print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
+          flush=True)
+    print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
+          "| v2 vs v1 rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     qwen_cache = None
     for model, (heads, kv_heads) in MODELS.items():
@@ -270,7 +273,8 @@ def main() -> None:
                         print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | failed: {out} |")
                         continue
                     ratio = f"{us1 / us2:.2f}x" if name == "v2" and us1 and us2 else "-"
-                    print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | {us:.0f} | {nbytes / us / 1e3:,.0f} | "
+                    print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | {us:.0f} | "
+                          f"{nbytes / us / 1e3:,.0f} | "
                           f"{nbytes / us / 1e6 / hbm:.0%} | {nbytes / us / 1e6 / copy_bw:.0%} | {ratio} | "
                           f"{err if name == 'v2' else 0:.1e} |", flush=True)
                 if us1 and us2:

@@ -28,8 +28,8 @@ v2's design:
 What it buys, measured statically (no GPU here: `benchmarks/decode_kernel.py --sass` compiles both kernels for sm_90
 and counts the main loop's SASS instructions per (token, kv head) per warp; Qwen-1.5B heads, committed configs):
 bf16 v1 35.1 -> v2 22.4; e4m3 v1 46.6 -> v2 32.1 (-31%). Both pipeline their K/V loads (cp.async), no spills. The
-largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and Hopper
-(sm_90) has no transposing ldmatrix for 8-bit data, so Triton gathers V's bytes one LDS.U8 at a time (182 of the 1,026 loop
+largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and sm_90
+has no transposing ldmatrix for 8-bit data, so Triton gathers V's bytes one LDS.U8 at a time (182 of the 1,026 loop
 instructions are shared-memory loads). Storing each V page transposed ([D, block_size * kv_heads]) makes that operand
 contiguous along the contraction like K's: 32.1 -> 25.6 in the same count (tried in the kernel, not kept: it needs
 the cache writer, the prefill gather and v1 to agree on the layout). Converting V before the layout change instead
