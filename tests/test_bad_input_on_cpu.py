@@ -73,6 +73,8 @@ CASES = [
     ("unknown quantization", None, ["actor_rollout_ref.rollout.quantization=int4"], ["quantization", "int4"]),
     ("vllm engine kwargs", None, ["+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"],
      ["engine_kwargs.vllm.swap_space"]),
+    ("unknown decode kernel", None, ["+actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel=v9"],
+     ["engine_kwargs.native.decode_kernel", "v9"]),
     ("fp8 kv needs native", None, ["actor_rollout_ref.rollout.kv_cache_dtype=fp8"], ["rollout.name=native"]),
     ("reward nan", None, ["custom_reward_function.path=BAD/reward_nan.py", "trainer.total_training_steps=3"],
      ["compute_score", "nan"]),

@@ -134,7 +134,8 @@ def test_fp8_weights_follow_update_weights(reference):
 
 
 @pytest.mark.parametrize("kw,words", [(dict(kv_cache_dtype="fp4"), "kv_cache_dtype='fp4'"),
-                                      (dict(quantization="int4"), "quantization='int4'")])
+                                      (dict(quantization="int4"), "quantization='int4'"),
+                                      (dict(decode_kernel="v3"), "decode_kernel='v3'")])
 def test_unknown_low_precision_values_are_refused(reference, kw, words):
     with pytest.raises(ValueError, match=words):
         NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256, **kw)
@@ -148,10 +149,12 @@ def test_engine_kwargs_native_reach_the_engine(reference):
 
     m = reference[0]
     cfg = RolloutConfig(quantization="fp8", gpu_memory_utilization=0.5,
-                        engine_kwargs={"native": {"fp8_min_elements": 8192, "num_kv_tokens": 320}})
+                        engine_kwargs={"native": {"fp8_min_elements": 8192, "num_kv_tokens": 320,
+                                                  "decode_kernel": "v2"}})
     eng = make_rollout(cfg, m, pad_token_id=0, device=torch.device("cpu"), max_model_len=256)
     kinds = {name: isinstance(getattr(parent, name), FP8Linear) for parent, name in
              ((eng.model.layers[0].attn, "qkv"), (eng.model.layers[0].attn, "o"),
               (eng.model.layers[0].mlp, "gate_up"), (eng.model.layers[0].mlp, "down"))}
     assert kinds == {"qkv": False, "o": False, "gate_up": True, "down": False}  # only gate_up (256x64) > 8192
     assert eng.num_blocks == -(-320 // eng.block_size) + 1
+    assert eng.decode_kernel == "v2"

@@ -89,8 +89,9 @@ class RolloutConfig:
     """Sampling during validation."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
-    block_size, num_kv_tokens (CPU cache size) and fp8_min_elements (quantization=fp8 only for weights with more
-    elements than this; default 2^24 on CUDA, the measured crossover)."""
+    block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more
+    elements than this; default 2^24 on CUDA, the measured crossover) and decode_kernel (CUDA paged-decode kernel:
+    v1, the default, one program per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py)."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

@@ -33,10 +33,11 @@ def world_size(cfg) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
-NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements"}
+NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel"}
 
 
 def _check_low_precision_rollout(r) -> None:
+    from polyrl.rollout.native.attention import DECODE_KERNELS
     from polyrl.rollout.native.engine import KV_CACHE_DTYPES, QUANTIZATIONS
 
     if r.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -50,6 +51,10 @@ def _check_low_precision_rollout(r) -> None:
         if bad:
             raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{backend}.{bad[0]} is not read by polyrl's "
                               f"engine; engine_kwargs.native takes {sorted(NATIVE_ENGINE_KWARGS)}. Remove the key.")
+    kernel = ((r.engine_kwargs or {}).get("native") or {}).get("decode_kernel", "v1")
+    if kernel not in DECODE_KERNELS:
+        raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={kernel!r} is not a decode "
+                          f"kernel; use one of {sorted(DECODE_KERNELS)} (v1 is the default).")
     if r.name != "native" and (r.kv_cache_dtype != "auto" or r.quantization is not None):
         raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype/quantization need rollout.name=native (got "
                           f"rollout.name={r.name}); set rollout.name=native or drop the FP8 keys.")

@@ -28,6 +28,7 @@ step's context (as in bf16) and upcasts that temporary.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,21 @@ class AttnMeta:
     block_tables: torch.Tensor | None = None  # [num_rows, max_blocks] int32, rows indexed by seq_slots
     context_lens: torch.Tensor | None = None  # [S] int32: tokens in context, the new one included
     num_splits: int = 1  # split-K factor of the decode kernel (static per captured batch size)
+    decode_kernel: str = "v1"  # which paged kernel (DECODE_KERNELS; engine_kwargs.native.decode_kernel)
     use_kernel: bool = False
     # gather path inputs
     gather_slots: torch.Tensor | None = None  # [S, K] int64 cache slots of each sequence's context (padded)
     q_index: torch.Tensor | None = None  # [S, Q] index into the flat T queries, T (a zero row) for padding
     out_index: torch.Tensor | None = None  # [T] index of each flat query in the padded S*Q layout
     mask: torch.Tensor | None = None  # [S, 1, Q, K] bool (True = attend); None = plain causal, no cached prefix
+
+
+# paged-decode kernels by name, each a module with `paged_decode` and `choose_num_splits` (imported on first use: CUDA)
+DECODE_KERNELS = {"v1": "polyrl.rollout.native.paged_decode", "v2": "polyrl.rollout.native.paged_decode_v2"}
+
+
+def decode_kernel_module(name: str):
+    return importlib.import_module(DECODE_KERNELS[name])
 
 
 FP8 = torch.float8_e4m3fn
@@ -83,9 +93,8 @@ def write_kv(k_cache, v_cache, k_THD, v_THD, slot_mapping_T, k_scale=None, v_sca
 
 def paged_attention(q_THD, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None, v_scale=None):
     if meta.use_kernel:
-        from polyrl.rollout.native.paged_decode import paged_decode
-
-        return paged_decode(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        kernel = decode_kernel_module(meta.decode_kernel)
+        return kernel.paged_decode(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return gather_attention(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from polyrl.rollout.base import Generation, SamplingParams, register_rollout
-from polyrl.rollout.native.attention import FP8, AttnMeta
+from polyrl.rollout.native.attention import DECODE_KERNELS, FP8, AttnMeta, decode_kernel_module
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
@@ -81,6 +81,7 @@ class NativeEngine:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         fp8_min_elements: int | None = None,
+        decode_kernel: str = "v1",
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -108,11 +109,12 @@ class NativeEngine:
         return cls(model, device=device, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
-                   kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements)
+                   kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements,
+                   decode_kernel=decode_kernel)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
-                 quantization=None, fp8_min_elements=None):
+                 quantization=None, fp8_min_elements=None, decode_kernel="v1"):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -126,6 +128,10 @@ class NativeEngine:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}.")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} is not supported; use one of {QUANTIZATIONS}.")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r} is not a paged-decode kernel; use one of "
+                             f"{sorted(DECODE_KERNELS)}.")
+        self.decode_kernel = decode_kernel
         self.kv_fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_dtype = FP8 if self.kv_fp8 else self.dtype
         self.quantization = quantization
@@ -315,12 +321,12 @@ class NativeEngine:
 
     def _decode_meta(self, batch: int) -> AttnMeta:
         """Paged-kernel metadata over the static decode buffers (rows: slots, positions, cache slots, context)."""
-        from polyrl.rollout.native.paged_decode import choose_num_splits
-
-        m = self.dec_meta
+        m, s = self.dec_meta, self.spec
+        splits = decode_kernel_module(self.decode_kernel).choose_num_splits(batch, s.num_kv_heads, self.num_sms,
+                                                                            self.kv_fp8, num_heads=s.num_heads)
         return AttnMeta(slot_mapping=m[2, :batch], decode=True, seq_slots=m[0, :batch], block_tables=self.bt_dev,
-                        context_lens=m[3, :batch], use_kernel=True,
-                        num_splits=choose_num_splits(batch, self.spec.num_kv_heads, self.num_sms, self.kv_fp8))
+                        context_lens=m[3, :batch], use_kernel=True, num_splits=splits,
+                        decode_kernel=self.decode_kernel)
 
     def _decode_forward(self, batch: int) -> torch.Tensor:
         """Decode forward over static buffers (the function CUDA graphs capture). Returns logits [batch, V]."""

@@ -146,7 +146,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     return out
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False) -> int:
-    """Enough (seq, head, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that."""
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
+                      num_heads: int | None = None) -> int:
+    """Enough (seq, head, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that.
+    num_heads is not needed here (one program per kv head); v2's chooser takes it, and so both share one signature."""
     want = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
     return max(1, min(16, -(-want // max(1, batch * num_kv_heads))))

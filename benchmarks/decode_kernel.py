@@ -1,0 +1,296 @@
+"""Paged-decode kernels v1 vs v2 in isolation, bf16 and e4m3 K/V, at long contexts (issue 16). One short GPU call.
+
+    PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out BENCHMARKS.md] [--budget-s 45]
+    TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke --rows-out /tmp/r.md
+    PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
+
+Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
+(as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
+128). One attention layer per call. v1 = `paged_decode.py` (one program per kv head), v2 = `paged_decode_v2.py`
+(whole pages of several kv heads per program), each with its committed launch config and its own split chooser.
+
+Timing: 20 calls captured in one CUDA graph, replayed 5 times between CUDA events (after a warm-up replay); us per
+call = elapsed / 100. No host launch cost is included, as in the engine's captured decode step.
+Bytes per call (`bytes_moved`): every context token's K and V rows of every kv head (D bytes in e4m3 or 2D in bf16,
+plus one fp32 scale each in e4m3), the block table (4 bytes per page), q read and the output written (bf16). Split-K
+partials (a few hundred KB, L2-resident) are not counted. GB/s = bytes / time; the limit is the HBM spec (3.35 TB/s
+on an H100 SXM, 4.8 on an H200), and the measured copy bandwidth (read + write of 2 GB) is printed beside it.
+
+After the main grid, a short sweep of v2's e4m3 launch config (cache rows per step, warps, stages) at Qwen B=64 runs
+until `--budget-s` seconds have passed since the start; it prints the best, to be committed as CONFIG_FP8 if it wins.
+Rows (one per model x batch x dtype: v2 against v1) go to `--rows-out` (default: BENCHMARKS.md); on the device
+machine pass a file under $OUT and append it here.
+
+`--sass` needs no GPU: it compiles both kernels for sm_90 (Triton's bundled ptxas) and prints, per launch config, the
+registers, spill stack, shared memory and the main loop's SASS instruction count per (token, kv head) per warp, with
+its shared-memory loads (LDS), conversions (F2FP) and MMAs. Static counts, not time: a guide for an instruction-bound
+kernel, and how v2 was designed without a GPU (pointer/stride arguments are assumed 16-divisible, as Triton
+specialises them at run time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _record import append_row  # noqa: E402
+
+from polyrl.rollout.native import paged_decode as v1  # noqa: E402
+from polyrl.rollout.native import paged_decode_v2 as v2  # noqa: E402
+from polyrl.rollout.native.attention import FP8, AttnMeta  # noqa: E402
+
+MODELS = {"qwen-1.5b": (12, 2), "llama-8b": (32, 8)}  # q heads, kv heads
+D, BS, CTX, BATCHES = 128, 16, 16384, (64, 128)
+DEV, ACT = "cuda", torch.bfloat16  # --smoke: "cpu" (Triton's interpreter) and fp16 (its bf16 dot is broken)
+HBM_SPEC = {"H100": 3.35e12, "H200": 4.8e12}
+KERNELS = {"v1": v1, "v2": v2}
+
+
+def bytes_moved(batch: int, ctx: int, heads: int, kv_heads: int, fp8: bool) -> int:
+    row = D * (1 if fp8 else 2) + (4 if fp8 else 0)  # one (token, kv head) row of K or V, with its scale
+    return 2 * batch * ctx * kv_heads * row + batch * (ctx // BS) * 4 + 2 * batch * heads * D * 2
+
+
+def time_us(fn, calls: int = 20, reps: int = 5) -> float:
+    fn()  # compile outside the capture
+    if DEV == "cpu":  # --smoke: the script's flow only
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * reps)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << (30 if DEV == "cuda" else 20), dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (time_us(lambda: y.copy_(x), calls=5, reps=4) / 1e6)
+
+
+class Cache:
+    """Random K/V pages for max(BATCHES) sequences of CTX tokens (block 0 left free, as the engine's scratch block) in
+    random page order; bf16 first, then `to_fp8()` replaces them with e4m3 values and per-(token, head) scales."""
+
+    def __init__(self, kv_heads: int):
+        b = max(BATCHES)
+        nb = b * CTX // BS
+        self.k = torch.randn(nb + 1, BS, kv_heads, D, dtype=ACT, device=DEV)
+        self.v = torch.randn_like(self.k)
+        self.bt = (torch.randperm(nb, device=DEV) + 1).view(b, CTX // BS).to(torch.int32)
+        self.scales = (None, None)
+
+    def to_fp8(self) -> None:
+        self.k, self.v = self.k.to(FP8), self.v.to(FP8)  # randn fits e4m3's range; scales near 1 keep it so
+        self.scales = tuple(torch.rand(self.k.shape[:3], device=DEV) * 0.5 + 0.75 for _ in range(2))
+
+    def meta(self, batch: int, splits: int) -> AttnMeta:
+        return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(batch, device=DEV),
+                        block_tables=self.bt[:batch], context_lens=torch.full((batch,), CTX, dtype=torch.int32,
+                                                                              device=DEV),
+                        num_splits=splits, use_kernel=True)
+
+
+def run_kernel(name: str, cache: Cache, q: torch.Tensor, sms: int):
+    """(us per call, output, splits) of one kernel with its own split choice; None and the error if it fails."""
+    mod = KERNELS[name]
+    batch, heads, _ = q.shape
+    fp8 = cache.scales[0] is not None
+    splits = mod.choose_num_splits(batch, cache.k.shape[2], sms, fp8, num_heads=heads)
+    meta = cache.meta(batch, splits)
+    fn = lambda: mod.paged_decode(q, cache.k, cache.v, meta, D**-0.5, *cache.scales)  # noqa: E731
+    try:
+        return time_us(fn), fn(), splits
+    except Exception as e:  # a launch config that does not fit: report it, keep going
+        return None, f"{type(e).__name__}: {str(e)[:160]}", splits
+
+
+def sweep(cache: Cache, sms: int, deadline: float) -> None:
+    """v2's e4m3 launch configs at Qwen B=64 until the deadline; prints each and the best."""
+    q = torch.randn(BATCHES[0], MODELS["qwen-1.5b"][0], D, dtype=ACT, device=DEV)
+    committed, best = dict(v2.CONFIG_FP8), (float("inf"), None)
+    print(f"\n== v2 e4m3 sweep, qwen-1.5b B={BATCHES[0]} (committed {committed})", flush=True)
+    # sm_90 SASS (--sass): rows 256 with 4 warps spills registers, so it is left out
+    for rows, warps, stages, pps in [(128, 4, 3, 2), (128, 4, 3, 1), (128, 4, 2, 2), (128, 8, 3, 2), (256, 8, 3, 2),
+                                     (128, 4, 3, 4), (64, 4, 3, 2), (256, 8, 2, 1)]:
+        if time.time() > deadline:
+            print("  (budget reached: sweep stopped)")
+            break
+        v2.CONFIG_FP8.update(rows=rows, num_warps=warps, num_stages=stages, programs_per_sm=pps)
+        us, out, splits = run_kernel("v2", cache, q, sms)
+        print(f"  rows {rows} warps {warps} stages {stages} programs/SM {pps} (splits {splits}): "
+              + (f"{us:.0f} us" if us else f"failed: {out}"), flush=True)
+        if us and us < best[0]:
+            best = (us, (rows, warps, stages, pps))
+    v2.CONFIG_FP8.clear()
+    v2.CONFIG_FP8.update(committed)
+    if best[1]:
+        print(f"  best rows/warps/stages/programs_per_sm {best[1]}: {best[0]:.0f} us")
+
+
+def sass_report() -> None:
+    """Static loop statistics of v1 and v2 compiled for sm_90 on this machine (see the module docstring)."""
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    cuobjdump = nvdisasm.with_name("cuobjdump")
+    ptr = {"Q": "*bf16", "SeqSlots": "*i64", "BT": "*i32", "CL": "*i32", "LSE": "*fp32", "scale": "fp32"}
+
+    def build(fn, consts, fp8, warps, stages):
+        kv, sc = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
+        types = dict(ptr, K=kv, V=kv, KS=sc, VS=sc, O="*fp32")  # O: split partials (SPLITS=2)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and n not in ("scale", "CL")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+    def loop_stats(kernel):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True).stdout
+        ins, labels = [], {}
+        for line in sass.splitlines():
+            if m := re.match(r"\s*(\.L_x_\d+):", line):
+                labels[m.group(1)] = len(ins)
+            elif m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line):
+                ins.append(m.group(1))
+        back = [(labels[m.group(1)], i) for i, t in enumerate(ins)
+                if (m := re.search(r"BRA.*?(\.L_x_\d+)", t)) and labels.get(m.group(1), len(ins)) < i]
+        lo, hi = max(back, key=lambda b: b[1] - b[0])  # the main loop: the longest backward branch
+        ops = Counter(t.split()[t.startswith("@")].split(".")[0] for t in ins[lo : hi + 1])
+        regs, stack = (re.search(rf"{k}:(\d+)", res).group(1) for k in ("REG", "STACK"))
+        return hi - lo + 1, ops, regs, stack
+
+    print("| kernel | model | K/V | config | regs | stack | smem KB | loop instr | per token-head | LDS | F2FP "
+          "| HMMA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, (heads, kv_heads) in MODELS.items():
+        group = heads // kv_heads
+        for fp8 in (False, True):
+            c1 = v1.CONFIG_FP8 if fp8 else v1.CONFIG
+            hb = v2.heads_per_program(heads, kv_heads)
+            gp = max(16, triton.next_power_of_2(group))
+            runs = [("v1", v1._paged_decode_kernel, dict(G=group, GP=gp, TILE=c1["tile"], KVH=kv_heads),
+                     c1["num_warps"], c1["num_stages"], c1["tile"])]
+            v2_configs = [v2.CONFIG_FP8 if fp8 else v2.CONFIG] + [dict(rows=256, num_warps=8, num_stages=3)] * fp8
+            for c2 in v2_configs:
+                rows = max(c2["rows"], BS * hb)
+                runs.append(("v2", v2._paged_decode_v2_kernel,
+                             dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
+                                  PAGES=rows // (BS * hb), KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
+            for name, fn, consts, warps, stages, rows in runs:
+                consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
+                kernel = build(fn, consts, fp8, warps, stages)
+                n, ops, regs, stack = loop_stats(kernel)
+                print(f"| {name} | {model} | {'e4m3' if fp8 else 'bf16'} | rows {rows} warps {warps} stages {stages} | "
+                      f"{regs} | {stack} | {kernel.metadata.shared / 1024:.0f} | {n} | {n * warps / rows:.1f} | "
+                      f"{ops['LDS']} | {ops['F2FP']} | {ops['HMMA']} |", flush=True)
+
+
+def _interpreter_scalar_index() -> None:
+    """Triton 3.5's interpreter uses a loaded scalar (a 1-element array) as a loop bound through int(array), which
+    numpy >= 2.3 refuses (tests/test_paged_decode_v2_interp_on_cpu.py patches the same)."""
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.item())
+
+    interp._patch_lang_tensor = patched
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows-out", default=None, help="file to append result rows to (default BENCHMARKS.md)")
+    ap.add_argument("--budget-s", type=float, default=45.0, help="stop the config sweep after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
+                    "the script's flow, measures nothing")
+    ap.add_argument("--sass", action="store_true", help="no GPU: static sm_90 loop statistics of both kernels")
+    args = ap.parse_args()
+    if args.sass:
+        sass_report()
+        return
+    if args.smoke:
+        global DEV, ACT, CTX, BATCHES
+        DEV, ACT, CTX, BATCHES = "cpu", torch.float16, 64, (2, 3)
+        _interpreter_scalar_index()
+    t0 = time.time()
+    dev = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (Triton interpreter, smoke run)"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+    hbm = next((v for k, v in HBM_SPEC.items() if k in dev), HBM_SPEC["H100"])
+    copy_bw = copy_bandwidth()
+    print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
+          flush=True)
+    print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
+          "| v2 vs v1 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    qwen_cache = None
+    for model, (heads, kv_heads) in MODELS.items():
+        cache = Cache(kv_heads)
+        for kv in ("bf16", "e4m3"):
+            if kv == "e4m3":
+                cache.to_fp8()
+            for batch in BATCHES:
+                q = torch.randn(batch, heads, D, dtype=ACT, device=DEV)
+                nbytes = bytes_moved(batch, CTX, heads, kv_heads, kv == "e4m3")
+                res = {name: run_kernel(name, cache, q, sms) for name in KERNELS}
+                (us1, o1, _), (us2, o2, _) = res["v1"], res["v2"]
+                err = ((o2.float() - o1.float()).norm() / o1.float().norm()).item() if us1 and us2 else float("nan")
+                for name, (us, out, splits) in res.items():
+                    if us is None:
+                        print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | failed: {out} |")
+                        continue
+                    ratio = f"{us1 / us2:.2f}x" if name == "v2" and us1 and us2 else "-"
+                    print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | {us:.0f} | "
+                          f"{nbytes / us / 1e3:,.0f} | "
+                          f"{nbytes / us / 1e6 / hbm:.0%} | {nbytes / us / 1e6 / copy_bw:.0%} | {ratio} | "
+                          f"{err if name == 'v2' else 0:.1e} |", flush=True)
+                if us1 and us2:
+                    floor = nbytes / hbm * 1e6
+                    append_row(dev, "decode_kernel.py paged decode v2 vs v1",
+                               f"{model} heads {heads}/{kv_heads}x{D}, B={batch} x ctx {CTX}, {kv} K/V, block {BS}, "
+                               f"one layer, CUDA graph; splits v1 {res['v1'][2]} v2 {res['v2'][2]}; "
+                               f"v2 {nbytes / us2 / 1e3:,.0f} GB/s, v1 {nbytes / us1 / 1e3:,.0f}",
+                               f"{us2:.0f} us", f"v1: {us1:.0f} us", f"{floor:.0f} us ({hbm / 1e12:.2f} TB/s HBM)",
+                               f"{us1 / us2:.2f}x", f"{floor / us2:.0%} (v1 {floor / us1:.0%})", args.rows_out)
+        if model == "qwen-1.5b":
+            qwen_cache = cache  # e4m3 now; the sweep reuses it
+        del cache
+    sweep(qwen_cache, sms, t0 + args.budget_s)
+    print(f"\nwall {time.time() - t0:.0f} s; rows appended to {args.rows_out or 'BENCHMARKS.md'}")
+
+
+if __name__ == "__main__":
+    main()

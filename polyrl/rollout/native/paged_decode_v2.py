@@ -1,0 +1,233 @@
+"""Paged-decode attention, variant 2: whole pages of several kv heads per step (`...native.decode_kernel=v2`).
+
+Same contract as `paged_decode.py` (v1): one new query token per sequence, bf16/fp32 or e4m3 K/V with one fp32 scale
+per (token, kv head), split-K partials merged by v1's `_combine_kernel`, zero-length rows write zeros, one split
+writes the final output in the activation dtype. What changes is how a program walks the cache.
+
+Why: with e4m3 K/V, v1 is 1.30-1.36x its bf16 speed on an H100 although it reads half the bytes, and measurements put
+the cost on per-token instruction work, not on conversions or the dots (`benchmarks/NOTES_rollout.md`, session 7).
+v1's program owns one (sequence, kv head, split) and, for every token of a tile, loads its block-table entry, builds
+its row pointer and loads its two scales with a stride of `kv_heads` floats; all of that is repeated for each kv head.
+
+v2's design:
+- A program owns one (sequence, head block, split), where a head block is HB kv heads: as many as fit in the 16 rows
+  that `tl.dot` needs anyway for the GQA group (Qwen-1.5B, 12 q / 2 kv heads: HB = 2, every kv head in one program;
+  Llama-8B, 32 / 8: HB = 4, 16 q rows). The q rows of all HB heads are stacked into one [R, D] operand.
+- The K/V operand of a step is PAGES whole pages read as cache rows: in the [blocks, block_size, kv_heads, D] layout a
+  page's rows for HB adjacent heads are (token, head) pairs in memory order, a contiguous run of
+  block_size * HB * D elements when HB = kv_heads. So a step does PAGES block-table loads (not one per token per head),
+  its pointer math is a [PAGES, block_size * HB] outer sum computed once per step, and the e4m3 scales of a page are
+  one contiguous vector in the same row order (coalesced, no per-head stride).
+- One q.K^T and one P.V dot per step cover all HB heads: a score column belongs to one kv head, and a row only keeps
+  the columns of its own kv head (the others are -inf, so P is 0 there and P.V sums only that head's V rows). This
+  costs no more MMA or softmax work than v1, which pads each head's group of G rows to 16 (HB * G <= 16 here).
+- Scales fold in as in v1: the score column times K's scale, the probability column times V's scale before P.V; e4m3
+  is upcast to fp16 in registers (one conversion instruction on Hopper), scores and softmax stay fp32.
+- Whole steps run without token masks; only a split's last, partial step is masked (`_step(MASKED=True)`).
+
+What it buys, measured statically (no GPU here: `benchmarks/decode_kernel.py --sass` compiles both kernels for sm_90
+and counts the main loop's SASS instructions per (token, kv head) per warp; Qwen-1.5B heads, committed configs):
+bf16 v1 35.1 -> v2 22.4; e4m3 v1 46.6 -> v2 32.1 (-31%). Both pipeline their K/V loads (cp.async), no spills. The
+largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and sm_90
+has no transposing ldmatrix for 8-bit data, so Triton gathers V's bytes one LDS.U8 at a time (182 of the 1,026 loop
+instructions are shared-memory loads). Storing each V page transposed ([D, block_size * kv_heads]) makes that operand
+contiguous along the contraction like K's: 32.1 -> 25.6 in the same count (tried in the kernel, not kept: it needs
+the cache writer, the prefill gather and v1 to agree on the layout). Converting V before the layout change instead
+(scale, inline-asm conversion) does not help: Triton moves every elementwise op past it.
+Not done: TMA / tensor descriptors (Hopper's TMA cannot gather scattered pages into one tile; one descriptor load per
+page would shrink the dots to a page). Whether v2 beats v1 in time is for `benchmarks/decode_kernel.py` on a GPU to
+say; the engine's default stays v1 until it does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from polyrl.rollout.native.paged_decode import _combine_kernel
+
+if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
+    from polyrl.rollout.native.attention import AttnMeta
+
+
+@triton.jit
+def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff, col_tok, own_head,
+          d, pg, N: tl.constexpr, BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One online-softmax step over the N cache rows of PAGES whole pages from token `start`. MASKED: the step may
+    run past `hi` (the split's last, partial step); the full steps skip every token mask (~20% fewer instructions)."""
+    page = start // BS + pg
+    if MASKED:
+        blk = tl.load(bt_row + page, mask=page * BS < hi, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + page).to(tl.int64)
+    # every row starts at a multiple of 16 elements (Triton specialises the strides so): say so after the reshape,
+    # which hides it, so that the row loads vectorise and pipeline
+    off = tl.multiple_of(tl.reshape(blk[:, None] * stride_kb + page_off[None, :], [N]), 16)
+    soff = tl.reshape(blk[:, None] * (BS * KVH) + page_soff[None, :], [N])
+    if MASKED:
+        tm = start + col_tok < hi
+        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    else:
+        k = tl.load(K + off[:, None] + d[None, :])
+        v = tl.load(V + off[:, None] + d[None, :])
+    if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
+        if MASKED:
+            k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
+            v_sc = tl.load(VS + soff, mask=tm, other=0.0)
+        else:
+            k_sc = tl.load(KS + soff) * scale
+            v_sc = tl.load(VS + soff)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if FP8:
+        sc = sc * k_sc[None, :]
+    else:
+        sc = sc * scale
+    if MASKED:
+        sc = tl.where(own_head & tm[None, :], sc, float("-inf"))
+    else:
+        sc = tl.where(own_head, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * v_sc[None, :]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
+def _paged_decode_v2_kernel(
+    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
+):
+    # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
+    TILE: tl.constexpr = PAGES * BS  # tokens per step
+    PR: tl.constexpr = BS * HB  # cache rows per page (token-major, then head)
+    N: tl.constexpr = PAGES * PR  # cache rows per step: the dots' N
+    s = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(CL + s)
+    seq_row = tl.load(SeqSlots + s).to(tl.int64)
+    per = tl.cdiv(tl.cdiv(ctx, SPLITS), TILE) * TILE
+    lo = sp * per
+    hi = tl.minimum(ctx, lo + per)
+    d = tl.arange(0, D)
+    # q rows: the HB * G q heads of this head block, padded to R; a padding row copies the last kv head (its q is 0)
+    r = tl.arange(0, R)
+    heads = hb * HB * G + r
+    q_ok = r < HB * G
+    q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
+    if FP8:
+        if not IEEE:  # e4m3 -> fp16 is one native conversion on Hopper (-> bf16 goes through fp16)
+            q = q.to(tl.float16)
+    row_kv = tl.minimum(r // G, HB - 1)
+    # columns: cache rows of a step, page by page, (token, kv head) within a page; loop-invariant parts hoisted
+    pr = tl.arange(0, PR)
+    page_off = (pr // HB) * stride_kt + (hb * HB + pr % HB) * stride_kh  # a row's offset inside its page
+    page_soff = (pr // HB) * KVH + hb * HB + pr % HB  # the same row in the [blocks, BS, KVH] scale cache
+    c = tl.arange(0, N)
+    col_tok = c // HB  # token of a column within the step
+    own_head = row_kv[:, None] == (c % HB)[None, :]  # [R, N]: a q row sees only its kv head's columns
+    pg = tl.arange(0, PAGES)
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, D], tl.float32)
+    bt_row = BT + seq_row * stride_bt
+    full = lo + tl.maximum(hi - lo, 0) // TILE * TILE  # whole steps end here; a partial one may follow
+    for start in range(lo, full, TILE):
+        m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False)
+    if full < hi:
+        m, l, acc = _step(q, m, l, acc, full, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True)
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
+    o_ptr = O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+    if SPLITS > 1:
+        tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
+
+
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not timed (no GPU when written):
+# the same bytes per step as v1's tuned tiles (16 KB of K), no register spills on sm_90 (rows 256 with 4 warps
+# spills), and two programs per SM for e4m3, which is bound by instructions rather than bytes.
+# `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
+CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
+CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
+
+
+def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
+    """HB: the most kv heads (a power of two dividing num_kv_heads) whose q heads fit the dot's minimum 16 rows, or one
+    group's rows rounded up to a power of two when a group alone is larger."""
+    group = num_heads // num_kv_heads
+    rows = max(16, triton.next_power_of_2(group))
+    hb = 1
+    while num_kv_heads % (2 * hb) == 0 and 2 * hb * group <= rows:
+        hb *= 2
+    return hb
+
+
+def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
+    T, H, D = q_THD.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    if bs & (bs - 1):
+        raise ValueError(f"decode_kernel=v2 needs a power-of-two block_size, got {bs}; use decode_kernel=v1.")
+    G = H // kvh
+    hb = heads_per_program(H, kvh)
+    splits = meta.num_splits
+    if splits == 1:  # final output straight from the kernel, in the activation dtype
+        o = torch.empty(T, H, 1, D, device=q_THD.device, dtype=q_THD.dtype)
+        lse = o  # not written
+    else:
+        o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
+        lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
+    fp8 = k_scale is not None
+    c = CONFIG_FP8 if fp8 else CONFIG
+    _paged_decode_v2_kernel[(T, kvh // hb, splits)](
+        q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots,
+        meta.block_tables, meta.context_lens, o, lse, scale,
+        q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
+        G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
+        SPLITS=splits, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    if splits == 1:
+        return o[:, :, 0]
+    out = torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype)
+    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
+    return out
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
+                      num_heads: int | None = None) -> int:
+    """The fewest splits (up to 16) whose (sequence, head block, split) programs fill their last wave of
+    `programs_per_sm` per SM at least 90% (else the fullest): v2 has KVH / HB times fewer programs than v1, so
+    a batch that fills the GPU with v1 can leave half of it idle, or a second wave nearly empty, with v2.
+    num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
+    blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
+    slots = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
+    fill = lambda n: n * batch * blocks / (slots * -(-n * batch * blocks // slots))  # noqa: E731
+    return next((n for n in range(1, 17) if fill(n) >= 0.9), max(range(1, 17), key=fill))

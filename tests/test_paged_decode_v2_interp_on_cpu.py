@@ -1,0 +1,152 @@
+"""The v2 paged-decode kernel (`paged_decode_v2.py`) under Triton's CPU interpreter, against a torch reference
+that attends over the dequantised K/V: fp32, fp16 and e4m3 caches (e4m3 with bf16 queries, the engine's case), 1 and
+3 splits, GQA groups that give one, two and four kv heads per program, ragged context lengths including 0 and partial
+pages, block tables out of order.
+
+Skipped unless `triton` imports AND TRITON_INTERPRET=1 (CI has neither, so it skips there). Run it with
+`TRITON_INTERPRET=1 PYTHONPATH=/work/triton_site:. python -m pytest -q tests/test_paged_decode_v2_interp_on_cpu.py`.
+The shapes are tiny because interpreted kernels are slow. A bf16 cache is not tested here: the interpreter's bf16
+`tl.dot` multiplies raw bits (v1 gives garbage too); fp16 takes the same non-IEEE code path, and
+tests/test_paged_decode_v2_gpu.py covers bf16 on CUDA.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+BS, D = 16, 32
+
+
+@pytest.fixture(autouse=True)
+def _scalar_index(monkeypatch):
+    """Triton 3.5's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(array), which
+    numpy >= 2.3 refuses; `.item()` is what it means."""
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.item())
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+def _cache(ctx, num_kv_heads, fp8, seed=0):
+    """Random K/V pages for sequences of `ctx` tokens, their block-table rows (shuffled pages, rows not in sequence
+    order) and, with fp8, e4m3 caches plus their per-(token, head) scales."""
+    from polyrl.rollout.native.attention import AttnMeta, quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-c // BS) for c in ctx]
+    nb = sum(need) + 2  # block 0 stays free (the engine's scratch block) and one spare
+    k = torch.randn(nb, BS, num_kv_heads, D, generator=gen) * 2
+    v = torch.randn(nb, BS, num_kv_heads, D, generator=gen)
+    rows = len(ctx) + 2
+    seq_slots = np.random.default_rng(seed).permutation(rows)[: len(ctx)]
+    bt = np.zeros((rows, max(need) + 1), dtype=np.int32)
+    perm, used = np.random.default_rng(seed + 1).permutation(np.arange(1, nb)), 0
+    for i, n in enumerate(need):
+        bt[seq_slots[i], :n] = perm[used : used + n]
+        used += n
+    scales = None
+    if fp8:
+        k, ks = quantize_fp8_rows(k)
+        v, vs = quantize_fp8_rows(v)
+        scales = (ks, vs)
+
+    def meta(splits):
+        return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.tensor(seq_slots),
+                        block_tables=torch.tensor(bt), context_lens=torch.tensor(ctx, dtype=torch.int32),
+                        num_splits=splits, use_kernel=True)
+
+    return k, v, scales, bt, seq_slots, meta
+
+
+def _reference(q, k, v, scales, bt, seq_slots, ctx):
+    """Attention of each sequence's query over its dequantised context, in float64; zeros for an empty context."""
+    kd, vd = k.double(), v.double()
+    if scales is not None:
+        kd, vd = kd * scales[0].double()[..., None], vd * scales[1].double()[..., None]
+    B, H, _ = q.shape
+    kvh = k.shape[2]
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    for i, n in enumerate(ctx):
+        if n == 0:
+            continue
+        pos = np.arange(n)
+        slots = torch.tensor(bt[seq_slots[i], pos // BS].astype(np.int64) * BS + pos % BS)
+        kk = kd.view(-1, kvh, D)[slots].repeat_interleave(H // kvh, 1)
+        vv = vd.view(-1, kvh, D)[slots].repeat_interleave(H // kvh, 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
+        out[i] = torch.einsum("hk,khd->hd", att, vv)
+    return out
+
+
+CTX = [37, 0, 300, 64]  # a partial page, an empty row (CUDA-graph padding), a long one, one of whole steps only
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads", [(4, 2), (12, 2), (8, 8)])  # kv heads per program: 2 (all), 1 (G=6 pads), 4
+def test_v2_matches_dequantised_reference(kv, splits, heads):
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
+    H, KVH = heads
+    fp8 = kv == "fp8"
+    k, v, scales, bt, seq_slots, meta = _cache(CTX, KVH, fp8)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.bfloat16}[kv]
+    if kv == "fp16":
+        k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(len(CTX), H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = v2.paged_decode(q, k, v, meta(splits), D**-0.5, *(scales or (None, None)))
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = _reference(q, k, v, scales, bt, seq_slots, CTX)
+    tol = 1e-5 if kv == "fp32" else 2e-2
+    for i, n in enumerate(CTX):
+        if n == 0:
+            assert out[i].abs().max() == 0
+            continue
+        err = ((out[i].double() - ref[i]).norm() / ref[i].norm()).item()
+        assert err < tol, (i, kv, splits, heads, err)
+
+
+def test_heads_per_program_fills_sixteen_rows():
+    from polyrl.rollout.native.paged_decode_v2 import heads_per_program
+
+    assert heads_per_program(12, 2) == 2  # Qwen-1.5B: both kv heads, 12 of 16 rows
+    assert heads_per_program(32, 8) == 4  # Llama-8B: 4 x 4 = 16 rows
+    assert heads_per_program(28, 4) == 2  # Qwen-7B: 2 x 7 = 14 rows
+    assert heads_per_program(64, 2) == 1  # a group of 32 is its own program
+
+
+def test_v2_agrees_with_v1_under_the_interpreter():
+    """Both kernels on the same e4m3 cache and metadata: the two designs agree to float rounding."""
+    from polyrl.rollout.native import paged_decode as v1
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
+    k, v, scales, *_, meta = _cache([50, 129], 2, fp8=True, seed=3)
+    q = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(2))
+    a = v1.paged_decode(q, k, v, meta(2), D**-0.5, *scales)
+    b = v2.paged_decode(q, k, v, meta(2), D**-0.5, *scales)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_v2_splits_fill_whole_waves():
+    """132 SMs (an H100): the fewest splits whose programs fill the last wave to 90%; v2's fewer programs per
+    sequence (one head block for Qwen-1.5B) need more splits than v1 at the same batch."""
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
+    slots = v2.CONFIG["programs_per_sm"] * 132
+    for batch, heads, kv_heads in ((64, 12, 2), (128, 12, 2), (64, 32, 8), (8, 12, 2), (1, 12, 2)):
+        n = v2.choose_num_splits(batch, kv_heads, 132, num_heads=heads)
+        programs = batch * kv_heads // v2.heads_per_program(heads, kv_heads) * n
+        waves = -(-programs // slots)
+        assert 1 <= n <= 16
+        assert programs / (waves * slots) >= 0.9 or n == 16, (batch, heads, n)
+        assert n == 1 or (programs // n) / slots < 0.9  # one split would not do
