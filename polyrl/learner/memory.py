@@ -226,3 +226,42 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
     for c in made:
         log(f"polyrl: auto {c.key}={c.value} ({c.reason})")
     return made
+
+
+CPU_PACK_MAX_TOKENS = 2048
+"""Longest micro-batch (tokens, before sharing) the CPU packs: its attention is a dense-mask SDPA, O(N^2)."""
+
+
+def cpu_packs_shared_prompts(cfg, device: torch.device, num_data_shards: int = 1, log=print) -> bool:
+    """On CPU, train on packed rows that carry each prompt once (GRPO's n samples of one prompt; learner/packing.py)
+    when every micro-batch is short enough for the CPU's dense-mask attention. Measured on 2 cores, SmolLM2-135M,
+    16 rows of a 56-token prompt x 8 samples + responses up to 32: forward + backward 2.8 s packed and shared vs
+    6.5 s padded, the same log-probs. Packing without sharing is no faster than padding on CPU, so it stays off."""
+    from polyrl.learner.config import micro_batch_per_gpu
+
+    roles, data = cfg.actor_rollout_ref, cfg.data
+    a, r, ref = roles.actor, roles.rollout, roles.ref
+    if device.type != "cpu" or roles.rollout.n < 2 or not (roles.model.use_shared_prompt and
+                                                           roles.model.use_remove_padding):
+        return False
+    seq = data.max_prompt_length + data.max_response_length
+    bounds = []
+    if a.use_dynamic_bsz:
+        bounds.append(a.ppo_max_token_len_per_gpu)
+    else:
+        bounds.append((micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, num_data_shards)
+                       or 0) * seq)
+    for role in (r, ref):
+        if role.log_prob_use_dynamic_bsz:
+            bounds.append(role.log_prob_max_token_len_per_gpu)
+        else:
+            rows = micro_batch_per_gpu(role.log_prob_micro_batch_size_per_gpu, role.log_prob_micro_batch_size,
+                                       num_data_shards) or micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu,
+                                                                               a.ppo_micro_batch_size, num_data_shards)
+            bounds.append((rows or 0) * seq)
+    longest = max((b or 0) for b in bounds)
+    if not 0 < longest <= CPU_PACK_MAX_TOKENS:
+        return False
+    log(f"polyrl: auto CPU packing with shared prompts (micro-batches of at most {longest} tokens: each prompt "
+        f"is computed once for its {roles.rollout.n} samples; about 2x faster than padded rows on CPU)")
+    return True

@@ -58,7 +58,7 @@ from polyrl.learner.actor import (
 from polyrl.learner.batch import build_batch
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
-from polyrl.learner.memory import plan_memory, resolve_switches
+from polyrl.learner.memory import cpu_packs_shared_prompts, plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.console import bar_lifted
 from polyrl.utils.profiler import Profiler
@@ -141,8 +141,10 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         scheduler = make_scheduler(optimizer, total_steps=self.total_steps, warmup_steps=warmup,
                                    kind=optim.lr_scheduler_type, min_lr_ratio=optim.min_lr_ratio,
                                    num_cycles=optim.num_cycles)
-        self.actor = Actor(model, optimizer, scheduler, dp=self.dist,
-                           fwd=ForwardSettings.from_config(roles.model, roles.actor))
+        fwd = ForwardSettings.from_config(roles.model, roles.actor)
+        fwd.pack_on_cpu = cpu_packs_shared_prompts(cfg, self.device, self.dist.data.world_size,
+                                                   log=print if self.dist.is_rank0 else lambda _: None)
+        self.actor = Actor(model, optimizer, scheduler, dp=self.dist, fwd=fwd)
         self.ref_model = self._make_reference(model)
         self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
         self.critic = self._make_critic() if cfg.critic.enable else None
