@@ -196,11 +196,13 @@ class TrainerCore:
                 if is_last or (t.test_freq > 0 and self.global_step % t.test_freq == 0):
                     last_val = self._validate()
                     metrics.update(last_val)
-                if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
-                    self.save_checkpoint()
-                    metrics.update(self.timer.pop())
                 with bar_lifted(bar):  # the logger's line never shares the bar's line
                     self.tracker.log(metrics, step=self.global_step)
+                # after the step's row: a crash between the two leaves a row past the last checkpoint, which the
+                # resumed run drops and writes again; the other order could lose the row of a checkpointed step
+                # (the save's time goes in the next step's timings)
+                if t.save_freq > 0 and self.global_step % t.save_freq == 0 and not is_last:
+                    self.save_checkpoint()
                 if bar is not None:
                     bar.update(1)
                     if metrics.get(key) is not None:
