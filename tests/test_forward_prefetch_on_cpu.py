@@ -50,6 +50,8 @@ def _run(rank: int, port: int, out: dict) -> None:
         results[prefetch] = (y.detach(), grads, targets)
     if rank == 0:
         out.update(results)
+    del model, y, grads, results
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
