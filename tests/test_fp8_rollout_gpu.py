@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_fp8_paged_decode_matches_dequantised_reference(dtype, splits):
-    from polyrl.rollout.native.attention import AttnMeta, quantize_fp8_rows
+    from paged_cases import decode_meta, dequantised, reference_decode, shuffled_block_table
+
+    from polyrl.rollout.native.attention import quantize_fp8_rows
     from polyrl.rollout.native.paged_decode import paged_decode
 
     torch.manual_seed(0)
@@ -22,33 +24,17 @@ def test_fp8_paged_decode_matches_dequantised_reference(dtype, splits):
     k8, ks = quantize_fp8_rows(torch.randn(NB, BS, KVH, D, device="cuda") * 3)
     v8, vs = quantize_fp8_rows(torch.randn(NB, BS, KVH, D, device="cuda"))
     ctx = np.array([1, 17, 1000, 64, 0, 300, 129])
-    B, rows = len(ctx), 9
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
-    bt = np.zeros((rows, 70), dtype=np.int64)
-    perm, c = np.random.default_rng(0).permutation(np.arange(1, NB)), 0
-    for i in range(B):
-        nb = -(-ctx[i] // BS)
-        bt[slots[i], :nb] = perm[c : c + nb]
-        c += nb
-    q = torch.randn(B, H, D, dtype=dtype, device="cuda")
-    meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.tensor(slots, device="cuda"),
-                    block_tables=torch.tensor(bt, dtype=torch.int32, device="cuda"),
-                    context_lens=torch.tensor(ctx, device="cuda"), num_splits=splits, use_kernel=True)
-    out = paged_decode(q, k8, v8, meta, D**-0.5, ks, vs).double()
-    kd = k8.double() * ks.double()[..., None]  # the dequantised reference
-    vd = v8.double() * vs.double()[..., None]
+    bt = shuffled_block_table(ctx, slots, rows=9, width=70, num_blocks=NB, block_size=BS)
+    q = torch.randn(len(ctx), H, D, dtype=dtype, device="cuda")
+    out = paged_decode(q, k8, v8, decode_meta(bt, slots, ctx, splits, "cuda"), D**-0.5, ks, vs).double()
+    ref = reference_decode(q, dequantised(k8, ks), dequantised(v8, vs), bt, slots, ctx, BS)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for i in range(B):
+    for i in range(len(ctx)):
         if ctx[i] == 0:
             assert out[i].abs().max() == 0
             continue
-        pos = np.arange(ctx[i])
-        sl = torch.tensor(bt[slots[i], pos // BS] * BS + pos % BS, device="cuda")
-        kk = kd.view(-1, KVH, D)[sl].repeat_interleave(H // KVH, 1)
-        vv = vd.view(-1, KVH, D)[sl].repeat_interleave(H // KVH, 1)
-        att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
-        ref = torch.einsum("hk,khd->hd", att, vv)
-        assert ((out[i] - ref).norm() / ref.norm()).item() < tol, (i, dtype, splits)
+        assert ((out[i] - ref[i]).norm() / ref[i].norm()).item() < tol, (i, dtype, splits)
 
 
 def test_fused_fp8_kv_write_matches_torch_quantiser():

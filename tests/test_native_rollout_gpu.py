@@ -101,7 +101,8 @@ def test_release_resume_offload_keeps_outputs():
 def test_paged_decode_kernel_matches_gather_path(dtype, splits):
     import numpy as np
 
-    from polyrl.rollout.native.attention import AttnMeta
+    from paged_cases import decode_meta, dequantised, reference_decode, shuffled_block_table
+
     from polyrl.rollout.native.paged_decode import paged_decode
 
     torch.manual_seed(0)
@@ -109,31 +110,17 @@ def test_paged_decode_kernel_matches_gather_path(dtype, splits):
     k = torch.randn(NB, BS, KVH, D, dtype=dtype, device="cuda")
     v = torch.randn_like(k)
     ctx = np.array([1, 17, 1000, 64, 0, 300, 129])
-    B, rows = len(ctx), 9
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
-    bt = np.zeros((rows, 70), dtype=np.int64)
-    perm, c = np.random.default_rng(0).permutation(np.arange(1, NB)), 0
-    for i in range(B):
-        nb = -(-ctx[i] // BS)
-        bt[slots[i], :nb] = perm[c : c + nb]
-        c += nb
-    q = torch.randn(B, H, D, dtype=dtype, device="cuda")
-    meta = AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.tensor(slots, device="cuda"),
-                    block_tables=torch.tensor(bt, dtype=torch.int32, device="cuda"),
-                    context_lens=torch.tensor(ctx, device="cuda"), num_splits=splits, use_kernel=True)
-    out = paged_decode(q, k, v, meta, D**-0.5).double()
+    bt = shuffled_block_table(ctx, slots, rows=9, width=70, num_blocks=NB, block_size=BS)
+    q = torch.randn(len(ctx), H, D, dtype=dtype, device="cuda")
+    out = paged_decode(q, k, v, decode_meta(bt, slots, ctx, splits, "cuda"), D**-0.5).double()
+    ref = reference_decode(q, dequantised(k), dequantised(v), bt, slots, ctx, BS)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for i in range(B):
+    for i in range(len(ctx)):
         if ctx[i] == 0:
             assert out[i].abs().max() == 0
             continue
-        pos = np.arange(ctx[i])
-        sl = torch.tensor(bt[slots[i], pos // BS] * BS + pos % BS, device="cuda")
-        kk = k.view(-1, KVH, D)[sl].double().repeat_interleave(H // KVH, 1)
-        vv = v.view(-1, KVH, D)[sl].double().repeat_interleave(H // KVH, 1)
-        att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
-        ref = torch.einsum("hk,khd->hd", att, vv)
-        assert ((out[i] - ref).norm() / ref.norm()).item() < tol, (i, dtype, splits)
+        assert ((out[i] - ref[i]).norm() / ref[i].norm()).item() < tol, (i, dtype, splits)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])

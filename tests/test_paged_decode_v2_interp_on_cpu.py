@@ -40,7 +40,9 @@ def _scalar_index(monkeypatch):
 def _cache(ctx, num_kv_heads, fp8, seed=0):
     """Random K/V pages for sequences of `ctx` tokens, their block-table rows (shuffled pages, rows not in sequence
     order) and, with fp8, e4m3 caches plus their per-(token, head) scales."""
-    from polyrl.rollout.native.attention import AttnMeta, quantize_fp8_rows
+    from paged_cases import decode_meta, shuffled_block_table
+
+    from polyrl.rollout.native.attention import quantize_fp8_rows
 
     gen = torch.Generator().manual_seed(seed)
     need = [-(-c // BS) for c in ctx]
@@ -49,11 +51,7 @@ def _cache(ctx, num_kv_heads, fp8, seed=0):
     v = torch.randn(nb, BS, num_kv_heads, D, generator=gen)
     rows = len(ctx) + 2
     seq_slots = np.random.default_rng(seed).permutation(rows)[: len(ctx)]
-    bt = np.zeros((rows, max(need) + 1), dtype=np.int32)
-    perm, used = np.random.default_rng(seed + 1).permutation(np.arange(1, nb)), 0
-    for i, n in enumerate(need):
-        bt[seq_slots[i], :n] = perm[used : used + n]
-        used += n
+    bt = shuffled_block_table(ctx, seq_slots, rows, max(need) + 1, nb, BS, seed=seed + 1, dtype=np.int32)
     scales = None
     if fp8:
         k, ks = quantize_fp8_rows(k)
@@ -61,31 +59,17 @@ def _cache(ctx, num_kv_heads, fp8, seed=0):
         scales = (ks, vs)
 
     def meta(splits):
-        return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.tensor(seq_slots),
-                        block_tables=torch.tensor(bt), context_lens=torch.tensor(ctx, dtype=torch.int32),
-                        num_splits=splits, use_kernel=True)
+        return decode_meta(bt, seq_slots, np.array(ctx, dtype=np.int32), splits)
 
     return k, v, scales, bt, seq_slots, meta
 
 
 def _reference(q, k, v, scales, bt, seq_slots, ctx):
     """Attention of each sequence's query over its dequantised context, in float64; zeros for an empty context."""
-    kd, vd = k.double(), v.double()
-    if scales is not None:
-        kd, vd = kd * scales[0].double()[..., None], vd * scales[1].double()[..., None]
-    B, H, _ = q.shape
-    kvh = k.shape[2]
-    out = torch.zeros(B, H, D, dtype=torch.float64)
-    for i, n in enumerate(ctx):
-        if n == 0:
-            continue
-        pos = np.arange(n)
-        slots = torch.tensor(bt[seq_slots[i], pos // BS].astype(np.int64) * BS + pos % BS)
-        kk = kd.view(-1, kvh, D)[slots].repeat_interleave(H // kvh, 1)
-        vv = vd.view(-1, kvh, D)[slots].repeat_interleave(H // kvh, 1)
-        att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
-        out[i] = torch.einsum("hk,khd->hd", att, vv)
-    return out
+    from paged_cases import dequantised, reference_decode
+
+    ks, vs = scales or (None, None)
+    return reference_decode(q, dequantised(k, ks), dequantised(v, vs), bt, seq_slots, ctx, BS)
 
 
 CTX = [37, 0, 300, 64]  # a partial page, an empty row (CUDA-graph padding), a long one, one of whole steps only
