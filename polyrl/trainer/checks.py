@@ -15,6 +15,7 @@ from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.trainer.async_config import check_async
+from polyrl.trainer.core import check_resume
 from polyrl.trainer.key_checks import refuse_unread
 
 
@@ -275,10 +276,7 @@ def check_supported(cfg) -> None:
     if roles.actor.checkpoint.async_save:
         raise ConfigError("actor.checkpoint.async_save is not implemented (saves are synchronous and atomic); "
                           "set it to False.")
-    if cfg.trainer.resume_mode not in ("auto", "disable", "resume_path"):
-        raise ConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}; use auto, disable or resume_path.")
-    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder).")
+    check_resume(cfg.trainer)
 
 
 def resolve_model_dtype(model_cfg, fsdp, fsdp_key: str, model_key: str = "actor_rollout_ref.model.dtype") -> None:

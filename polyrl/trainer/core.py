@@ -77,6 +77,14 @@ class LoopConfig:
     """Draw a progress bar over the steps (on a terminal only)."""
 
 
+def check_resume(t: LoopConfig) -> None:
+    """trainer.resume_mode and the path it needs (the LLM CLI checks it before launching; every loop's open_run)."""
+    if t.resume_mode not in RESUME_MODES:
+        raise ConfigError(f"trainer.resume_mode={t.resume_mode!r}; use auto, disable or resume_path.")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder).")
+
+
 class TrainerCore:
     """The shared loop: `fit()` runs steps with the cadence above; `save_checkpoint()` / `resume()` the protocol."""
 
@@ -88,8 +96,7 @@ class TrainerCore:
     def open_run(self) -> None:
         """`self.ckpt`, `self.resume_from` and `self.run_dir` (the same on every rank); cfg.trainer.run_dir is set."""
         t = self.cfg.trainer
-        if t.resume_mode not in RESUME_MODES:
-            raise ConfigError(f"trainer.resume_mode={t.resume_mode!r} is not one of {', '.join(RESUME_MODES)}.")
+        check_resume(t)
         if t.default_local_dir is None:
             t.default_local_dir = f"checkpoints/{t.project_name}/{t.experiment_name}"
         self.ckpt = CheckpointManager(t.default_local_dir, max_to_keep=t.max_actor_ckpt_to_keep)
@@ -120,8 +127,8 @@ class TrainerCore:
     def _resume_path(self) -> Path | None:
         t = self.cfg.trainer
         if t.resume_mode == "resume_path":
-            path = Path(t.resume_from_path or "")
-            if not t.resume_from_path or not path.is_dir():
+            path = Path(t.resume_from_path)
+            if not path.is_dir():
                 raise ConfigError(f"Checkpoint folder '{t.resume_from_path}' does not exist; check "
                                   "trainer.resume_from_path.")
             return path
