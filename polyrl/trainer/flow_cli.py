@@ -111,9 +111,10 @@ def _maybe_launch(cfg, argv: list[str]) -> int | None:
         from polyrl.config import build_config
         from polyrl.trainer import flow_quickstart
 
-        check_batches(build_config(flow_quickstart.default_config(), argv), processes_wanted(cfg))
+        quick = build_config(flow_quickstart.default_config(), argv)
+        check_batches(quick, processes_wanted(cfg))
         flow_quickstart.build(flow_quickstart.BuildSettings())  # once here: the ranks would all build the same cache
-        argv = [*argv, *flow_quickstart.own_run_dir(build_config(flow_quickstart.default_config(), argv))]
+        argv = [*argv, *flow_quickstart.own_run_dir(quick)]
     else:
         check_batches(cfg, processes_wanted(cfg))  # a config error as one sentence here, not once per rank
     return maybe_launch(cfg, ["flow", "train", *argv], module="polyrl")

@@ -180,8 +180,7 @@ def run(argv: list[str] | None = None, *, settings: BuildSettings | None = None,
     check_flow_supported(cfg)  # before the model is built: fsdp_config.model_dtype sets model.dtype
     transformer, clf, encoder = build(settings or BuildSettings(), log=log)
     policy = make_policy(cfg, transformer, encoder)
-    if (extra := own_run_dir(cfg)):
-        cfg = build_config(default_config(), [*(argv or []), *extra])
+    build_config(cfg, own_run_dir(cfg))
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun (trainer.n_gpus_per_node > 1) rank 0 alone writes
     from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
