@@ -245,23 +245,15 @@ def cpu_packs_shared_prompts(cfg, device: torch.device, num_data_shards: int = 1
                                                            roles.model.use_remove_padding):
         return False
     seq = data.max_prompt_length + data.max_response_length
-    bounds = []
-    if a.use_dynamic_bsz:
-        bounds.append(a.ppo_max_token_len_per_gpu)
-    else:
-        bounds.append((micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, num_data_shards)
-                       or 0) * seq)
-    for role in (r, ref):
-        if role.log_prob_use_dynamic_bsz:
-            bounds.append(role.log_prob_max_token_len_per_gpu)
-        else:
-            rows = micro_batch_per_gpu(role.log_prob_micro_batch_size_per_gpu, role.log_prob_micro_batch_size,
-                                       num_data_shards) or micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu,
-                                                                               a.ppo_micro_batch_size, num_data_shards)
-            bounds.append((rows or 0) * seq)
-    longest = max((b or 0) for b in bounds)
-    if not 0 < longest <= CPU_PACK_MAX_TOKENS:
+    actor_rows = micro_batch_per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, num_data_shards) or 0
+    bounds = [a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else actor_rows * seq]
+    for role in (r, ref):  # the log-prob passes: their own micro-batch keys, else the actor's (as ppo.py uses them)
+        rows = micro_batch_per_gpu(role.log_prob_micro_batch_size_per_gpu, role.log_prob_micro_batch_size,
+                                   num_data_shards) or actor_rows
+        bounds.append(role.log_prob_max_token_len_per_gpu if role.log_prob_use_dynamic_bsz else rows * seq)
+    if not all(bounds) or max(bounds) > CPU_PACK_MAX_TOKENS:  # an unknown bound (0, None) is no bound
         return False
+    longest = max(bounds)
     log(f"polyrl: auto CPU packing with shared prompts (micro-batches of at most {longest} tokens: each prompt "
         f"is computed once for its {roles.rollout.n} samples; about 2x faster than padded rows on CPU)")
     return True
