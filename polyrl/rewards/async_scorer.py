@@ -119,7 +119,6 @@ class RayRewardScorer:
 
         self.remote = RayReward(tensor_reward, (factory, args), num_gpus=num_gpus, num_cpus=num_cpus,
                                 key="reward.reward_model.n_gpus_per_node", address=address)  # fmt: skip
-        self.ray = self.remote._ray
         self.timeout_s = timeout_s
         self.refs: dict[int, object] = {}
 
@@ -130,10 +129,10 @@ class RayRewardScorer:
         refs, self.refs = self.refs, {}
         try:
             got = self.remote.get(list(refs.values()), timeout=self.timeout_s)
-        except self.ray.exceptions.GetTimeoutError as e:
+        except self.remote.ray.exceptions.GetTimeoutError as e:
             raise RewardError(f"the Ray reward worker returned nothing for {self.timeout_s:.0f}s; "
                               "check the reward fn.") from e
-        except self.ray.exceptions.RayError as e:  # the fn (or building it) raised inside the actor
+        except self.remote.ray.exceptions.RayError as e:  # the fn (or building it) raised inside the actor
             raise RewardError(f"Ray reward worker: {str(e).strip().splitlines()[-1]}; fix the reward function.") from e
         return _in_order({k: torch.from_numpy(v) for k, v in zip(refs, got)}, batch)
 

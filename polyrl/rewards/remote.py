@@ -67,17 +67,17 @@ class RayReward:
 
     def __init__(self, factory: Callable, args: tuple = (), *, num_gpus: float = 0.0, num_cpus: float = 1.0,
                  key: str, address: str | None = None):  # fmt: skip
-        self._ray = reward_cluster(num_gpus, key, address)
-        self.actor = self._ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardActor).remote(factory, args)
+        self.ray = reward_cluster(num_gpus, key, address)
+        self.actor = self.ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RewardActor).remote(factory, args)
 
     def submit(self, *args):
         return self.actor.score.remote(*args)
 
     def get(self, refs, timeout: float | None = None):
-        return self._ray.get(refs, timeout=timeout)
+        return self.ray.get(refs, timeout=timeout)
 
     def close(self) -> None:
-        self._ray.kill(self.actor)
+        self.ray.kill(self.actor)
 
 
 def manager_score(custom_reward_function, overlong_buffer, max_response_length: int) -> Callable:
