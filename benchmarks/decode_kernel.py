@@ -275,7 +275,7 @@ def main() -> None:
                     ratio = f"{us1 / us2:.2f}x" if name == "v2" and us1 and us2 else "-"
                     print(f"| {model} | {batch} | {CTX} | {kv} | {name} | {splits} | {us:.0f} | "
                           f"{nbytes / us / 1e3:,.0f} | "
-                          f"{nbytes / us / 1e6 / hbm:.0%} | {nbytes / us / 1e6 / copy_bw:.0%} | {ratio} | "
+                          f"{nbytes / us * 1e6 / hbm:.0%} | {nbytes / us * 1e6 / copy_bw:.0%} | {ratio} | "
                           f"{err if name == 'v2' else 0:.1e} |", flush=True)
                 if us1 and us2:
                     floor = nbytes / hbm * 1e6

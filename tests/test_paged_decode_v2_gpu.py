@@ -108,7 +108,23 @@ def test_engine_v2_decodes_as_v1():
     ref, out = outs["v1"], outs["v2"]
     first = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
              for r, o in zip(ref.token_ids, out.token_ids)]
-    gaps = [abs(a - b) for r, o, i in zip(ref.logprobs, out.logprobs, first) for a, b in zip(r[:i], o[:i])]
-    print(f"v2 vs v1: tokens before the first flip {np.mean(first):.1f}/48; logprob gap mean {np.mean(gaps):.2e}")
-    # the same quantised cache and math in another summation order: far below FP8-vs-bf16's 0.107 (fp8 test)
-    assert np.mean(gaps) < 0.02 and np.mean(first) > 24
+    gap = {k: _gap_to_trainer(m, prompts, g) for k, g in outs.items()}
+    print(f"v2 vs v1: tokens before the first flip {np.mean(first):.1f}/48; engine-vs-trainer log-prob gap "
+          f"v1 {gap['v1']:.2e}, v2 {gap['v2']:.2e}")
+    # Both kernels read the same quantised cache; v2 sums in another order. Against the trainer's bf16 forward on the
+    # tokens each one chose, v2 must be as close as v1 (a wrong page or scale would be several times further), and
+    # greedy decoding must agree for a good part of each sequence (a broken kernel flips at once).
+    assert gap["v2"] < 1.25 * gap["v1"] + 1e-3, gap
+    assert np.mean(first) > 12
+
+
+def _gap_to_trainer(m, prompts, gen) -> float:
+    """Mean |engine log-prob - HF bf16 forward log-prob| over the generated tokens (teacher-forced on them)."""
+    gaps = []
+    with torch.no_grad():
+        for p, toks, lps in zip(prompts, gen.token_ids, gen.logprobs):
+            ids = torch.tensor([p + list(toks)], device="cuda")
+            logp = torch.log_softmax(m(ids).logits[0, len(p) - 1:-1].float(), -1)
+            hf = logp.gather(-1, ids[0, len(p):, None])[:, 0]
+            gaps.append((hf - torch.tensor(lps, device="cuda")).abs().mean().item())
+    return float(np.mean(gaps))
