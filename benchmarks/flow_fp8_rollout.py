@@ -28,7 +28,7 @@ from polyrl.algorithms import sde as sde_lib
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 from polyrl.rollout import fp8_dit, sde_sampler
-from polyrl.trainer.flow_config import ModelConfig
+from polyrl.trainer.flow_config import FlowModelConfig
 
 NOISE_LEVEL, WINDOW = 1.2, [3, 4]  # a=1.2; a window of 2 inside [0, 5): the noisiest useful steps
 
@@ -60,7 +60,7 @@ def build(tiny: bool, device: str, dtype: torch.dtype, lora_rank: int, lora_scal
 
     policy = FlowPolicy(tr, encode_fn=encode, decode_fn=lambda z: z, sigmas_fn=sigmas,
                         latent=LatentShape(grid, grid, tr.config.in_channels), true_cfg_scale=4.0, device=device)
-    policy.add_lora(lora_rank, 2 * lora_rank, ModelConfig().target_modules)
+    policy.add_lora(lora_rank, 2 * lora_rank, FlowModelConfig().target_modules)
     with torch.no_grad():  # a trained-looking adapter: B is zero at init, which would hide the LoRA path
         for name, p in tr.named_parameters():
             if "lora_B" in name:
