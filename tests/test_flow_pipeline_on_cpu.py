@@ -121,20 +121,26 @@ def test_rollout_chunk_can_differ_from_the_training_micro_batch(pipe_dir):
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_prompts_of_one_length_run_unmasked_with_the_same_velocity(pipe_dir):
+def test_prompts_pad_to_a_multiple_of_32_masked_and_keep_the_velocity(pipe_dir):
     from polyrl.models.diffusion.adapters.qwenimage import pad_prompts
 
-    policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=32)
+    policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=64)
     e = torch.randn(5, 16)
-    embeds, mask = pad_prompts([(e, torch.ones(5, dtype=torch.long)), (e + 1, torch.ones(5, dtype=torch.long))])
-    assert mask is None and embeds.shape == (2, 5, 16)
-    _, mask = pad_prompts([(e, torch.ones(5, dtype=torch.long)), (e[:3], torch.ones(3, dtype=torch.long))])
-    assert mask.tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    one = torch.ones(5, dtype=torch.long)
+    padded, mask = pad_prompts([(e, one), (e + 1, one)])
+    assert padded.shape == (2, 32, 16) and mask.tolist() == [[1] * 5 + [0] * 27] * 2 and padded[:, 5:].abs().sum() == 0
+    _, mask = pad_prompts([(e, one), (e[:3], one[:3])])
+    assert mask.tolist() == [[1] * 5 + [0] * 27, [1] * 3 + [0] * 29]
+    full, mask = pad_prompts([(torch.randn(32, 16), torch.ones(32, dtype=torch.long))] * 2)
+    assert mask is None and full.shape == (2, 32, 16)  # already a whole bucket: nothing padded, unmasked attention
     x, sigma = policy.noise(2, torch.Generator().manual_seed(0)), torch.full((2,), 0.5)
+    exact = torch.stack([e, e + 1])
     with torch.no_grad():
-        unmasked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, None))
-        masked = policy.adapter.forward(policy.transformer, x, sigma, (embeds, torch.ones(2, 5, dtype=torch.long)))
-    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
+        unpadded = policy.adapter.forward(policy.transformer, x, sigma, (exact, None))
+        bucketed = policy.adapter.forward(policy.transformer, x, sigma, pad_prompts([(e, one), (e + 1, one)]))
+        unmasked_pad = policy.adapter.forward(policy.transformer, x, sigma, (padded, None))
+    torch.testing.assert_close(bucketed, unpadded, rtol=1e-5, atol=1e-6)
+    assert (unmasked_pad - unpadded).abs().max() > 1e-3  # the mask is what keeps the padding out
 
 
 def test_one_step_runs_text_encoder_dit_vae_and_ocr_each_step_with_fp8_sampling(pipe_dir):
