@@ -158,3 +158,16 @@ def test_engine_kwargs_native_reach_the_engine(reference):
     assert kinds == {"qkv": False, "o": False, "gate_up": True, "down": False}  # only gate_up (256x64) > 8192
     assert eng.num_blocks == -(-320 // eng.block_size) + 1
     assert eng.decode_kernel == "v2"
+
+
+def test_decode_kernel_auto_picks_v2_for_an_fp8_cache_only(reference):
+    """The default `auto` follows the H100 measurements: v2 for e4m3 pages, v1 for bf16, v1 when v2 cannot run."""
+    from polyrl.rollout.native.attention import choose_decode_kernel
+
+    assert choose_decode_kernel("auto", True, 16)[0] == "v2"
+    assert choose_decode_kernel("auto", False, 16)[0] == "v1"
+    assert choose_decode_kernel("auto", True, 24) == ("v1", "v2 needs a power-of-two block size")
+    assert choose_decode_kernel("v1", True, 16)[0] == "v1"  # an explicit choice is kept
+    fp8 = NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256, kv_cache_dtype="fp8")
+    bf16 = NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256)
+    assert (fp8.decode_kernel, bf16.decode_kernel) == ("v2", "v1")

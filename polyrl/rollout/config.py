@@ -91,7 +91,8 @@ class RolloutConfig:
     """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
     block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more
     elements than this; default 2^24 on CUDA, the measured crossover) and decode_kernel (CUDA paged-decode kernel:
-    v1, the default, one program per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py)."""
+    auto, the default, picks v2 with kv_cache_dtype=fp8 and v1 otherwise, as measured on an H100; v1, one program
+    per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py)."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

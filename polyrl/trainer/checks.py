@@ -38,7 +38,7 @@ NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "deco
 
 
 def _check_low_precision_rollout(r) -> None:
-    from polyrl.rollout.native.attention import DECODE_KERNELS
+    from polyrl.rollout.native.attention import DECODE_KERNEL_CHOICES
     from polyrl.rollout.native.engine import KV_CACHE_DTYPES, QUANTIZATIONS
 
     if r.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -52,10 +52,11 @@ def _check_low_precision_rollout(r) -> None:
         if bad:
             raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{backend}.{bad[0]} is not read by polyrl's "
                               f"engine; engine_kwargs.native takes {sorted(NATIVE_ENGINE_KWARGS)}. Remove the key.")
-    kernel = ((r.engine_kwargs or {}).get("native") or {}).get("decode_kernel", "v1")
-    if kernel not in DECODE_KERNELS:
+    kernel = ((r.engine_kwargs or {}).get("native") or {}).get("decode_kernel", "auto")
+    if kernel not in DECODE_KERNEL_CHOICES:
         raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={kernel!r} is not a decode "
-                          f"kernel; use one of {sorted(DECODE_KERNELS)} (v1 is the default).")
+                          f"kernel; use one of {list(DECODE_KERNEL_CHOICES)} (auto, the default, picks v2 for an FP8 "
+                          "KV cache and v1 otherwise).")
     if r.name != "native" and (r.kv_cache_dtype != "auto" or r.quantization is not None):
         raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype/quantization need rollout.name=native (got "
                           f"rollout.name={r.name}); set rollout.name=native or drop the FP8 keys.")

@@ -46,7 +46,7 @@ class AttnMeta:
     block_tables: torch.Tensor | None = None  # [num_rows, max_blocks] int32, rows indexed by seq_slots
     context_lens: torch.Tensor | None = None  # [S] int32: tokens in context, the new one included
     num_splits: int = 1  # split-K factor of the decode kernel (static per captured batch size)
-    decode_kernel: str = "v1"  # which paged kernel (DECODE_KERNELS; engine_kwargs.native.decode_kernel)
+    decode_kernel: str = "v1"  # which paged kernel (DECODE_KERNELS; chosen by `choose_decode_kernel`)
     use_kernel: bool = False
     # gather path inputs
     gather_slots: torch.Tensor | None = None  # [S, K] int64 cache slots of each sequence's context (padded)
@@ -59,8 +59,25 @@ class AttnMeta:
 DECODE_KERNELS = {"v1": "polyrl.rollout.native.paged_decode", "v2": "polyrl.rollout.native.paged_decode_v2"}
 
 
+DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
+
+
 def decode_kernel_module(name: str):
     return importlib.import_module(DECODE_KERNELS[name])
+
+
+def choose_decode_kernel(name: str, kv_fp8: bool, block_size: int) -> tuple[str, str]:
+    """The paged-decode kernel for `engine_kwargs.native.decode_kernel=name`, and why (for the one log line).
+
+    `auto` (the default) follows the H100 measurements of 2026-11-24 (benchmarks/decode_kernel.py, B=64/128 x 16k
+    context, BENCHMARKS.md): with an e4m3 cache v2 is 1.24-1.32x faster than v1 (76-81% of HBM bandwidth against
+    58-66%: v1 gathers 8-bit V byte by byte), end to end 2.15x -> 2.21x the seed on s1 and 55.5k -> 63.4k tok/s on (a);
+    with a bf16 cache v1 is faster (v2 0.76-1.00x), so bf16 keeps v1. v2 needs a power-of-two block size."""
+    if name != "auto":
+        return name, "set by actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel"
+    if kv_fp8 and block_size & (block_size - 1) == 0:
+        return "v2", "FP8 KV cache: v2 reads e4m3 pages 1.24-1.32x faster than v1 (H100)"
+    return "v1", "bf16 KV cache: v1 is the faster kernel there" if not kv_fp8 else "v2 needs a power-of-two block size"
 
 
 FP8 = torch.float8_e4m3fn

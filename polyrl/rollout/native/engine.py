@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from polyrl.rollout.base import Generation, SamplingParams, register_rollout
-from polyrl.rollout.native.attention import DECODE_KERNELS, FP8, AttnMeta, decode_kernel_module
+from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
+                                             decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
@@ -81,7 +82,7 @@ class NativeEngine:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         fp8_min_elements: int | None = None,
-        decode_kernel: str = "v1",
+        decode_kernel: str = "auto",
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -114,7 +115,7 @@ class NativeEngine:
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
-                 quantization=None, fp8_min_elements=None, decode_kernel="v1"):
+                 quantization=None, fp8_min_elements=None, decode_kernel="auto"):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -128,11 +129,13 @@ class NativeEngine:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {sorted(KV_CACHE_DTYPES)}.")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} is not supported; use one of {QUANTIZATIONS}.")
-        if decode_kernel not in DECODE_KERNELS:
+        if decode_kernel not in DECODE_KERNEL_CHOICES:
             raise ValueError(f"decode_kernel={decode_kernel!r} is not a paged-decode kernel; use one of "
-                             f"{sorted(DECODE_KERNELS)}.")
-        self.decode_kernel = decode_kernel
+                             f"{list(DECODE_KERNEL_CHOICES)}.")
         self.kv_fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
+        self.decode_kernel, why = choose_decode_kernel(decode_kernel, self.kv_fp8, block_size)
+        if decode_kernel == "auto" and self.device.type == "cuda":
+            print(f"polyrl: auto actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={self.decode_kernel} ({why})")
         self.kv_dtype = FP8 if self.kv_fp8 else self.dtype
         self.quantization = quantization
         if quantization == "fp8":
