@@ -205,3 +205,33 @@ def test_polyrl_flow_train_runs_fp8_sampling_and_ocr_on_a_local_pipeline(pipe_di
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("rollout_corr/kl", "training/rollout_probs_diff_mean", "timing_s/old_log_prob", "timing_s/reward"):
         assert key in row, key
+
+
+def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch):
+    """FP8 sampling inside compiled blocks: every block reuses the same graph for each mode (FP8 on, FP8 off), so a
+    60-block DiT does not recompile per block and fall back to eager past dynamo's recompile limit (the H200 run of
+    2026-11-24 did: `recompile_limit (8)` on the FP8 blocks). Counted with dynamo's eager backend on CPU."""
+    import contextlib
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from polyrl.rollout.fp8_dit import FP8Sampling
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=32)
+    policy.add_lora(4, 8, FlowConfig().actor_rollout_ref.model.target_modules)
+    fp8 = FP8Sampling(policy.transformer)
+    torch._dynamo.reset()
+    counters.clear()
+    policy.compile_blocks()
+    prompts = ['a sign that reads "hi"', 'a card that reads "ok"']
+    policy.cache_prompts(prompts)
+    x, sigma = policy.noise(2, torch.Generator().manual_seed(0)), torch.full((2,), 0.5)
+    with torch.no_grad():
+        for fp8_on in (True, True, False, True, False):
+            with fp8.sampling() if fp8_on else contextlib.nullcontext():
+                policy.velocity(x, sigma, prompts)
+    assert len(policy.transformer.transformer_blocks) == 2
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # FP8 on, FP8 off: not one per block

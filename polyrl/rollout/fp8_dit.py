@@ -39,6 +39,7 @@ Qwen-Image's 20.4B).
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 
 import torch
@@ -82,9 +83,9 @@ class FP8Sampling:
             raise ConfigError(f"{_KEY}=fp8 found no linear layer worth quantising in the transformer blocks; "
                               "leave it unset for this model.")  # fmt: skip
         self.active = False
-        self._copies: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
-        for lin in self.linears:
-            lin.forward = self._forward_of(lin)
+        for lin in self.linears:  # one shared forward and switch: compiled blocks then share one graph per mode
+            lin._fp8_sampling = self
+            lin.forward = types.MethodType(_fp8_or_plain_forward, lin)
         self.refresh()
 
     @property
@@ -94,8 +95,10 @@ class FP8Sampling:
 
     @torch.no_grad()
     def refresh(self) -> None:
+        """The e4m3 copies, kept on each linear as plain attributes: not buffers, so state dicts and `.to(dtype)`
+        never see them."""
         for lin in self.linears:
-            self._copies[lin] = quantize_fp8_rows(lin.weight.detach())
+            lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(lin.weight.detach())
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -108,14 +111,16 @@ class FP8Sampling:
         finally:
             self.active = False
 
-    def _forward_of(self, lin: nn.Linear):
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not self.active:
-                return F.linear(x, lin.weight, lin.bias)
-            w_q, w_scale = self._copies[lin]
-            return fp8_matmul(x, w_q, w_scale, lin.bias, lin.weight.dtype)
 
-        return forward
+def _fp8_or_plain_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A selected linear's forward: the e4m3 GEMM while its FP8Sampling is active, the plain one otherwise.
+
+    One function for every linear, reading its state from the module: a closure per linear (or a dict keyed by
+    module) makes dynamo guard on that linear's identity, so each compiled block recompiled for FP8 and a 60-block
+    DiT fell back to eager past the recompile limit (test_compiled_fp8_blocks_share_one_graph_per_mode)."""
+    if not lin._fp8_sampling.active:
+        return F.linear(x, lin.weight, lin.bias)
+    return fp8_matmul(x, lin.fp8_weight, lin.fp8_scale, lin.bias, lin.weight.dtype)
 
 
 def check_quantization(value: str | None, world_size: int) -> None:
