@@ -343,8 +343,8 @@ def record(args, report, length, device):
                  f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
                  f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s"
                  + ("; defaults (auto memory settings)" if args.defaults else
-                    f"; grad ckpt, ppo_max_token_len_per_gpu={args.max_token_len}")
-                 + (f"; {' '.join(args.extra)}" if args.extra else ""))
+                    f"; hand-set: grad ckpt, ppo_max_token_len_per_gpu={args.max_token_len}")
+                 + (f"; then overridden by {' '.join(args.extra)}" if args.extra else ""))
         append_row(device, "grpo_step perf/throughput tok/s/GPU", shape, f"{p:.0f}",
                    peer=f"TRL 1.16 GRPOTrainer (no vLLM): {t:.0f}" if t else "TRL: not measured",
                    ratio_peer=f"{p / t:.2f}x" if t else "-", path=args.rows_out)
