@@ -235,3 +235,4 @@ def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch):
                 policy.velocity(x, sigma, prompts)
     assert len(policy.transformer.transformer_blocks) == 2
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # FP8 on, FP8 off: not one per block
+    assert not counters["graph_break"], dict(counters["graph_break"])  # each block one whole graph
