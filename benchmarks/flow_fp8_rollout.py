@@ -13,6 +13,12 @@ optimizer step; it prints each mode's sampling time, mismatch and the re-quantis
 
     python benchmarks/flow_fp8_rollout.py                        # GPU: rollout-stage speedup + mismatch KL
     python benchmarks/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
+    python benchmarks/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
+                                                                 # and each precision's top kernels
+
+`--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling). On an H200
+(2026-11-24) the trainer's compiled FP8 sampling took 24.0 s for 16 images against 12.9 s for compiled bf16, while
+eager FP8 was 1.18x faster than eager bf16; `--profile` prints the kernels of one timed batch per precision to say why.
 """
 
 from __future__ import annotations
@@ -113,12 +119,25 @@ def merged_copy(policy) -> FlowPolicy:
     return merged
 
 
+def top_kernels(fn, label: str, on_gpu: bool, rows: int = 15) -> None:
+    """One call of `fn` under torch.profiler: its most expensive kernels (device time), printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts) as prof:
+        fn()
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    print(f"== {label}: top {rows} by {key}\n{prof.key_averages().table(sort_by=key, row_limit=rows)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small transformer on CPU (FP8 emulated)")
     ap.add_argument("--batch", type=int, default=16, help="images per sampling chunk (x2 with CFG)")
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per precision (after one warm-up each)")
     ap.add_argument("--lora-modes", action="store_true", help="also: LoRA merged into the base and re-quantised")
+    ap.add_argument("--compile", action="store_true", help="compile the blocks as the trainer does")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one batch per precision")
     ap.add_argument("--lora-scale", type=float, default=0.5,
                     help="std x sqrt(rank) of the random LoRA B (A is peft's gaussian init): the adapter's size")
     args = ap.parse_args()
@@ -126,15 +145,20 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     policy = build(args.tiny, device, dtype, lora_rank=64 if not args.tiny else 8, lora_scale=args.lora_scale)
     fp8 = fp8_dit.FP8Sampling(policy.transformer)
+    if args.compile:
+        policy.compile_blocks()
     times = {}
     for name, ctx in (("bf16" if on_gpu else "fp32", None), ("fp8", fp8)):
-        sample(policy, args.batch, ctx)  # warm-up
+        sample(policy, args.batch, ctx)  # warm-up (and compile)
         runs = [sample(policy, args.batch, ctx) for _ in range(args.repeats)]
         times[name] = sum(r[2] for r in runs) / len(runs)
         if name == "fp8":
             traj, prompts = runs[-1][0], runs[-1][1]
+        if args.profile:
+            top_kernels(lambda: sample(policy, args.batch, ctx), name, on_gpu)
     base = times["bf16" if on_gpu else "fp32"]
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (FP8 emulated: no speedup expected)",
+              "compiled": args.compile,
               "quantised_linears": len(fp8.linears), "batch": args.batch, "sampling_s": times,
               "fp8_speedup": base / times["fp8"], "lora_on_top": mismatch(policy, traj, prompts)}  # fmt: skip
     if args.lora_modes:
