@@ -135,7 +135,8 @@ class NativeEngine:
         self.kv_fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.decode_kernel, why = choose_decode_kernel(decode_kernel, self.kv_fp8, block_size)
         if decode_kernel == "auto" and self.device.type == "cuda":
-            print(f"polyrl: auto actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={self.decode_kernel} ({why})")
+            print(f"polyrl: auto actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={self.decode_kernel} "
+                  f"({why})")
         self.kv_dtype = FP8 if self.kv_fp8 else self.dtype
         self.quantization = quantization
         if quantization == "fp8":
