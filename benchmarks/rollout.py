@@ -104,7 +104,7 @@ def hf_tokens_per_s(m, B, P, new, repeats=1):
 def tune_decode(bw: float) -> None:
     """Time the paged-decode kernel at the 1.5B (a) mid-run shape over launch configs; keep the fastest in CONFIG."""
     import triton.testing
-    from decode_kernels import B, D, H, KVH, random_paged_kv  # the 1.5B (a) decode shape
+    from decode_step_parts import B, D, H, KVH, random_paged_kv  # the 1.5B (a) decode shape
 
     from polyrl.rollout.native import paged_decode as pd
 

@@ -209,7 +209,7 @@ def bench_gemms(M_list=(64, 128, 256)) -> None:
 def tune_fp8(bw: float) -> None:
     """The paged-decode kernel, bf16 vs e4m3 K/V, over launch configs at a short and a long context."""
     import triton.testing
-    from decode_kernels import random_paged_kv
+    from decode_step_parts import random_paged_kv
 
     from polyrl.rollout.native import paged_decode as pd
     from polyrl.rollout.native.attention import quantize_fp8_rows
