@@ -73,9 +73,9 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
 
 
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
-    from polyrl.rollout.native.fused import quantize_rows_fp8
+    from polyrl.rollout.native.fused import quantize_fp8_rows_triton
 
-    xq, xs = quantize_rows_fp8(x_MK)
+    xq, xs = quantize_fp8_rows_triton(x_MK)
     return torch._scaled_mm(xq, w_NK.t(), scale_a=xs[:, None], scale_b=w_scale_N[None, :], bias=bias,
                             out_dtype=out_dtype)
 

@@ -264,8 +264,9 @@ def _quantize_rows_kernel(X, Q, S, K: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Q + r * K + k, (x / sc).to(Q.dtype.element_ty), mask=k < K)
 
 
-def quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 rows and their fp32 scales (amax / 448) in one launch: the prologue of an FP8 GEMM."""
+def quantize_fp8_rows_triton(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention.quantize_fp8_rows` (e4m3 rows, fp32 scales amax / 448) for a CUDA [M, K] matrix in one launch: the
+    prologue of an FP8 GEMM."""
     M, K = x_MK.shape
     x_MK = x_MK.contiguous()
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x_MK.device)
