@@ -248,16 +248,21 @@ def tune_fp8(bw: float) -> None:
 
 
 def profile(configs) -> None:
-    """Kernel-time breakdown of decode at a long context: 32 x 4,096-token prompts, 512 new tokens, per config."""
+    """Kernel-time breakdown of decode per config, in two regimes of s1's run: the bulk (32 x 4,096-token prompts, 512
+    new tokens) and the tail (8 x 16,384-token prompts, 256 new tokens: few sequences left, long contexts, where a step
+    reads all the weights for 8 tokens). Wall time against GPU kernel time shows the per-step overhead."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
 
-    hf = build_hf("r1-distill-1.5b", 8192)
-    prompts = torch.randint(0, hf.config.vocab_size, (32, 4096), generator=torch.Generator().manual_seed(0)).tolist()
-    sp = SamplingParams(temperature=1.0, max_new_tokens=512, ignore_eos=True, seed=0)
+    hf = build_hf("r1-distill-1.5b", 20480)
+    gen = torch.Generator().manual_seed(0)
+    regimes = {"bulk": (32, 4096, 512), "tail": (8, 16384, 256)}
     for cname in configs:
-        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=8192, **CONFIGS[cname])
-        profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname}]", rows=14)
+        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=20480, **CONFIGS[cname])
+        for regime, (seqs, prompt_len, new) in regimes.items():
+            prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len), generator=gen).tolist()
+            sp = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
+            profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname} {regime}]", rows=14)
         del eng
         torch.cuda.empty_cache()
 
