@@ -317,3 +317,9 @@ def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_di
 
 if __name__ == "__main__":  # one rank of the 2-process job
     _train(sys.argv[1:]).dist.finish()  # tear down together: rank 0 still writes files after the last collective
+    # Skip interpreter finalization: every result is on disk and the group is destroyed, but gloo's worker threads can
+    # still abort a finalizing interpreter (SIGABRT "terminate called without an active exception", seen once in CI
+    # after a complete run; pytorch/pytorch#179291 describes the race). This test is about the training, not that.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
