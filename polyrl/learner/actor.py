@@ -198,6 +198,13 @@ def _padding_pass(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
     return torch.zeros(1, dtype=torch.long, device=rows.device), 0.0
 
 
+def _micro_coef(coef_BT: torch.Tensor, rows, num_cols: int, w: float) -> torch.Tensor:
+    """A micro-batch's rows of a mini-batch's loss coefficients, trimmed as `trim_columns` trimmed its responses;
+    a padding pass (w = 0) gets zeros."""
+    out = coef_BT[rows, :num_cols]
+    return out if w == 1.0 else out * w
+
+
 def _flops(model, mb: Batch, share_prompts: bool) -> float:
     seqlens, attn_pairs = trunk_work(mb, share_prompts)
     head_tokens = int(mb["attention_mask"][:, -mb["responses"].shape[1]:].sum())
@@ -348,6 +355,7 @@ class Actor:
     def _update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None) -> dict[str, float]:
         self.model.train()
         t_start, flops = time.perf_counter(), 0.0
+        peak = peak_flops(batch["responses"].device)  # 0 off CUDA: no MFU, so no FLOP count
         offload, pin = self.fwd.activation_offload, batch["responses"].device.type == "cuda"
         B, T = batch["responses"].shape
         shares = _shares(self.fwd, batch["input_ids"].device)
@@ -376,17 +384,23 @@ class Actor:
                 num_tokens, num_seqs = self._global_counts(num_tokens, num_seqs)
                 self.optimizer.zero_grad(set_to_none=True)
                 first_pass = not counts.get("_mini")
-                for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len, self.dp, shares):
-                    rows, w = _padding_pass(rows)  # w = 0: an empty micro-batch kept in step with other ranks
+                # w = 0: an empty micro-batch kept in step with other ranks
+                micro = [_padding_pass(rows) for rows in micro_batches(mini, s.micro_batch_size, s.max_token_len,
+                                                                        self.dp, shares)]
+                if peak > 0:  # counted up front: its host reads between micro-batches would stall the GPU queue
+                    flops += sum(_flops(self.model, select(mini, rows), shares) for rows, _ in micro) / self._sp_size
+                # the loss gradient per token is row-local given the mini-batch normalisers: computed once, sliced
+                coefs_mini = loss_coefficients(s, mini, num_tokens, num_seqs, float(self._loss_scale)) \
+                    if grad_first else None
+                for rows, w in micro:
                     mb = trim_columns(select(mini, rows))
                     frac = mb["response_mask"].sum() / num_tokens.clamp_min(1) * w
                     need_entropy = s.entropy_coeff != 0 or s.calculate_entropy
-                    coefs = loss_coefficients(s, mb, num_tokens, num_seqs, self._loss_scale * w) if grad_first \
-                        else None
+                    coefs = None if coefs_mini is None else \
+                        [None if c is None else _micro_coef(c, rows, mb["responses"].shape[1], w) for c in coefs_mini]
                     with torch.autograd.graph.save_on_cpu(pin_memory=pin) if offload else nullcontext():
                         logp, ent, *anchor = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy,
                                                                   self.fwd, grad_coefs=coefs)
-                    flops += _flops(self.model, mb, shares) / self._sp_size  # an SP group shares a micro-batch's work
                     mask = mb["response_mask"]
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
@@ -457,7 +471,6 @@ class Actor:
                 metrics[k] = float(v) / float(counts[k])
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/nonfinite_skipped"] = skipped
-        peak = peak_flops(batch["responses"].device)
         if peak > 0:  # the float() calls above have synchronised the device, so the wall time is the update's
             metrics["perf/mfu/actor"] = flops / (time.perf_counter() - t_start) / peak
         return metrics

@@ -51,11 +51,13 @@ def split_rows(num_rows: int, size: int) -> Iterator[slice]:
 
 def trim_columns(batch: Batch) -> Batch:
     """Drop all-padding columns at both ends (a micro-batch of short rows needs fewer columns)."""
-    P = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-    used = batch["attention_mask"].bool()
-    first = int(used[:, :P].any(0).nonzero()[0]) if used[:, :P].any() else P
-    resp_used = used[:, P:].any(0).nonzero()
-    last = P + (int(resp_used[-1]) + 1 if len(resp_used) else 1)
+    L = batch["input_ids"].shape[1]
+    P = L - batch["responses"].shape[1]
+    used = batch["attention_mask"].bool().any(0)
+    col = torch.arange(L, device=used.device)
+    # first used prompt column (P if none), one past the last used response column (P + 1 if none): one host read
+    first, last = torch.stack([torch.where(used & (col < P), col, P).min(),
+                               torch.where(used & (col >= P), col + 1, P + 1).max()]).tolist()
     out = dict(batch)
     for key in ("input_ids", "attention_mask", "position_ids"):
         out[key] = batch[key][:, first:last]

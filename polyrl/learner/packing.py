@@ -138,7 +138,8 @@ def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
     num_prompt = int(p_start[-1])
     r_start = torch.empty(B, dtype=torch.long, device=dev)
     r_start[order] = num_prompt + _exclusive_cumsum(resp_len[order])[:-1].long()
-    take = lambda key: torch.cat([mb[key][lead, :P][am[lead, :P]], mb[key][order, P:][am[order, P:]]])  # noqa: E731
+    prompt_at, resp_at = am[lead, :P].nonzero(as_tuple=True), am[order, P:].nonzero(as_tuple=True)  # 1 sync each, not 2
+    take = lambda key: torch.cat([mb[key][lead, :P][prompt_at], mb[key][order, P:][resp_at]])  # noqa: E731
     rows, cols = am[:, P:].nonzero(as_tuple=True)
     g = group[rows]
     # response token t is predicted by the output one earlier: its own token t-1, or for t = 0 the prompt's last
