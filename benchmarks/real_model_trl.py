@@ -103,7 +103,7 @@ def polyrl_overrides(args, work: Path, model_dir: Path) -> list[str]:
         f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.rollout.temperature=1.0",
         f"trainer.device={args.device}", f"trainer.total_training_steps={args.steps}", f"trainer.seed={args.seed}",
         f"trainer.run_dir={work / 'polyrl_run'}", f"trainer.default_local_dir={work / 'polyrl_ckpt'}",
-        "trainer.logger=[file]", "trainer.progress_bar=False",
+        "trainer.logger=[file]", "trainer.progress_bar=False", *args.polyrl_key,
     ]
 
 
@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["polyrl", "trl"], default=None)
+    ap.add_argument("--polyrl-key", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more `polyrl train` key for polyrl's side (repeatable; say so in --note)")
     ap.add_argument("--note", default="", help="appended to the shape column (e.g. machine load)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
