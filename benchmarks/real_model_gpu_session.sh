@@ -53,8 +53,9 @@ if [ "$MODE" = recipe ]; then
         echo "== recipe: examples/grpo_smollm2_addition.sh on cuda, 32 prompts x 8, lr $lr" | tee -a "$OUT/recipe.txt"
         rm -rf /tmp/smol_gpu_$lr
         start=$SECONDS
-        OUT=/tmp/smol_gpu_$lr MODEL=$MODEL DEVICE=cuda BATCH=32 MICRO=64 STEPS=30 TEST_FREQ=5 VAL=256 LR=$lr \
-            timeout 240 bash examples/grpo_smollm2_addition.sh 2>&1 | tr '\r' '\n' | grep -v "Loading\|it/s" | tail -3
+        OUT=/tmp/smol_gpu_$lr MODEL=$MODEL DEVICE=cuda BATCH=32 MICRO=256 STEPS=30 TEST_FREQ=5 VAL=256 LR=$lr \
+            timeout 240 bash examples/grpo_smollm2_addition.sh actor_rollout_ref.rollout.free_cache_engine=False 2>&1 \
+            | tr '\r' '\n' | grep -v "Loading\|it/s" | tail -3
         echo "wall (data + load + train + validation + export): $((SECONDS - start)) s" \
             | tee -a "$OUT/recipe.txt"
         curve /tmp/smol_gpu_$lr/run/metrics.jsonl | tee -a "$OUT/recipe.txt"
@@ -64,7 +65,10 @@ fi
 
 if [ "$MODE" = trl ]; then
     echo "== polyrl vs TRL 1.16, same recipe, one GPU"
-    timeout 570 python3 benchmarks/real_model_trl.py --device cuda --model "$MODEL" --batch 32 --micro 64 \
+    # the example's GPU line: one micro-batch of 256 on both sides, polyrl's engine keeps its KV cache between steps
+    timeout 570 python3 benchmarks/real_model_trl.py --device cuda --model "$MODEL" --batch 32 --micro 256 \
+        --polyrl-key actor_rollout_ref.rollout.free_cache_engine=False \
+        --note "micro-batch 256 both sides; polyrl with rollout.free_cache_engine=False" \
         --steps ${STEPS:-30} --eval-every 5 --val 256 --out "$OUT/real_model_trl.json" 2>&1 \
         | grep -v "Loading\|it/s\|Warning\|warn" | tee "$OUT/real_model_trl.txt" | tail -20
     git diff BENCHMARKS.md > "$OUT/benchmarks_rows.diff"
