@@ -247,24 +247,51 @@ def tune_fp8(bw: float) -> None:
               f"{t_bf / ms:.2f}x bf16; floor {n8 / bw * 1e6:.0f} us)", flush=True)
 
 
-def profile(configs) -> None:
-    """Kernel-time breakdown of decode per config, in two regimes of s1's run: the bulk (32 x 4,096-token prompts, 512
-    new tokens) and the tail (8 x 16,384-token prompts, 256 new tokens: few sequences left, long contexts, where a step
-    reads all the weights for 8 tokens). Wall time against GPU kernel time shows the per-step overhead."""
+def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) -> None:
+    """Decode step time in four regimes of s1's run, from its bulk to its last sequence: 32 x 4k-token contexts, 8 x
+    16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so prefill is
+    not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
+    that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
+    long tail's occupancy shows. `kernels` adds a kernel-time table of each regime's whole run (prefill included)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
+    from polyrl.rollout.native import paged_decode as v1
+    from polyrl.rollout.native import paged_decode_v2 as v2
 
-    hf = build_hf("r1-distill-1.5b", 20480)
+    hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
-    regimes = {"bulk": (32, 4096, 512), "tail": (8, 16384, 256)}
+    regimes = {"bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
+    new = 128
+
+    def timed(eng, prompts, n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=0))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     for cname in configs:
-        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=20480, **CONFIGS[cname])
-        for regime, (seqs, prompt_len, new) in regimes.items():
-            prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len), generator=gen).tolist()
-            sp = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
-            profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname} {regime}]", rows=14)
-        del eng
-        torch.cuda.empty_cache()
+        for cap in max_splits:
+            v1.MAX_SPLITS = v2.MAX_SPLITS = cap  # read when the engine captures its decode graphs
+            eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=28672, **CONFIGS[cname])
+            W, kv_tok = engine_bytes(eng)
+            for regime, (seqs, prompt_len) in regimes.items():
+                prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
+                timed(eng, prompts, 8)  # warm-up: this batch size's graphs and kernels
+                step = (timed(eng, prompts, new) - timed(eng, prompts, 1)) / (new - 1)
+                nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
+                splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,
+                                              num_heads=eng.spec.num_heads)
+                print(f"[{cname} max_splits {cap} {regime} {seqs} x {prompt_len}] decode step {step * 1e3:.3f} ms "
+                      f"({seqs / step:,.0f} tok/s), {nbytes / 1e9:.2f} GB/step = {nbytes / step / bw:.0%} of copy BW; "
+                      f"v2 splits {splits}", flush=True)
+                if kernels:
+                    sp = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
+                    profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname} {regime}]", rows=14)
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+    v1.MAX_SPLITS = v2.MAX_SPLITS = max_splits[-1]
 
 
 def main():
@@ -276,7 +303,9 @@ def main():
     ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
-    ap.add_argument("--profile", action="store_true", help="only a decode kernel breakdown per config")
+    ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
+    ap.add_argument("--max-splits", default="256", help="--profile: paged-decode split caps to compare (comma list)")
+    ap.add_argument("--kernels", action="store_true", help="--profile: also a kernel-time table per regime")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -284,11 +313,11 @@ def main():
     if args.gemms:
         bench_gemms()
         return
-    if args.profile:
-        profile(args.configs.split(","))
-        return
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.profile:
+        profile(args.configs.split(","), [int(x) for x in args.max_splits.split(",")], bw, args.kernels)
+        return
     if args.tune_fp8:
         tune_fp8(bw)
         return
