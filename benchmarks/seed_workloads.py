@@ -185,12 +185,17 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     return results
 
 
-def bench_gemms(M_list=(64, 128, 256)) -> None:
-    """Each decode GEMM of the 1.5B and 8B shapes, bf16 cuBLAS vs FP8 (row quantisation + _scaled_mm), in graphs."""
+def bench_gemms(M_list=(1, 8, 16, 64, 128, 256), bw: float | None = None) -> None:
+    """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS, FP8 W8A8 (row quantisation +
+    _scaled_mm) and, at <= 16 rows, FP8 W8A16 (w8a16.py) with its committed launch config and the best of a sweep;
+    each with the share of copy bandwidth its weight bytes make."""
     import triton.testing
 
-    from polyrl.rollout.native.fp8_linear import FP8Linear
+    from polyrl.rollout.native import w8a16
+    from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise
 
+    sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=ns) for bn in (16, 32, 64) for bk in (128, 256, 512)
+             for ns in (3, 5)]
     for arch in ("r1-distill-1.5b", "llama3.1-8b"):
         _, h, inter, _, nh, kv, _, _ = ARCH[arch]
         D = h // nh
@@ -201,9 +206,20 @@ def bench_gemms(M_list=(64, 128, 256)) -> None:
             for M in M_list:
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
                 t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
-                t_f8 = triton.testing.do_bench_cudagraph(lambda: f8(x)) * 1e3
-                print(f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us "
-                      f"({t_bf / t_f8:.2f}x) -> {'fp8' if t_f8 < t_bf else 'bf16'}", flush=True)
+                t_mm = triton.testing.do_bench_cudagraph(
+                    lambda: _scaled_mm_rowwise(x, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
+                line = (f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us ({2 * N * K / t_bf * 1e6 / bw:.0%}"
+                        f" BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x)")
+                if M <= w8a16.MAX_ROWS:
+                    run = lambda c: w8a16.w8a16_matmul(x, f8.weight, f8.weight_scale, None, torch.bfloat16, c)  # noqa: E731
+                    t_16 = triton.testing.do_bench_cudagraph(lambda: run(None)) * 1e3
+                    line += (f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW; "
+                             f"{w8a16.launch_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)})")
+                    if M == 8:  # the sweep, at one size of the tail
+                        best = min(((triton.testing.do_bench_cudagraph(lambda: run(c)) * 1e3, c) for c in sweep),
+                                   key=lambda tc: tc[0])
+                        line += f", best of sweep {best[0]:.1f} us {best[1]}"
+                print(line, flush=True)
 
 
 def tune_fp8(bw: float) -> None:
@@ -310,11 +326,11 @@ def main():
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     dev_name = torch.cuda.get_device_name()
-    if args.gemms:
-        bench_gemms()
-        return
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.gemms:
+        bench_gemms(bw=bw)
+        return
     if args.profile:
         profile(args.configs.split(","), [int(x) for x in args.max_splits.split(",")], bw, args.kernels)
         return

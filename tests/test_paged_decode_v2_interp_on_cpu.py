@@ -22,19 +22,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 BS, D = 16, 32
 
 
-@pytest.fixture(autouse=True)
-def _scalar_index(monkeypatch):
-    """Triton 3.5's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(array), which
-    numpy >= 2.3 refuses; `.item()` is what it means."""
-    import triton.runtime.interpreter as interp
-
-    patch = interp._patch_lang_tensor
-
-    def patched(tensor):
-        patch(tensor)
-        tensor.__index__ = lambda self: int(self.handle.data.item())
-
-    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+pytestmark = [pytestmark, pytest.mark.usefixtures("triton_interpreter_scalars")]
 
 
 def _cache(ctx, num_kv_heads, fp8, seed=0):
