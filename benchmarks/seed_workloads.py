@@ -136,15 +136,19 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     vocab = hf.config.vocab_size
     prompts = torch.randint(0, vocab, (seqs, P), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=max(lens), ignore_eos=True, seed=0, forced_lengths=lens)
+    from polyrl.rollout.native import paged_decode as v1
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
     results = []
-    for cname in configs:
+    for cname, cap in [(c, m) for c in configs for m in args.max_splits]:
+        v1.MAX_SPLITS = v2.MAX_SPLITS = cap  # read when the engine captures its decode graphs
         eng = NativeEngine.from_hf(hf, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(256, seqs),
                                    max_model_len=max_len, **CONFIGS[cname])
         eng.update_weights(hf.state_dict().items())
         W, kv_tok = engine_bytes(eng)
         Wb, kvb = bf16_bytes(eng)
         roof, roof_bf16 = roofline(P, lens, W, kv_tok, bw), roofline(P, lens, Wb, kvb, bw)
-        print(f"[{shape} {seqs} {cname}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
+        print(f"[{shape} {seqs} {cname} max_splits {cap}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
               f"{eng.num_blocks * eng.block_size:,} tokens; roofline {roof:,.0f} tok/s (bf16 {roof_bf16:,.0f})",
               flush=True)
         short = [max(1, L // 32) for L in lens]  # warm-up: compiles and the graphs of the batch sizes passed through
@@ -156,7 +160,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         dt = time.perf_counter() - t0
         assert out.lengths == lens
         tps = sum(lens) / dt
-        r = dict(shape=shape, seqs=seqs, config=cname, arch=arch, seconds=dt, tokens_per_s=tps, roofline=roof,
+        r = dict(shape=shape, seqs=seqs, config=cname, max_splits=cap, arch=arch, seconds=dt, tokens_per_s=tps,
+                 roofline=roof,
                  roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
                  num_preempted=eng.stats["num_preempted"], kv_tokens=eng.num_blocks * eng.block_size,
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
@@ -173,7 +178,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; preempted {r['num_preempted']}{gap}",
+                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
         del eng, out
@@ -213,8 +218,7 @@ def bench_gemms(M_list=(1, 8, 16, 64, 128, 256), bw: float | None = None) -> Non
                 if M <= w8a16.MAX_ROWS:
                     run = lambda c: w8a16.w8a16_matmul(x, f8.weight, f8.weight_scale, None, torch.bfloat16, c)  # noqa: E731
                     t_16 = triton.testing.do_bench_cudagraph(lambda: run(None)) * 1e3
-                    line += (f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW; "
-                             f"{w8a16.launch_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)})")
+                    line += f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW)"
                     if M == 8:  # the sweep, at one size of the tail
                         best = min(((triton.testing.do_bench_cudagraph(lambda: run(c)) * 1e3, c) for c in sweep),
                                    key=lambda tc: tc[0])
@@ -277,7 +281,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
     hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
     regimes = {"bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
-    new = 128
+    new, base = 256, 32
 
     def timed(eng, prompts, n):
         torch.cuda.synchronize()
@@ -294,7 +298,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
             for regime, (seqs, prompt_len) in regimes.items():
                 prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
                 timed(eng, prompts, 8)  # warm-up: this batch size's graphs and kernels
-                step = (timed(eng, prompts, new) - timed(eng, prompts, 1)) / (new - 1)
+                step = (timed(eng, prompts, new) - timed(eng, prompts, base)) / (new - base)
                 nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
                 splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,
                                               num_heads=eng.spec.num_heads)
@@ -320,11 +324,13 @@ def main():
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
     ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
-    ap.add_argument("--max-splits", default="256", help="--profile: paged-decode split caps to compare (comma list)")
+    ap.add_argument("--max-splits", default="256", help="paged-decode split caps to compare (comma list; 16 was the "
+                    "cap before 2026-11-25)")
     ap.add_argument("--kernels", action="store_true", help="--profile: also a kernel-time table per regime")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    args.max_splits = [int(x) for x in args.max_splits.split(",")]
     dev_name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -332,7 +338,7 @@ def main():
         bench_gemms(bw=bw)
         return
     if args.profile:
-        profile(args.configs.split(","), [int(x) for x in args.max_splits.split(",")], bw, args.kernels)
+        profile(args.configs.split(","), args.max_splits, bw, args.kernels)
         return
     if args.tune_fp8:
         tune_fp8(bw)
@@ -341,12 +347,12 @@ def main():
     for shape in args.shapes.split(","):
         for seqs in ([int(x) for x in args.seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]):
             results += run_shape(shape, seqs, args.configs.split(","), bw, args, dev_name, rows)
-    print("\n| shape | seqs | config | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | seqs | config | max splits | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         vs = f"{r['tokens_per_s'] / 3497:.2f}x" if r["shape"] == "s1" and r["seqs"] == 64 else "-"
-        print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
+        print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['max_splits']} | {r['seconds']:.1f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)

@@ -41,10 +41,3 @@ def test_w8a16_refuses_more_rows_than_it_serves():
     with pytest.raises(ValueError, match="at most"):
         w8a16_matmul(torch.zeros(MAX_ROWS + 1, 64), torch.zeros(16, 64, dtype=torch.float8_e4m3fn), torch.ones(16),
                      None, torch.float32)
-
-
-def test_launch_config_gives_every_sm_a_program():
-    from polyrl.rollout.native.w8a16 import launch_config
-
-    assert launch_config(17920, 1536, 132)["BN"] == 64  # 1.5B gate_up: 280 programs
-    assert launch_config(1536, 8960, 132) == dict(BN=16, BK=512, num_warps=4, num_stages=4)  # down: 96, K steps 512
