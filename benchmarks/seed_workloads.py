@@ -136,15 +136,19 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     vocab = hf.config.vocab_size
     prompts = torch.randint(0, vocab, (seqs, P), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=max(lens), ignore_eos=True, seed=0, forced_lengths=lens)
+    from polyrl.rollout.native import paged_decode as v1
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
     results = []
-    for cname in configs:
+    for cname, cap in [(c, m) for c in configs for m in args.max_splits]:
+        v1.MAX_SPLITS = v2.MAX_SPLITS = cap  # read when the engine captures its decode graphs
         eng = NativeEngine.from_hf(hf, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(256, seqs),
                                    max_model_len=max_len, **CONFIGS[cname])
         eng.update_weights(hf.state_dict().items())
         W, kv_tok = engine_bytes(eng)
         Wb, kvb = bf16_bytes(eng)
         roof, roof_bf16 = roofline(P, lens, W, kv_tok, bw), roofline(P, lens, Wb, kvb, bw)
-        print(f"[{shape} {seqs} {cname}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
+        print(f"[{shape} {seqs} {cname} max_splits {cap}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
               f"{eng.num_blocks * eng.block_size:,} tokens; roofline {roof:,.0f} tok/s (bf16 {roof_bf16:,.0f})",
               flush=True)
         short = [max(1, L // 32) for L in lens]  # warm-up: compiles and the graphs of the batch sizes passed through
@@ -156,7 +160,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         dt = time.perf_counter() - t0
         assert out.lengths == lens
         tps = sum(lens) / dt
-        r = dict(shape=shape, seqs=seqs, config=cname, arch=arch, seconds=dt, tokens_per_s=tps, roofline=roof,
+        r = dict(shape=shape, seqs=seqs, config=cname, max_splits=cap, arch=arch, seconds=dt, tokens_per_s=tps,
+                 roofline=roof,
                  roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
                  num_preempted=eng.stats["num_preempted"], kv_tokens=eng.num_blocks * eng.block_size,
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
@@ -173,7 +178,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; preempted {r['num_preempted']}{gap}",
+                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
         del eng, out
@@ -185,12 +190,17 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     return results
 
 
-def bench_gemms(M_list=(64, 128, 256)) -> None:
-    """Each decode GEMM of the 1.5B and 8B shapes, bf16 cuBLAS vs FP8 (row quantisation + _scaled_mm), in graphs."""
+def bench_gemms(M_list=(1, 8, 16, 64, 128, 256), bw: float | None = None) -> None:
+    """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS, FP8 W8A8 (row quantisation +
+    _scaled_mm) and, at <= 16 rows, FP8 W8A16 (w8a16.py) with its committed launch config and the best of a sweep;
+    each with the share of copy bandwidth its weight bytes make."""
     import triton.testing
 
-    from polyrl.rollout.native.fp8_linear import FP8Linear
+    from polyrl.rollout.native import w8a16
+    from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise
 
+    sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=ns) for bn in (16, 32, 64) for bk in (128, 256, 512)
+             for ns in (3, 5)]
     for arch in ("r1-distill-1.5b", "llama3.1-8b"):
         _, h, inter, _, nh, kv, _, _ = ARCH[arch]
         D = h // nh
@@ -201,9 +211,19 @@ def bench_gemms(M_list=(64, 128, 256)) -> None:
             for M in M_list:
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
                 t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
-                t_f8 = triton.testing.do_bench_cudagraph(lambda: f8(x)) * 1e3
-                print(f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us "
-                      f"({t_bf / t_f8:.2f}x) -> {'fp8' if t_f8 < t_bf else 'bf16'}", flush=True)
+                t_mm = triton.testing.do_bench_cudagraph(
+                    lambda: _scaled_mm_rowwise(x, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
+                line = (f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us ({2 * N * K / t_bf * 1e6 / bw:.0%}"
+                        f" BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x)")
+                if M <= w8a16.MAX_ROWS:
+                    run = lambda c: w8a16.w8a16_matmul(x, f8.weight, f8.weight_scale, None, torch.bfloat16, c)  # noqa: E731
+                    t_16 = triton.testing.do_bench_cudagraph(lambda: run(None)) * 1e3
+                    line += f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW)"
+                    if M == 8:  # the sweep, at one size of the tail
+                        best = min(((triton.testing.do_bench_cudagraph(lambda: run(c)) * 1e3, c) for c in sweep),
+                                   key=lambda tc: tc[0])
+                        line += f", best of sweep {best[0]:.1f} us {best[1]}"
+                print(line, flush=True)
 
 
 def tune_fp8(bw: float) -> None:
@@ -247,24 +267,51 @@ def tune_fp8(bw: float) -> None:
               f"{t_bf / ms:.2f}x bf16; floor {n8 / bw * 1e6:.0f} us)", flush=True)
 
 
-def profile(configs) -> None:
-    """Kernel-time breakdown of decode per config, in two regimes of s1's run: the bulk (32 x 4,096-token prompts, 512
-    new tokens) and the tail (8 x 16,384-token prompts, 256 new tokens: few sequences left, long contexts, where a step
-    reads all the weights for 8 tokens). Wall time against GPU kernel time shows the per-step overhead."""
+def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) -> None:
+    """Decode step time in four regimes of s1's run, from its bulk to its last sequence: 32 x 4k-token contexts, 8 x
+    16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so prefill is
+    not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
+    that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
+    long tail's occupancy shows. `kernels` adds a kernel-time table of each regime's whole run (prefill included)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
+    from polyrl.rollout.native import paged_decode as v1
+    from polyrl.rollout.native import paged_decode_v2 as v2
 
-    hf = build_hf("r1-distill-1.5b", 20480)
+    hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
-    regimes = {"bulk": (32, 4096, 512), "tail": (8, 16384, 256)}
+    regimes = {"bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
+    new, base = 256, 32
+
+    def timed(eng, prompts, n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=0))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     for cname in configs:
-        eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=20480, **CONFIGS[cname])
-        for regime, (seqs, prompt_len, new) in regimes.items():
-            prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len), generator=gen).tolist()
-            sp = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
-            profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname} {regime}]", rows=14)
-        del eng
-        torch.cuda.empty_cache()
+        for cap in max_splits:
+            v1.MAX_SPLITS = v2.MAX_SPLITS = cap  # read when the engine captures its decode graphs
+            eng = NativeEngine.from_hf(hf, gpu_memory_utilization=0.6, max_model_len=28672, **CONFIGS[cname])
+            W, kv_tok = engine_bytes(eng)
+            for regime, (seqs, prompt_len) in regimes.items():
+                prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
+                timed(eng, prompts, 8)  # warm-up: this batch size's graphs and kernels
+                step = (timed(eng, prompts, new) - timed(eng, prompts, base)) / (new - base)
+                nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
+                splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,
+                                              num_heads=eng.spec.num_heads)
+                print(f"[{cname} max_splits {cap} {regime} {seqs} x {prompt_len}] decode step {step * 1e3:.3f} ms "
+                      f"({seqs / step:,.0f} tok/s), {nbytes / 1e9:.2f} GB/step = {nbytes / step / bw:.0%} of copy BW; "
+                      f"v2 splits {splits}", flush=True)
+                if kernels:
+                    sp = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
+                    profile_decode(eng, hf.config.vocab_size, prompts, sp, label=f"[{cname} {regime}]", rows=14)
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+    v1.MAX_SPLITS = v2.MAX_SPLITS = max_splits[-1]
 
 
 def main():
@@ -276,19 +323,23 @@ def main():
     ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
-    ap.add_argument("--profile", action="store_true", help="only a decode kernel breakdown per config")
+    ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
+    ap.add_argument("--max-splits", default="256", help="paged-decode split caps to compare (comma list; 16 was the "
+                    "cap before 2026-11-25)")
+    ap.add_argument("--kernels", action="store_true", help="--profile: also a kernel-time table per regime")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    args.max_splits = [int(x) for x in args.max_splits.split(",")]
     dev_name = torch.cuda.get_device_name()
-    if args.gemms:
-        bench_gemms()
-        return
-    if args.profile:
-        profile(args.configs.split(","))
-        return
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.gemms:
+        bench_gemms(bw=bw)
+        return
+    if args.profile:
+        profile(args.configs.split(","), args.max_splits, bw, args.kernels)
+        return
     if args.tune_fp8:
         tune_fp8(bw)
         return
@@ -296,12 +347,12 @@ def main():
     for shape in args.shapes.split(","):
         for seqs in ([int(x) for x in args.seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]):
             results += run_shape(shape, seqs, args.configs.split(","), bw, args, dev_name, rows)
-    print("\n| shape | seqs | config | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | seqs | config | max splits | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         vs = f"{r['tokens_per_s'] / 3497:.2f}x" if r["shape"] == "s1" and r["seqs"] == 64 else "-"
-        print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
+        print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['max_splits']} | {r['seconds']:.1f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)

@@ -65,3 +65,18 @@ def tiny_qwen2():
     cfg = tiny_config(100, arch="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=False)
     cfg._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture
+def triton_interpreter_scalars(monkeypatch):
+    """Triton 3.5's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(array), which
+    numpy >= 2.3 refuses; `.item()` is what it means."""
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.item())
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)

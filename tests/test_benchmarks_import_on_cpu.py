@@ -48,6 +48,7 @@ def test_polyrl_names_imported_by_scripts_exist(path):
                 continue
             try:
                 importlib.import_module(f"{module}.{name}")
-            except ModuleNotFoundError:
-                missing.append(f"{path.name}:{line} {module}.{name}")
+            except ModuleNotFoundError as e:
+                if not (e.name and e.name.split(".")[0] == "triton"):  # a Triton-kernel module imports on the GPU
+                    missing.append(f"{path.name}:{line} {module}.{name}")
     assert not missing, missing

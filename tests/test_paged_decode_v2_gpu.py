@@ -47,7 +47,7 @@ def _case(num_kv_heads, fp8, dtype):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 200])  # 200: the long tail's many splits, most empty
 @pytest.mark.parametrize("heads", [(12, 2), (32, 8)])  # Qwen-1.5B, Llama-8B
 def test_v2_matches_v1_and_the_dequantised_reference(kv, splits, heads):
     from polyrl.rollout.native import paged_decode as v1

@@ -17,6 +17,9 @@ the quantisation launch (~4 us) and _scaled_mm's fixed cost outweigh the bytes s
   8B:   gate_up 1.50-1.73x, down 14336x4096 1.13-1.26x, qkv 4096x6144 1.17-1.44x; o 4096x4096 0.59-1.19x.
 So a layer runs in FP8 when its weight has more than 2^24 elements (`MIN_FP8_ELEMENTS`); the rest stay bf16.
 Fusing the activation quantisation into the producing kernels (add_rmsnorm, silu_mul) would move that line; not done.
+At 1-16 rows (the long tail of a batch, a few sequences left) the GEMM is a pass over the weight bytes, and
+`_scaled_mm` reached only half of HBM bandwidth there (cuBLASLt's 128-row tile, plus the quantisation launch); those
+steps run `w8a16.py`'s Triton kernel instead, which reads the e4m3 weight once and keeps the activation in bf16.
 The LM head and embedding stay in the model dtype: the sampled token's log-prob comes out of the head, and it is the
 number rollout correction compares with the trainer's.
 """
@@ -30,6 +33,7 @@ from polyrl.rollout.native.attention import FP8, quantize_fp8_rows
 
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 MIN_FP8_ELEMENTS = 1 << 24  # measured crossover on an H100 (module docstring)
+W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
 
 
 class FP8Linear(nn.Module):
@@ -61,7 +65,11 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda:
+    if x2.is_cuda and x2.shape[0] <= W8A16_MAX_ROWS:  # a decode step of few sequences: one pass over e4m3 bytes
+        from polyrl.rollout.native.w8a16 import w8a16_matmul
+
+        y = w8a16_matmul(x2, w_NK, w_scale_N, bias, out_dtype)
+    elif x2.is_cuda:
         y = _scaled_mm_rowwise(x2, w_NK, w_scale_N, bias, out_dtype)
     else:
         xq, xs = quantize_fp8_rows(x2)

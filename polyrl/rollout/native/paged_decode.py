@@ -100,17 +100,39 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
-    # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits (empty splits have lse -1e30)
+def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+    # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits. Empty splits (lse -1e30, from
+    # splits past a short context) get weight 0 and their partials are never read, so many splits cost little there.
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SP)
     d = tl.arange(0, D)
     lse = tl.load(LSE + r * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.load(O + (r * SPLITS + sp[:, None]) * D + d[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
-    tl.store(OUT + r * D + d, tl.sum(o * w[:, None], 0).to(OUT.dtype.element_ty))
+    mx = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - mx), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, SPLITS, CHUNK):
+        c = s0 + tl.arange(0, CHUNK)
+        lc = tl.load(LSE + r * SPLITS + c, mask=c < SPLITS, other=float("-inf"))
+        live = (c < SPLITS) & (lc > -1e29)
+        w = tl.where(live, tl.exp(lc - mx), 0.0)
+        o = tl.load(O + (r * SPLITS + c[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    tl.store(OUT + r * D + d, (acc / total).to(OUT.dtype.element_ty))
 
+
+def combine_splits(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge split-K partials o [T, H, SPLITS, D] (fp32) with their log-sum-exps [T, H, SPLITS] into out [T, H, D]."""
+    T, H, splits, D = o.shape
+    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D,
+                              CHUNK=min(16, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+# The most splits per sequence. The long tail of an RL batch decodes a few sequences with the longest contexts: at
+# batch 1 with one program per kv head, 16 splits (the old cap) kept 16-32 programs busy on 132 SMs, and a decode step
+# of seed 002's 27k-token tail read the cache at a tenth of HBM bandwidth. Splits past a short context do no work and
+# `_combine_kernel` skips their partials, so the cap can be as high as one GPU's worth of programs.
+MAX_SPLITS = 256
 
 # launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
@@ -141,9 +163,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:
         return o[:, :, 0]
-    out = torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype)
-    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
-    return out
+    return combine_splits(o, lse, torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
@@ -151,4 +171,4 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = F
     """Enough (seq, head, split) programs for `programs_per_sm` per SM; 1 when the batch alone gives that.
     num_heads is not needed here (one program per kv head); v2's chooser takes it, and so both share one signature."""
     want = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
-    return max(1, min(16, -(-want // max(1, batch * num_kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-want // max(1, batch * num_kv_heads))))

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.paged_decode import _combine_kernel
+from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
@@ -221,18 +221,16 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     )
     if splits == 1:
         return o[:, :, 0]
-    out = torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype)
-    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D, num_warps=4)
-    return out
+    return combine_splits(o, lse, torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
                       num_heads: int | None = None) -> int:
-    """The fewest splits (up to 16) whose (sequence, head block, split) programs fill their last wave of
+    """The fewest splits (up to MAX_SPLITS) whose (sequence, head block, split) programs fill their last wave of
     `programs_per_sm` per SM at least 90% (else the fullest): v2 has KVH / HB times fewer programs than v1, so
     a batch that fills the GPU with v1 can leave half of it idle, or a second wave nearly empty, with v2.
     num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
     blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
     slots = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
     fill = lambda n: n * batch * blocks / (slots * -(-n * batch * blocks // slots))  # noqa: E731
-    return next((n for n in range(1, 17) if fill(n) >= 0.9), max(range(1, 17), key=fill))
+    return next((n for n in range(1, MAX_SPLITS + 1) if fill(n) >= 0.9), max(range(1, MAX_SPLITS + 1), key=fill))
