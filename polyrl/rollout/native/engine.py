@@ -286,7 +286,10 @@ class NativeEngine:
         upd = np.asarray(sched.table_updates, dtype=np.int64)
         sched.table_updates.clear()
         self.bt_host[upd[:, 0], upd[:, 1]] = upd[:, 2]
-        u = torch.from_numpy(upd).to(self.device, non_blocking=False)
+        u = torch.from_numpy(upd)
+        if self.cuda:  # pinned and asynchronous: a pageable copy would wait for the step in flight (a bubble a step)
+            u = u.pin_memory()
+        u = u.to(self.device, non_blocking=True)
         self.bt_dev[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
 
     def _prefill_inputs(self, seqs: list[Sequence], chunks: list[tuple[int, int]]):
