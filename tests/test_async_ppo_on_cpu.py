@@ -140,6 +140,29 @@ def test_age_zero_equals_the_on_policy_trainer_bit_for_bit(tiny_model_dir, synth
         assert torch.equal(w_ref[k], w_got[k]), k
 
 
+def test_bypass_mode_trains_against_the_engine_log_probs_without_a_behaviour_pass(tiny_model_dir, synth_data_dir,
+                                                                                    tmp_path):
+    """bypass_mode: the rollout skips its behaviour pass, and the update is the recomputing run's (on CPU the fp32
+    engine's log-probs are the trainer's forward up to float rounding)."""
+    reward = tmp_path / "reward.py"  # varies within every group, so each step moves the weights
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(map(ord, solution_str)) % 7 / 6\n")
+    steps, args = 3, ("actor_rollout_ref.hybrid_engine=False", f"custom_reward_function.path={reward}")
+    job = _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "recompute", steps, *args))
+    job += _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "bypass", steps, *args,
+                      "algorithm.rollout_correction.bypass_mode=True"))
+    codes, log = _wait(job)
+    assert codes == [0, 0, 0, 0], log[-4000:]
+    ref, got = _steps(tmp_path / "recompute"), _steps(tmp_path / "bypass")
+    assert [r["async/staleness/max"] for r in got] == [0.0, 1.0, 1.0]
+    assert all("timing_s/behaviour_log_prob" not in r for r in got)
+    assert all("timing_s/behaviour_log_prob" in r for r in ref[1:])
+    for a, b in zip(ref[1:], got[1:]):  # stale batches: a ratio that is not 1, the same in both runs
+        assert abs(a["actor/ppo_kl"]) > 1e-3, a["actor/ppo_kl"]
+        for key in ("actor/ppo_kl", "actor/pg_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (key, a[key], b[key])
+
+
 KILLING_REWARD = '''
 import os
 
