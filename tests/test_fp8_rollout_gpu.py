@@ -87,6 +87,20 @@ def test_fp8_linear_matches_dequantised_product(M, K, N):
     assert ((out - exact).norm() / exact.norm()).item() < 0.06  # e4m3 rounding of the weight (and x past 16 rows)
 
 
+@pytest.mark.parametrize("M", [17, 32, 33, 64])
+def test_w8a16_kernel_serves_up_to_64_rows_in_bf16(M):
+    """The kernel's 32- and 64-row tiles (not routed to by FP8Linear until they win on time) on real bf16 dots."""
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+    from polyrl.rollout.native.w8a16 import w8a16_matmul
+
+    torch.manual_seed(M)
+    w8, s = quantize_fp8_rows(torch.randn(17920, 1536, device="cuda") * 0.05)
+    x = torch.randn(M, 1536, dtype=torch.bfloat16, device="cuda")
+    ref = x.double() @ (w8.double() * s.double()[:, None]).t()
+    out = w8a16_matmul(x, w8, s, None, torch.bfloat16).double()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_engine_fp8_holds_about_twice_the_tokens_and_decodes_close_to_bf16():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -1,6 +1,6 @@
-"""The FP8-weight decode GEMM (`w8a16.py`) under Triton's CPU interpreter against the dequantised product: 1-16 rows,
-ragged and even K, N not a multiple of the column block, with and without bias. fp16/fp32 activations (the
-interpreter's bf16 `tl.dot` multiplies raw bits; tests/test_fp8_rollout_gpu.py covers bf16 on CUDA).
+"""The FP8-weight decode GEMM (`w8a16.py`) under Triton's CPU interpreter against the dequantised product: 1-64 rows
+(tiles of 16, 32 and 64), ragged and even K, N not a multiple of the column block, with and without bias. fp16/fp32
+activations (the interpreter's bf16 `tl.dot` multiplies raw bits; tests/test_fp8_rollout_gpu.py covers bf16 on CUDA).
 
 Skipped unless `triton` imports AND TRITON_INTERPRET=1 (CI has neither). Run it with
 `TRITON_INTERPRET=1 PYTHONPATH=/work/triton_site:. python -m pytest -q tests/test_w8a16_interp_on_cpu.py`.
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reas
               pytest.mark.usefixtures("triton_interpreter_scalars")]
 
 
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 33, 64])
 @pytest.mark.parametrize("N,K", [(40, 100), (96, 256), (33, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,3 +41,6 @@ def test_w8a16_refuses_more_rows_than_it_serves():
     with pytest.raises(ValueError, match="at most"):
         w8a16_matmul(torch.zeros(MAX_ROWS + 1, 64), torch.zeros(16, 64, dtype=torch.float8_e4m3fn), torch.ones(16),
                      None, torch.float32)
+    with pytest.raises(ValueError, match="BM=16"):
+        w8a16_matmul(torch.zeros(17, 64), torch.zeros(16, 64, dtype=torch.float8_e4m3fn), torch.ones(16),
+                     None, torch.float32, config=dict(BM=16))

@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.fp8_linear import W8A16_MAX_ROWS as MAX_ROWS  # more rows go to `_scaled_mm`
+# fp8_linear routes at most W8A16_MAX_ROWS rows here (16, measured); the kernel serves up to MAX_ROWS, in tiles of
+# 16, 32 or 64 rows (the next power of two), so `seed_workloads.py --gemms` can time 17-64 rows against `_scaled_mm`
+# (which took ~37 us for 1.5B gate_up at 32 rows on the H100: bulk decode at 17-64 sequences is most of s1's steps)
+MAX_ROWS = 64
 
 
 @triton.jit
@@ -55,16 +58,20 @@ CONFIG = dict(BN=32, BK=256, num_warps=4, num_stages=3)
 
 def w8a16_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """x W^T * s (+ b) for M <= MAX_ROWS rows: W e4m3 [N, K] with one fp32 scale per row, x in bf16/fp16/fp32."""
+    """x W^T * s (+ b) for M <= MAX_ROWS rows: W e4m3 [N, K] with one fp32 scale per row, x in bf16/fp16/fp32.
+    `config` may name BM (the row tile, a power of two >= 16 and >= M); by default the next power of two of M."""
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"w8a16_matmul serves at most {MAX_ROWS} rows, got {M}")
     x_MK = x_MK.contiguous()
     y = torch.empty(M, N, dtype=out_dtype, device=x_MK.device)
-    c = config or CONFIG
+    c = {**CONFIG, **(config or {})}
+    bm = c.get("BM") or max(16, triton.next_power_of_2(M))
+    if bm < M or bm < 16 or bm & (bm - 1):
+        raise ValueError(f"w8a16_matmul: BM={bm} must be a power of two >= 16 and >= the {M} rows")
     _w8a16_kernel[(triton.cdiv(N, c["BN"]),)](
         x_MK, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, M, N, K, x_MK.stride(0), w_NK.stride(0),
-        y.stride(0), BM=16, BN=c["BN"], BK=c["BK"], EVEN_K=K % c["BK"] == 0, HAS_BIAS=bias is not None,
+        y.stride(0), BM=bm, BN=c["BN"], BK=c["BK"], EVEN_K=K % c["BK"] == 0, HAS_BIAS=bias is not None,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
