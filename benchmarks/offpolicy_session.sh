@@ -4,16 +4,19 @@
 #      (2 left out): colocated, off-policy, off-policy with bypass_mode (no behaviour pass on the rollout GPU)
 #   2. the learning check: `polyrl quickstart --scale gpu` on-policy (1 GPU) vs off-policy (2 processes), held-out
 #      accuracy per validation (the issue: within 3 points, at no more than 1.1x as many steps)
-#   3. (PHASE=7b) the Qwen2.5-7B shape, colocated vs off-policy
+#   3. (PHASE=7b) the Qwen2.5-7B shape, colocated vs off-policy. The off-policy trainer is one GPU, which must hold
+#      7B's fp32 master weights + Adam (~122 GB): no chance on an 80 GB card, a try on a 141 GB one (it did not
+#      fit with activations in the 2026-11-21 update runs); a trainer pool of several GPUs is not built yet
 # Rows go to $OUT/rows.md (append them to BENCHMARKS.md by hand), logs to $OUT/*.log.
-#   usage: bash benchmarks/offpolicy_session.sh [1.5b|learn|7b|all]
+#   usage: bash benchmarks/offpolicy_session.sh [1.5b|learn|7b|all]  (a 2-GPU machine counts its whole held time:
+#   run one phase a call; each benchmark run is capped at 5 min, each quickstart at 7)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PHASE=${1:-all}
 step() {  # step <name> <shape> <mode> <args...>
   local name=$1 shape=$2 mode=$3; shift 3
-  timeout 420 torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode "$mode" --shape "$shape" \
+  timeout 300 torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode "$mode" --shape "$shape" \
     --rows-out "$OUT/rows.md" --json-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$?"; grep -E '^step |^SUMMARY' "$OUT/$name.log" | tail -7
 }
@@ -25,7 +28,7 @@ fi
 if [ "$PHASE" = learn ] || [ "$PHASE" = all ]; then
   for mode in onpolicy offpolicy; do
     extra=(); [ "$mode" = offpolicy ] && extra=(actor_rollout_ref.hybrid_engine=False)
-    CUDA_VISIBLE_DEVICES=$([ "$mode" = onpolicy ] && echo 0 || echo 0,1) timeout 600 \
+    CUDA_VISIBLE_DEVICES=$([ "$mode" = onpolicy ] && echo 0 || echo 0,1) timeout 420 \
       python -m polyrl quickstart --scale gpu --run-dir "$OUT/qs_$mode" "${extra[@]}" >"$OUT/qs_$mode.log" 2>&1
     echo "quickstart $mode rc=$?"; tail -3 "$OUT/qs_$mode.log"
     python - "$OUT/qs_$mode/metrics.jsonl" <<'EOF'
