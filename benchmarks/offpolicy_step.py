@@ -179,6 +179,7 @@ def main(argv=None) -> None:
     tokens = sum(m["perf/total_num_tokens"] for m in timed)
     wall = sum(m["timing_s/step"] for m in timed)
     tps_gpu = tokens / (wall * 2)
+    per_step = [m["perf/total_num_tokens"] / (m["timing_s/step"] * 2) for m in timed]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     summary = {"mode": args.mode, "shape": args.shape, "device": f"2x {device}", "tokens_per_s_per_gpu": tps_gpu,
                "step_s": wall / len(timed), "tokens_per_step": tokens / len(timed),
@@ -186,7 +187,8 @@ def main(argv=None) -> None:
                "gen_s": float(np.mean([m.get("timing_s/gen", 0) for m in timed])),
                "update_actor_s": float(np.mean([m.get("timing_s/update_actor", 0) for m in timed])),
                "update_weights_s": float(np.mean([m.get("timing_s/update_weights", 0) for m in timed])),
-               "rollout": args.rollout}
+               "rollout": args.rollout, "tokens_per_s_per_gpu_each_step": per_step,
+               "median_tokens_per_s_per_gpu": float(np.median(per_step))}
     print("SUMMARY " + json.dumps(summary), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=1, default=str))
@@ -198,7 +200,8 @@ def main(argv=None) -> None:
         shape = (f"GRPO whole step, {model} shape, {args.prompts}x{args.n}, prompt 128, lognormal resp mean "
                  f"{args.mean_len} max {args.max_len}; {split}; step {summary['step_s']:.1f}s, gen "
                  f"{summary['gen_s']:.1f}s, exposed gen {summary['exposed_generation_s']:.1f}s, update "
-                 f"{summary['update_actor_s']:.1f}s, weights {summary['update_weights_s']:.2f}s")
+                 f"{summary['update_actor_s']:.1f}s, weights {summary['update_weights_s']:.2f}s; {len(timed)} timed "
+                 f"steps (after {args.warmup}), each: {', '.join(f'{t:.0f}' for t in per_step)} tok/s/GPU")
         append_row(summary["device"], f"offpolicy_step ({args.mode}) tok/s/GPU", shape, f"{tps_gpu:.0f}",
                    peer="NeMo RL Llama-3.1-8B 16xH100: 1562 on-policy, 2161 1-step off (1.38x)",
                    path=args.rows_out)
