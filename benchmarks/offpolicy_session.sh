@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17 in one device call on a 2-GPU host (nvidia-h200-x2 is the issue's machine; nvidia-h100-x2 serves):
 #   1. offpolicy_step.py at the issue's shape: Qwen2.5-1.5B, 64x8, lognormal lengths mean 1000 max 4096, 6 steps
-#      (2 left out): colocated, off-policy, off-policy with bypass_mode (no behaviour pass on the rollout GPU)
+#      (2 left out): colocated, off-policy (the default: pi_old from the engine, no pass), off-policy with decoupled
+#      rollout correction (TIS; the behaviour log-probs recomputed on the rollout GPU)
 #   2. the learning check: `polyrl quickstart --scale gpu` on-policy (1 GPU) vs off-policy (2 processes), held-out
 #      accuracy per validation (the issue: within 3 points, at no more than 1.1x as many steps)
 #   3. (PHASE=7b) the Qwen2.5-7B shape, colocated vs off-policy. The off-policy trainer is one GPU, which must hold
@@ -23,7 +24,7 @@ step() {  # step <name> <shape> <mode> <args...>
 if [ "$PHASE" = 1.5b ] || [ "$PHASE" = all ]; then
   step colocated 1.5b colocated
   step offpolicy 1.5b offpolicy
-  step offpolicy_bypass 1.5b offpolicy --extra algorithm.rollout_correction.bypass_mode=True
+  step offpolicy_recompute 1.5b offpolicy --extra algorithm.rollout_correction.rollout_is=token
 fi
 if [ "$PHASE" = learn ] || [ "$PHASE" = all ]; then
   for mode in onpolicy offpolicy; do

@@ -10,7 +10,7 @@ Both modes train the same global batch (`--prompts` x n=8, prompt 128 tokens) fr
 long-tailed lognormal like NeMo RL's (mean ~`--mean-len`, clipped to [16, `--max-len`], a new draw per batch), so
 the decode tail is what it would be in a real run while the random weights never stop early.
 - colocated: today's trainer, data-parallel over both GPUs (FSDP2; each GPU generates and trains half the batch).
-- offpolicy: `actor_rollout_ref.hybrid_engine=False`: GPU 1 generates batch k+1 (and its behaviour log-probs) while
+- offpolicy: `actor_rollout_ref.hybrid_engine=False`: GPU 1 generates batch k+1 while
   GPU 0 trains on batch k; weights stream GPU 0 -> GPU 1 over NCCL after each update.
 Throughput = (prompt + response tokens of the step's batch) / (step wall time x 2 GPUs), averaged over the steps after
 the first `--warmup` (the off-policy pipeline's first step cannot overlap: nothing was generated ahead yet). The

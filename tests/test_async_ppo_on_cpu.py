@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.distributed.p2p import WeightReceiver, WeightSender, bucket_plan, tensor_spec
-from polyrl.trainer.async_ppo import staleness_metrics, weight_versions_needed
+from polyrl.trainer.async_ppo import behaviour_source, staleness_metrics, weight_versions_needed
 
 
 # ------------------------------------------------------------------------------------------------ pure functions
@@ -34,6 +35,14 @@ def test_schedule_and_staleness_metrics():
     m = staleness_metrics([2, 2, 3, 3], trained_version=3, max_age=1)
     assert m["async/staleness/mean"] == 0.5 and m["async/staleness/max"] == 1.0
     assert m["async/staleness/frac_0"] == m["async/staleness/frac_1"] == 0.5
+
+
+def test_behaviour_source_is_the_engine_unless_decoupled_correction_needs_the_trainers_precision():
+    plain, tis = RolloutCorrectionConfig(), RolloutCorrectionConfig(rollout_is="token")
+    bypass = RolloutCorrectionConfig(rollout_is="token", bypass_mode=True)
+    assert [behaviour_source(plain, stale=s) for s in (False, True)] == ["current", "engine"]
+    assert [behaviour_source(tis, stale=s) for s in (False, True)] == ["current", "recomputed"]
+    assert [behaviour_source(bypass, stale=s) for s in (False, True)] == ["engine", "engine"]
 
 
 # ------------------------------------------------------------------------------------------------ weight streaming
@@ -140,23 +149,27 @@ def test_age_zero_equals_the_on_policy_trainer_bit_for_bit(tiny_model_dir, synth
         assert torch.equal(w_ref[k], w_got[k]), k
 
 
-def test_bypass_mode_trains_against_the_engine_log_probs_without_a_behaviour_pass(tiny_model_dir, synth_data_dir,
-                                                                                    tmp_path):
-    """bypass_mode: the rollout skips its behaviour pass, and the update is the recomputing run's (on CPU the fp32
-    engine's log-probs are the trainer's forward up to float rounding)."""
+def test_stale_batches_train_against_the_engine_log_probs_unless_rollout_correction_asks_for_a_pass(
+        tiny_model_dir, synth_data_dir, tmp_path):
+    """By default a stale batch's pi_old is the engine's log-probs (no behaviour pass); decoupled rollout correction
+    recomputes it at the trainer's precision on the rollout process. The updates agree (on CPU the fp32 engine's
+    log-probs are the trainer's forward up to float rounding, and the IS weights are ~1)."""
     reward = tmp_path / "reward.py"  # varies within every group, so each step moves the weights
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return sum(map(ord, solution_str)) % 7 / 6\n")
     steps, args = 3, ("actor_rollout_ref.hybrid_engine=False", f"custom_reward_function.path={reward}")
-    job = _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "recompute", steps, *args))
-    job += _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "bypass", steps, *args,
-                      "algorithm.rollout_correction.bypass_mode=True"))
+    job = _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "recompute", steps, *args,
+                     "algorithm.rollout_correction.rollout_is=token"))
+    job += _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "engine", steps, *args))
     codes, log = _wait(job)
     assert codes == [0, 0, 0, 0], log[-4000:]
-    ref, got = _steps(tmp_path / "recompute"), _steps(tmp_path / "bypass")
+    ref, got = _steps(tmp_path / "recompute"), _steps(tmp_path / "engine")
     assert [r["async/staleness/max"] for r in got] == [0.0, 1.0, 1.0]
     assert all("timing_s/behaviour_log_prob" not in r for r in got)
+    assert got[0]["training/old_log_prob_source_current"] == 1
+    assert all("training/rollout_probs_diff_mean" not in r for r in got[1:])  # pi_old is the engine's: no gap
     assert all("timing_s/behaviour_log_prob" in r for r in ref[1:])
+    assert all(r["training/rollout_probs_diff_mean"] < 1e-5 for r in ref)  # the generating weights' log-probs
     for a, b in zip(ref[1:], got[1:]):  # stale batches: a ratio that is not 1, the same in both runs
         assert abs(a["actor/ppo_kl"]) > 1e-3, a["actor/ppo_kl"]
         for key in ("actor/ppo_kl", "actor/pg_loss", "actor/grad_norm"):
@@ -197,13 +210,10 @@ def test_one_step_off_policy_tags_versions_and_resumes_after_the_rollout_dies(ti
     assert f"The rollout process (rank 1) stopped before batch {done}" in log and "rerun the same command" in log, \
         log[-4000:]
     # one step off: batch 0 comes from the initial weights, batch 1 too (generated while step 1 trained), batch 2
-    # from step 1's weights; stale batches train against their behaviour policy's log-probs
+    # from step 1's weights
     assert [r["async/weight_version/max"] for r in first] == [0, 0, 1][:done]
     assert [r["async/staleness/mean"] for r in first] == [0.0, 1.0, 1.0][:done]
-    assert first[1]["async/staleness/frac_1"] == 1.0 and "timing_s/behaviour_log_prob" in first[1]
-    assert "timing_s/behaviour_log_prob" not in first[0] and first[0]["training/old_log_prob_source_current"] == 1
-    # the behaviour log-probs are the generating weights' (the engine's own numbers), not the trained weights'
-    assert first[1]["training/rollout_probs_diff_mean"] < 1e-5
+    assert first[1]["async/staleness/frac_1"] == 1.0 and first[0]["training/old_log_prob_source_current"] == 1
     for r in first:
         for key in ("timing_s/exposed_generation", "timing_s/update_weights", "timing_s/gen", "timing_s/rollout_idle"):
             assert key in r, key

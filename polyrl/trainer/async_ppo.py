@@ -15,20 +15,23 @@ replaced by `RemoteRollout`, whose `update_weights` streams the new weights roll
 `timing_s/update_weights`, posted with isend so the trainer moves on at once. Age 0 is the synchronous schedule,
 and then the trainer computes exactly what the on-policy trainer computes (tests/test_async_ppo_on_cpu.py).
 
-Objective. The clipped PPO/GRPO loss takes as its "old" log-probs the *behaviour* policy's: the weights version that
-generated the batch, evaluated by the trainer's own forward (`compute_logprobs`, full-precision weights) on the
-rollout process right after generation, where it overlaps training (`timing_s/behaviour_log_prob`). So the ratio
-`pi_theta / pi_behaviour` is the true importance ratio of the sampled tokens and PPO's clip is its truncation: this
-is plain PPO on off-policy data by one step, with no second copy of stale weights on the trainer and no trainer time.
-We chose it over decoupled PPO (old = the current weights, times a truncated importance weight current/behaviour)
-because, at an age of one step, the exact ratio costs nothing extra here and has no truncation bias. What remains is
-the engine-vs-trainer numerics gap (bf16/FP8 engine vs fp32 trainer), the same as on-policy: the FP8 issue's rollout
-correction (truncated importance weights from `rollout_log_probs` vs `old_log_probs`) applies unchanged at its call
-site in `PPOTrainer.step`, nothing here is specific to it. Batches as fresh as the trained weights (the first,
-and all of them at age 0) take the on-policy path (`old_from_current`): no behaviour pass, bit-identical results.
-With `algorithm.rollout_correction.bypass_mode=True` the engine's log-probs stand in for pi_old (verl's bypass mode);
-they already are the behaviour policy's, so the rollout skips its behaviour pass. On 2 H100s (1.5B, 32x8, lognormal
-lengths) that pass took 1.1-1.4 s of the rollout's 6.5 s per batch, and the rollout is the side the trainer waits for.
+Objective. The clipped PPO/GRPO loss takes as its "old" log-probs the *behaviour* policy's, the weights version
+that generated the batch, so `pi_theta / pi_behaviour` is the true importance ratio of the sampled tokens and PPO's
+clip is its truncation: plain PPO on data one step off-policy, with no truncation bias beyond the clip, and no second
+copy of stale weights on the trainer. We chose it over decoupled PPO (old = the current weights, times a truncated
+importance weight current/behaviour) because at an age of one step the exact ratio costs nothing. Where the
+behaviour log-probs come from (`behaviour_source`):
+- by default, **from the engine**: the log-probs it sampled with are the behaviour policy's, at the engine's precision.
+  No pass anywhere. The engine-vs-trainer numerics gap (bf16: ~2e-4 in probability) enters the ratio, as on-policy
+  it enters the samples; that is verl's bypass mode, which `rollout_correction.bypass_mode=True` also selects.
+- with **decoupled rollout correction** on (`algorithm.rollout_correction.rollout_is` / `rollout_rs`, the FP8
+  issue's TIS or rejection): recomputed by the trainer's own forward (full-precision weights) on the rollout process
+  right after generation (`timing_s/behaviour_log_prob`), so the correction compares the engine with pi_old exactly
+  as on-policy, at its unchanged call site in `PPOTrainer.step`.
+The pass costs the rollout GPU time, and the rollout is the side the trainer waits for: on 2 H100s (1.5B, 32x8,
+lognormal lengths) it took 1.1-1.4 s of the rollout's 6.5 s per batch. Hence the engine's by default; turn rollout
+correction on where the gap is large (FP8 rollouts). Batches as fresh as the trained weights (the first, and all of
+them at age 0) take the on-policy path (`old_from_current`): no pass, bit-identical results.
 
 Metrics (besides the on-policy ones; docs/async_ppo.md):
 - `timing_s/exposed_generation`: the trainer blocked waiting for the next batch (generation the overlap did not hide,
@@ -85,6 +88,18 @@ def staleness_metrics(versions: list[int], trained_version: int, max_age: int) -
     for age in range(max_age + 1):
         out[f"async/staleness/frac_{age}"] = ages.count(age) / len(ages)
     return out
+
+
+def behaviour_source(rc, *, stale: bool) -> str:
+    """Where a batch's pi_old comes from (module docstring, Objective): `engine` (the log-probs the engine sampled
+    with: a stale batch, or any in bypass mode), `current` (a fresh batch: the trainer's own forward, as on-policy) or
+    `recomputed` (a stale batch under decoupled rollout correction, which compares the engine with pi_old at the
+    trainer's precision: a forward on the rollout GPU)."""
+    if rc.bypass_mode:
+        return "engine"
+    if not stale:
+        return "current"
+    return "recomputed" if rc.enabled else "engine"
 
 
 def set_engine_state(engine, state: dict) -> None:
@@ -187,6 +202,8 @@ class AsyncPPOTrainer(PPOTrainer):
         self.sampler.load_state_dict(msg["sampler"])  # the checkpoint's data position is the rollout's
         self.engine.mirror(msg["engine"])
         batch = {k: v.to(self.device) for k, v in msg["batch"].items()}
+        if msg["behaviour"] == "engine":  # the same tensor: ppo.step reads no engine-vs-trainer gap from it
+            batch["old_log_probs"] = batch["rollout_log_probs"]
         metrics = {**msg["metrics"], **msg["timings"],
                    **staleness_metrics(msg["weight_versions"], self.global_step, self.max_age)}
         return msg["samples"], batch, msg["index"], metrics
@@ -276,16 +293,15 @@ class RolloutWorker:
     def _batch(self, k: int) -> dict:
         roll = self.roll
         samples, batch, index, metrics = roll._collect_batch(self.timer)
-        # stale when trained: the behaviour policy's log-probs, from these weights (bypass mode trains against the
-        # engine's own log-probs instead, which are the behaviour policy's at engine precision: no pass needed)
-        if self.version < k and not roll.cfg.algorithm.rollout_correction.bypass_mode:
+        behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=self.version < k)
+        if behaviour == "recomputed":  # the generating weights' log-probs at the trainer's precision
             with self.timer.stage("behaviour_log_prob"):
                 batch["old_log_probs"] = roll._old_logprobs(roll.model, batch, roll._update_settings(batch))
         timings = self.timer.pop()
         if "timing_s/rollout_update_weights" not in timings:
             timings["timing_s/rollout_update_weights"] = 0.0
         return {"batch_index": k, "samples": samples, "index": index, "metrics": metrics, "timings": timings,
-                "batch": {key: v.cpu() for key, v in batch.items()},
+                "batch": {key: v.cpu() for key, v in batch.items()}, "behaviour": behaviour,
                 "weight_versions": [self.version] * batch["responses"].shape[0],
                 "sampler": roll.sampler.state_dict(), "engine": roll._engine_generator_state()}
 

@@ -269,8 +269,9 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                         batch["old_log_probs"] = self.oom.run(
                             "old_log_prob", lambda: self._old_logprobs(self.model, batch, s),
                             ctx=StageContext(batch, s.micro_batch_size))
-                metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
-                                                   batch["response_mask"]))
+                if batch["old_log_probs"] is not batch["rollout_log_probs"]:  # async_ppo's engine-behaviour batches
+                    metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
+                                                       batch["response_mask"]))
             if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif rc.enabled:
