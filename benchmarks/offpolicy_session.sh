@@ -12,7 +12,7 @@
 #   usage: bash benchmarks/offpolicy_session.sh [1.5b|learn|7b|all]  (a 2-GPU machine counts its whole held time:
 #   run one phase a call; each benchmark run is capped at 5 min, each quickstart at 7)
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false POLYRL_CACHE=/tmp/pcache  # both quickstarts share one SFT start
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PHASE=${1:-all}
 step() {  # step <name> <shape> <mode> <args...>

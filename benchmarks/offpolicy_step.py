@@ -57,9 +57,20 @@ class ForcedLengths:
         return getattr(self.inner, name)
 
 
+def hand_keys(args) -> list[str]:
+    """The memory keys set by hand on the command line (none: the product's auto defaults)."""
+    mem = args.gpu_mem_rollout if args.mode == "offpolicy" else args.gpu_mem_colocated
+    hand = [f"actor_rollout_ref.rollout.gpu_memory_utilization={mem}"] if mem else []
+    if args.grad_ckpt != "auto":
+        hand.append(f"actor_rollout_ref.model.enable_gradient_checkpointing={args.grad_ckpt == 'on'}")
+    if args.max_token_len:
+        hand += [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
+                 f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={args.max_token_len}"]
+    return hand
+
+
 def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
     run = work / f"run_{args.mode}"
-    mem = args.gpu_mem_rollout if args.mode == "offpolicy" else args.gpu_mem_colocated
     out = [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={work / 'train.parquet'}",
@@ -68,18 +79,12 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
         f"data.max_response_length={args.max_len}",
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.model.tokenizer_path={tok_dir}",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={args.max_token_len}",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.rollout.name={args.rollout}",
         f"actor_rollout_ref.rollout.n={args.n}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={mem}",
         f"custom_reward_function.path={work / 'reward.py'}",
         "trainer.logger=[]",
         f"trainer.run_dir={run}",
@@ -94,7 +99,7 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
         out += ["actor_rollout_ref.hybrid_engine=False", f"async_training.max_trajectory_age_steps={args.max_age}"]
     else:
         out += ["trainer.n_gpus_per_node=2"]
-    return out + list(args.extra)
+    return out + hand_keys(args) + list(args.extra)
 
 
 def run(args, cfg) -> list[dict] | None:
@@ -147,9 +152,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the average")
     ap.add_argument("--max-age", type=int, default=1, help="async_training.max_trajectory_age_steps (offpolicy)")
-    ap.add_argument("--max-token-len", type=int, default=32768)
-    ap.add_argument("--gpu-mem-colocated", type=float, default=0.3)
-    ap.add_argument("--gpu-mem-rollout", type=float, default=0.6)
+    # memory keys: the product's defaults (auto: learner/memory.py) unless set here (the 2026-11-25 first run used
+    # --grad-ckpt on --max-token-len 32768 --gpu-mem-colocated 0.3 --gpu-mem-rollout 0.6, compile off)
+    ap.add_argument("--max-token-len", type=int, default=None, help="ppo/log_prob_max_token_len_per_gpu (auto)")
+    ap.add_argument("--grad-ckpt", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--gpu-mem-colocated", type=float, default=None)
+    ap.add_argument("--gpu-mem-rollout", type=float, default=None)
     ap.add_argument("--work", default="/tmp/offpolicy_bench")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
@@ -197,8 +205,10 @@ def main(argv=None) -> None:
 
         model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer"}[args.shape]
         split = "1 rollout + 1 train GPU, max age 1" if args.mode == "offpolicy" else "colocated, 2-GPU data parallel"
+        memory = " ".join(hand_keys(args)) or "memory keys auto (defaults)"
+        extra = f"; {' '.join(args.extra)}" if args.extra else ""
         shape = (f"GRPO whole step, {model} shape, {args.prompts}x{args.n}, prompt 128, lognormal resp mean "
-                 f"{args.mean_len} max {args.max_len}; {split}; step {summary['step_s']:.1f}s, gen "
+                 f"{args.mean_len} max {args.max_len}; {split}; {memory}{extra}; step {summary['step_s']:.1f}s, gen "
                  f"{summary['gen_s']:.1f}s, exposed gen {summary['exposed_generation_s']:.1f}s, update "
                  f"{summary['update_actor_s']:.1f}s, weights {summary['update_weights_s']:.2f}s; {len(timed)} timed "
                  f"steps (after {args.warmup}), each: {', '.join(f'{t:.0f}' for t in per_step)} tok/s/GPU")
