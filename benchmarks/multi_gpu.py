@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=float, default=None, help="1-process tokens/s/GPU, for the efficiency")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md (rank 0)")
     ap.add_argument("--out", default=None, help="append the JSON result to this file (rank 0)")
+    ap.add_argument("--forward-prefetch", action="store_true", help="fsdp_config.forward_prefetch=True (N > 1)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (divides the process count)")
     args = ap.parse_args()
 
@@ -96,7 +97,7 @@ def main() -> None:
     model = build(args.shape, env.device)
     replica = build(args.shape, env.device).to(torch.bfloat16)  # what a rollout engine holds
     if env.is_distributed:
-        parallelize(model, env.mesh, FSDPConfig(), env.device)
+        parallelize(model, env.mesh, FSDPConfig(forward_prefetch=args.forward_prefetch), env.device)
     if not args.no_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(param_groups(model), lr=1e-6)
@@ -144,7 +145,7 @@ def main() -> None:
     tflops = 6 * n_params * tok_s_gpu / 1e12
     peak = 989.0 if cuda else float("nan")
     out = dict(shape=args.shape, world_size=env.world_size, sp=args.sp, seqs_per_gpu=args.seqs_per_gpu,
-               micro=args.micro,
+               micro=args.micro, forward_prefetch=args.forward_prefetch, compile=args.compile, ckpt=not args.no_ckpt,
                balanced=args.balance,
                prompt_len=args.prompt_len, resp_len=args.resp_len, update_tokens_per_s_per_gpu=round(tok_s_gpu, 1),
                update_s=round(sum(times) / len(times), 3), weight_sync_s=round(sum(syncs) / len(syncs), 4),
@@ -165,7 +166,8 @@ def main() -> None:
             append_row(f"{env.world_size}x {out['device']}", "multi_gpu (update_actor + weight sync)",
                        f"Qwen2.5-{args.shape} shape, {args.seqs_per_gpu} seqs/GPU x {args.prompt_len}+<={args.resp_len}"
                        f" tok, micro {args.micro}, FSDP2 bf16, {'no ckpt' if args.no_ckpt else 'grad ckpt'}"
-                       f"{', compiled' if args.compile else ''}{f', Ulysses sp={args.sp}' if args.sp > 1 else ''}, "
+                       f"{', compiled' if args.compile else ''}{', forward_prefetch' if args.forward_prefetch else ''}"
+                       f"{f', Ulysses sp={args.sp}' if args.sp > 1 else ''}, "
                        f"{'balance_batch' if args.balance else 'contiguous shards'}",
                        f"{tok_s_gpu:.0f} tok/s/GPU{eff}; weight sync {out['weight_sync_s']} s",
                        limit=f"{peak:.0f} TFLOP/s bf16", ratio_limit=f"MFU {out['mfu']}")
