@@ -36,7 +36,7 @@ def _choose(free_gib, **kw):
     return memory.choose(QWEN_1_5B, **args)
 
 
-def test_auto_choices_follow_free_memory():
+def test_auto_choices_follow_free_memory(monkeypatch):
     roomy = _choose(74)  # an H100 with the 1.5B policy loaded
     assert roomy["compile"].value is True and roomy["checkpointing"].value is False
     assert 16384 <= roomy["update_tokens"].value <= memory.MAX_UPDATE_TOKENS
@@ -47,6 +47,11 @@ def test_auto_choices_follow_free_memory():
     assert roomy["engine"].value < 0.3 and tight["engine"].value < roomy["engine"].value
     cpu = _choose(8, device=torch.device("cpu"), engine_on_device=False)
     assert cpu["compile"].value is False and "engine" not in cpu
+    # several processes cannot retry an OOM: they plan with a margin
+    margin = _choose(50, world_size=2)["update_tokens"].value
+    monkeypatch.setattr(memory, "MULTI_PROCESS_SAFETY", 1.0)
+    none = _choose(50, world_size=2)["update_tokens"].value
+    assert margin <= 0.76 * none + 1024 and margin < none
     # explicit user values are not choices
     assert set(_choose(74, compile_layers=False, checkpointing=True)) == {"update_tokens", "logprob_tokens", "engine"}
 

@@ -13,7 +13,8 @@ The memory model (bytes on one device during the update; the engine's KV cache i
 Checked against BENCHMARKS.md (H200, Qwen2.5-1.5B, compiled, no checkpointing: budget 49152 peaked at 122.8 GiB and
 65536 ran out; the H100 fits 24576 and not 49152, issue 18): 1.93 MiB per token here, 1.96 measured; eager/compiled
 1.4 from NOTES_training.md (86.6 / 60.5 GiB). A wrong guess costs one retry, not the run (trainer/oom.py halves the
-budget on an out-of-memory error).
+budget on an out-of-memory error). With several processes an OOM cannot be retried (one rank alone cannot leave the
+collectives), so the spare memory is scaled by `MULTI_PROCESS_SAFETY` there.
 
 On CPU (tests) the same arithmetic runs on host memory; `device_memory` is the one function to replace in a test.
 """
@@ -32,6 +33,7 @@ MIN_FAST_TOKENS = 8192  # below this many tokens per micro-batch, checkpointing 
 EAGER_ACTIVATION_RATIO = 1.4  # NOTES_training.md: 86.6 vs 60.5 GiB peak, eager vs compiled
 CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err on the small side
 HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
+MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -121,6 +123,8 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
     head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
     static = optimizer + engine + head + extra_static
     spare = free - HEADROOM * total - static
+    if world_size > 1:  # 2 H100s, 1.5B, 4k responses: the unscaled budget (23552) stopped the run at step 2
+        spare *= MULTI_PROCESS_SAFETY
     gib = f"{free / GiB:.1f} GiB free of {total / GiB:.1f}, {static / GiB:.1f} GiB more for optimizer/engine/copies"
     floor = max_seq_len  # one whole sequence must fit a micro-batch
     if checkpointing is None:

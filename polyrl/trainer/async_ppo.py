@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.distributed import DistEnv
+from polyrl.distributed.env import use_expandable_segments
 from polyrl.distributed.p2p import WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
@@ -329,6 +330,7 @@ def join_job(cfg) -> tuple[int, DistEnv]:
     cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
+        use_expandable_segments()
         torch.cuda.set_device(device)
     if not dist.is_initialized():  # a wait here can last a whole step (and a validation): at least an hour
         timeout = max(cfg.actor_rollout_ref.nccl_timeout, PIPELINE_MIN_TIMEOUT_S)
