@@ -223,3 +223,61 @@ def test_flow_update_oom_turns_checkpointing_on_and_gives_the_same_update(pipe_d
     assert trainer.oom.num_retries == 1 and trainer.policy.transformer.gradient_checkpointing
     assert len(logs) == 1 and "actor_rollout_ref.model.enable_gradient_checkpointing=True" in logs[0]
     torch.testing.assert_close(retried, plain, rtol=0, atol=1e-6)
+
+
+def test_first_update_calibration_lowers_an_auto_budget_that_the_next_step_would_not_fit():
+    total, base, growth = 80 * GiB, 8 * GiB, 11 * GiB  # Adam's moments of a 1.5B fp32 policy appear after update 1
+    assert memory.calibrated_budget(20480, base=base, peak=50 * GiB, growth=growth, total=total, floor=4224) is None
+    new = memory.calibrated_budget(20480, base=base, peak=66 * GiB, growth=growth, total=total, floor=4224)
+    per_token = (66 - 8) * GiB / 20480
+    assert 4224 <= new < 20480 and new % 1024 == 0
+    assert base + growth + per_token * new <= 0.9 * total < base + growth + per_token * (new + 1024)
+    # never below one whole sequence, never above the budget it measured
+    assert memory.calibrated_budget(20480, base=base, peak=79 * GiB, growth=70 * GiB, total=total, floor=4224) == 4224
+
+    cfg, lines = PPOConfig(), []
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 128, 4096
+    cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 20480
+    cal = memory.FirstUpdateCalibration(cfg, torch.device("cpu"), optimizer=None, dist=None, log=lines.append)
+    assert not cal.pending  # measured on CUDA only
+    assert cal.apply(base=base, peak=66 * GiB, growth=growth, total=total) == new
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == new
+    assert len(lines) == 1 and lines[0].startswith(f"polyrl: auto actor_rollout_ref.actor.ppo_max_token_len_per_gpu={new} (")
+
+
+def test_optimizer_state_bytes_counts_the_moments_adam_creates_at_its_first_step():
+    p = torch.nn.Parameter(torch.zeros(10, 10))
+    opt = torch.optim.AdamW([p])
+    assert memory.optimizer_state_bytes(opt) == 0
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert memory.optimizer_state_bytes(opt) == 0  # CPU tensors are not device memory
+    if torch.cuda.is_available():
+        q = torch.nn.Parameter(torch.zeros(10, 10, device="cuda"))
+        opt = torch.optim.AdamW([q])
+        q.grad = torch.ones_like(q)
+        opt.step()
+        assert memory.optimizer_state_bytes(opt) == 2 * 100 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_first_update_calibration_measures_the_peak_and_the_optimizer_state_on_cuda(monkeypatch):
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 8192
+    q = torch.nn.Parameter(torch.zeros(1024, 1024, device="cuda"))
+    opt = torch.optim.AdamW([q])
+    cal = memory.FirstUpdateCalibration(cfg, torch.device("cuda"), opt, dist=None)
+    calls = []
+    monkeypatch.setattr(cal, "apply", lambda **kw: calls.append(kw))
+    with cal.around_update():
+        transient = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MiB of "activations"
+        q.grad = torch.ones_like(q)
+        del transient
+        opt.step()
+    (seen,) = calls
+    assert seen["peak"] - seen["base"] >= 256 * 2**20
+    assert seen["growth"] == 2 * 1024 * 1024 * 4 and seen["total"] > 2**30
+    with cal.around_update():  # only the first update is measured
+        pass
+    assert len(calls) == 1

@@ -21,6 +21,7 @@ On CPU (tests) the same arithmetic runs on host memory; `device_memory` is the o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -261,3 +262,73 @@ def cpu_packs_shared_prompts(cfg, device: torch.device, num_data_shards: int = 1
     log(f"polyrl: auto CPU packing with shared prompts (micro-batches of at most {longest} tokens: each prompt "
         f"is computed once for its {roles.rollout.n} samples; about 2x faster than padded rows on CPU)")
     return True
+
+
+# ------------------------------------------------------------------------------- calibration at the first update
+def calibrated_budget(budget: int, *, base: int, peak: int, growth: int, total: int, floor: int) -> int | None:
+    """What the first update measured says about the next ones (pure arithmetic, bytes).
+
+    The first update ran micro-batches of up to `budget` tokens and peaked at `peak`, starting from `base` allocated;
+    the optimizer state it created (`growth`: Adam's moments appear at the first optimizer step, after that update's
+    peak) is there for every later one. Returns a smaller budget when `peak + growth` would not stay under `total`
+    less `HEADROOM`, else None. Activations are taken as `(peak - base) / budget` per token: a micro-batch holds at
+    most `budget` tokens, so this is a lower bound and the new budget may still be optimistic (oom.py retries then)."""
+    limit = (1 - HEADROOM) * total
+    if peak + growth <= limit or peak <= base:
+        return None
+    per_token = (peak - base) / budget
+    return min(budget, _round_down((limit - base - growth) / per_token, floor, budget))
+
+
+class FirstUpdateCalibration:
+    """Wraps the first `update_actor` of a run whose token budget was chosen here (`plan_memory`): measures its peak
+    and the optimizer state it created, and lowers `ppo_max_token_len_per_gpu` for the next steps when they would not
+    fit (the plan's per-token estimate was checked at 1k-token responses; on 2 H100s with 4k-token responses, 1.5B,
+    one step fit and the next ran out of memory). All processes take the smallest budget any of them needs."""
+
+    def __init__(self, cfg, device: torch.device, optimizer, dist, log=print):
+        self.cfg, self.device, self.optimizer, self.dist, self.log = cfg, device, optimizer, dist, log
+        self.pending = device.type == "cuda"
+
+    @contextlib.contextmanager
+    def around_update(self):
+        if not self.pending:
+            yield
+            return
+        self.pending = False
+        budget = self.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        state_before = optimizer_state_bytes(self.optimizer)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        yield
+        if self.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu != budget:  # oom.py shrank it: a retried
+            return  # update's peak is the failed attempt's
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.apply(base=base, peak=peak, growth=optimizer_state_bytes(self.optimizer) - state_before,
+                   total=torch.cuda.mem_get_info(self.device)[1])
+
+    def apply(self, *, base: int, peak: int, growth: int, total: int) -> int | None:
+        a = self.cfg.actor_rollout_ref.actor
+        floor = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
+        new = calibrated_budget(a.ppo_max_token_len_per_gpu, base=base, peak=peak, growth=growth, total=total,
+                                floor=floor)
+        if self.dist is not None and self.dist.is_distributed:
+            mine = float(new if new is not None else a.ppo_max_token_len_per_gpu)
+            new = int(self.dist.all_reduce(torch.tensor(mine, device=self.device), op="min"))
+            new = None if new >= a.ppo_max_token_len_per_gpu else new
+        if new is None:
+            return None
+        self.log(f"polyrl: auto actor_rollout_ref.actor.ppo_max_token_len_per_gpu={new} (recalibrated after the first "
+                 f"update: it peaked at {peak / GiB:.1f} GiB with micro-batches of up to {a.ppo_max_token_len_per_gpu}"
+                 f" tokens, and later ones also hold {growth / GiB:.1f} GiB of optimizer state; "
+                 f"{(1 - HEADROOM) * total / GiB:.1f} GiB usable)")
+        a.ppo_max_token_len_per_gpu = new
+        return new
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Device bytes of the optimizer's state on this process (a sharded DTensor counts its local shard)."""
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local if t.device.type != "cpu")

@@ -58,7 +58,7 @@ from polyrl.learner.actor import (
 from polyrl.learner.batch import build_batch
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
-from polyrl.learner.memory import cpu_packs_shared_prompts, plan_memory, resolve_switches
+from polyrl.learner.memory import FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory, resolve_switches
 from polyrl.utils.device import pick_device
 from polyrl.utils.console import bar_lifted
 from polyrl.utils.profiler import Profiler
@@ -124,7 +124,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
 
         model = load_policy(roles.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
-        plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
+        made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
@@ -147,6 +147,10 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         self.actor = Actor(model, optimizer, scheduler, dp=self.dist, fwd=fwd)
         self.ref_model = self._make_reference(model)
         self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
+        # an auto token budget is checked against the first update's measured peak (learner/memory.py)
+        self.calibration = FirstUpdateCalibration(cfg, self.device, optimizer, self.dist,
+                                                  log=print if self.dist.is_rank0 else lambda _: None)
+        self.calibration.pending &= any(c.key.endswith("actor.ppo_max_token_len_per_gpu") for c in made)
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 
@@ -309,9 +313,10 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                     # a retry (trainer/oom.py) re-reads the shrunk budget and resumes after the applied mini-batches
                     ctx = StageContext(batch, s.micro_batch_size, model=self.model,
                                        progress=lambda: self.actor.mini_batches_applied)
-                    metrics.update(self.oom.run("update_actor", lambda: self.actor.update(
-                        batch, self._update_settings(batch, skip_mini_batches=ctx.done), generator=self.generator),
-                        ctx=ctx, generators=[self.generator]))
+                    with self.calibration.around_update():
+                        metrics.update(self.oom.run("update_actor", lambda: self.actor.update(
+                            batch, self._update_settings(batch, skip_mini_batches=ctx.done),
+                            generator=self.generator), ctx=ctx, generators=[self.generator]))
             if s.old_from_current:
                 metrics["training/old_log_prob_source_current"] = 1.0
             with timer.stage("update_weights"):
