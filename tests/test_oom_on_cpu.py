@@ -227,11 +227,11 @@ def test_flow_update_oom_turns_checkpointing_on_and_gives_the_same_update(pipe_d
 
 def test_first_update_calibration_lowers_an_auto_budget_that_the_next_step_would_not_fit():
     total, base, growth = 80 * GiB, 8 * GiB, 11 * GiB  # Adam's moments of a 1.5B fp32 policy appear after update 1
-    assert memory.calibrated_budget(20480, base=base, peak=50 * GiB, growth=growth, total=total, floor=4224) is None
-    new = memory.calibrated_budget(20480, base=base, peak=66 * GiB, growth=growth, total=total, floor=4224)
-    per_token = (66 - 8) * GiB / 20480
+    assert memory.calibrated_budget(20480, base=base, peak=64 * GiB, growth=growth, total=total, floor=4224) is None
+    new = memory.calibrated_budget(20480, base=base, peak=68 * GiB, growth=growth, total=total, floor=4224)
+    per_token = (68 - 8) * GiB / 20480
     assert 4224 <= new < 20480 and new % 1024 == 0
-    assert base + growth + per_token * new <= 0.9 * total < base + growth + per_token * (new + 1024)
+    assert base + growth + per_token * new <= 0.95 * total < base + growth + per_token * (new + 1024)
     # never below one whole sequence, never above the budget it measured
     assert memory.calibrated_budget(20480, base=base, peak=79 * GiB, growth=70 * GiB, total=total, floor=4224) == 4224
 
@@ -240,9 +240,10 @@ def test_first_update_calibration_lowers_an_auto_budget_that_the_next_step_would
     cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = 20480
     cal = memory.FirstUpdateCalibration(cfg, torch.device("cpu"), optimizer=None, dist=None, log=lines.append)
     assert not cal.pending  # measured on CUDA only
-    assert cal.apply(base=base, peak=66 * GiB, growth=growth, total=total) == new
+    assert cal.apply(base=base, peak=68 * GiB, growth=growth, total=total) == new
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == new
-    assert len(lines) == 1 and lines[0].startswith(f"polyrl: auto actor_rollout_ref.actor.ppo_max_token_len_per_gpu={new} (")
+    assert len(lines) == 1
+    assert lines[0].startswith(f"polyrl: auto actor_rollout_ref.actor.ppo_max_token_len_per_gpu={new} (")
 
 
 def test_optimizer_state_bytes_counts_the_moments_adam_creates_at_its_first_step():

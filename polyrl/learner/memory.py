@@ -34,6 +34,7 @@ MIN_FAST_TOKENS = 8192  # below this many tokens per micro-batch, checkpointing 
 EAGER_ACTIVATION_RATIO = 1.4  # NOTES_training.md: 86.6 vs 60.5 GiB peak, eager vs compiled
 CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err on the small side
 HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
+MEASURED_HEADROOM = 0.05  # of total memory, above a measured peak (allocator overhead; expandable segments keep it low)
 MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 
 
@@ -271,9 +272,10 @@ def calibrated_budget(budget: int, *, base: int, peak: int, growth: int, total: 
     The first update ran micro-batches of up to `budget` tokens and peaked at `peak`, starting from `base` allocated;
     the optimizer state it created (`growth`: Adam's moments appear at the first optimizer step, after that update's
     peak) is there for every later one. Returns a smaller budget when `peak + growth` would not stay under `total`
-    less `HEADROOM`, else None. Activations are taken as `(peak - base) / budget` per token: a micro-batch holds at
-    most `budget` tokens, so this is a lower bound and the new budget may still be optimistic (oom.py retries then)."""
-    limit = (1 - HEADROOM) * total
+    less `MEASURED_HEADROOM`, else None. Activations are taken as `(peak - base) / budget` per token: a micro-batch
+    holds at most `budget` tokens, so this is a lower bound and the new budget may still be optimistic (oom.py
+    retries then)."""
+    limit = (1 - MEASURED_HEADROOM) * total
     if peak + growth <= limit or peak <= base:
         return None
     per_token = (peak - base) / budget
@@ -322,7 +324,7 @@ class FirstUpdateCalibration:
         self.log(f"polyrl: auto actor_rollout_ref.actor.ppo_max_token_len_per_gpu={new} (recalibrated after the first "
                  f"update: it peaked at {peak / GiB:.1f} GiB with micro-batches of up to {a.ppo_max_token_len_per_gpu}"
                  f" tokens, and later ones also hold {growth / GiB:.1f} GiB of optimizer state; "
-                 f"{(1 - HEADROOM) * total / GiB:.1f} GiB usable)")
+                 f"{(1 - MEASURED_HEADROOM) * total / GiB:.1f} GiB usable)")
         a.ppo_max_token_len_per_gpu = new
         return new
 
