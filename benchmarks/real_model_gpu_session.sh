@@ -65,10 +65,10 @@ fi
 
 if [ "$MODE" = trl ]; then
     echo "== polyrl vs TRL 1.16, same recipe, one GPU"
-    # the example's GPU line: one micro-batch of 256 on both sides, polyrl's engine keeps its KV cache between steps
+    # one micro-batch of 256 on both sides; polyrl's memory keys on auto: for this model that keeps the engine's KV
+    # cache between steps and skips torch.compile (~0.1 s of update per step cannot repay a ~20 s cold compile)
     timeout 570 python3 benchmarks/real_model_trl.py --device cuda --model "$MODEL" --batch 32 --micro 256 \
-        --polyrl-key actor_rollout_ref.rollout.free_cache_engine=False \
-        --note "micro-batch 256 both sides; polyrl with rollout.free_cache_engine=False" \
+        --note "micro-batch 256 both sides; polyrl memory keys auto (cache kept, compile off by the size rule)" \
         --steps ${STEPS:-30} --eval-every 5 --val 256 --out "$OUT/real_model_trl.json" 2>&1 \
         | grep -v "Loading\|it/s\|Warning\|warn" | tee "$OUT/real_model_trl.txt" | tail -20
     git diff BENCHMARKS.md > "$OUT/benchmarks_rows.diff"

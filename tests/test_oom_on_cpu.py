@@ -53,7 +53,33 @@ def test_auto_choices_follow_free_memory(monkeypatch):
     none = _choose(50, world_size=2)["update_tokens"].value
     assert margin <= 0.76 * none + 1024 and margin < none
     # explicit user values are not choices
-    assert set(_choose(74, compile_layers=False, checkpointing=True)) == {"update_tokens", "logprob_tokens", "engine"}
+    assert set(_choose(74, compile_layers=False, checkpointing=True)) == {"update_tokens", "logprob_tokens", "engine",
+                                                                           "free_cache"}
+
+
+SMOLLM2_135M = memory.ModelShape(hidden=576, intermediate=1536, num_layers=30, vocab=49152,
+                                 kv_bytes_per_token=30 * 2 * 3 * 64 * 2, num_params=134_515_008,
+                                 num_trainable=134_515_008, param_bytes=4)
+
+
+def test_compile_only_where_the_update_is_big_enough_to_repay_a_cold_compile():
+    h100 = 989e12
+    small = memory.compile_choice(SMOLLM2_135M, cuda=True, tokens_per_step=256 * 160, peak_flops=h100)
+    assert small.value is False and "cold compile" in small.reason  # ~0.1 s of update per step
+    big = memory.compile_choice(QWEN_1_5B, cuda=True, tokens_per_step=256 * 1152, peak_flops=h100)
+    assert big.value is True and "s of update compute per step" in big.reason
+    assert memory.compile_choice(SMOLLM2_135M, cuda=True, tokens_per_step=256, peak_flops=0.0).value is True  # unknown
+    assert memory.compile_choice(QWEN_1_5B, cuda=False, tokens_per_step=10**6, peak_flops=h100).value is False
+
+
+def test_the_engine_keeps_its_kv_cache_only_where_it_fits_beside_the_update():
+    big = _choose(74)  # 1.5B: the update budget takes the spare memory, so the cache goes while training
+    assert big["free_cache"].value is True and "do not fit together" in big["free_cache"].reason
+    small = memory.choose(SMOLLM2_135M, device=torch.device("cuda"), free=78 * GiB, total=80 * GiB, max_seq_len=160,
+                          num_rollout_rows=256, engine_on_device=True, extra_static=0, world_size=1,
+                          compile_layers=None, checkpointing=None, peak_flops=989e12)
+    assert small["free_cache"].value is False and "the cache stays" in small["free_cache"].reason
+    assert small["compile"].value is False
 
 
 def _cfg(**actor):
@@ -282,3 +308,23 @@ def test_first_update_calibration_measures_the_peak_and_the_optimizer_state_on_c
     with cal.around_update():  # only the first update is measured
         pass
     assert len(calls) == 1
+
+
+def test_an_update_that_runs_out_of_memory_first_lets_a_kept_kv_cache_go():
+    from polyrl.trainer.oom import shrink_update
+
+    class Engine:
+        released = 0
+
+        def release_memory(self):
+            self.released += 1
+
+    cfg, engine = PPOConfig(), Engine()
+    cfg.actor_rollout_ref.rollout.free_cache_engine = False  # as memory.py chooses for a small model
+    cfg.actor_rollout_ref.actor.use_dynamic_bsz, cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = True, 8192
+    first = shrink_update(cfg, StageContext(engine=engine))
+    assert (first.key, first.old, first.new) == ("actor_rollout_ref.rollout.free_cache_engine", False, True)
+    assert engine.released == 1 and cfg.actor_rollout_ref.rollout.free_cache_engine is True
+    second = shrink_update(cfg, StageContext(engine=engine))  # then the token budget, as before
+    assert second.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" and second.new == 4096
+    assert engine.released == 1

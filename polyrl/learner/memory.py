@@ -1,4 +1,5 @@
-"""Memory-aware defaults: token budgets, gradient checkpointing, compile and the engine's memory share.
+"""Memory-aware defaults: token budgets, gradient checkpointing, compile, the engine's memory share and whether it
+keeps its KV cache through the update.
 
 Every key handled here defaults to None ("auto"); an explicit user value is never touched. `plan_memory` reads the
 model's shape, the sequence lengths and the memory actually free on the device (after the policy is loaded), picks
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from polyrl.learner.flops import peak_flops as device_peak_flops
+
 GiB = 2**30
 MAX_UPDATE_TOKENS = 49152  # the best hand-tuned H200 rows' budget; past it, bigger micro-batches gain nothing
 MAX_LOGPROB_TOKENS = 65536  # no-grad passes keep one layer's activations at a time
@@ -35,6 +38,8 @@ EAGER_ACTIVATION_RATIO = 1.4  # NOTES_training.md: 86.6 vs 60.5 GiB peak, eager 
 CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err on the small side
 HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
 MEASURED_HEADROOM = 0.05  # of total memory, above a measured peak (allocator overhead; expandable segments keep it low)
+COMPILE_MIN_UPDATE_S = 1.0  # estimated update compute per step below which a cold compile (~20 s) does not pay
+COMPILE_ESTIMATE_MFU = 0.35  # for that estimate: the update's typical model-FLOPs utilisation (BENCHMARKS.md)
 MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 
 
@@ -105,21 +110,44 @@ def _round_down(tokens: float, floor: int, cap: int) -> int:
     return int(max(floor, min(cap, tokens // 1024 * 1024)))
 
 
+def update_seconds_estimate(shape: ModelShape, tokens: int, peak_flops: float) -> float:
+    """Seconds of one update's compute for `tokens` tokens: 6 FLOPs per trainable parameter and token (forward +
+    backward) at `COMPILE_ESTIMATE_MFU` of the device's dense bf16 peak. Inf when the peak is unknown."""
+    if peak_flops <= 0:
+        return float("inf")
+    return 6 * shape.num_trainable * tokens / (COMPILE_ESTIMATE_MFU * peak_flops)
+
+
+def compile_choice(shape: ModelShape, *, cuda: bool, tokens_per_step: int, peak_flops: float) -> Choice:
+    """Compiled layers run the update ~26% faster on CUDA (NOTES_training.md, 1.5B) but the first step pays a cold
+    compile (~20 s on an H100: step 1 of SmolLM2-135M took 20.6 s against 0.3 s after). So: compile when one step's
+    update compute is large enough that the gain repays it within a short run."""
+    key = "actor_rollout_ref.actor.use_torch_compile"
+    if not cuda:
+        return Choice(key, False, "CPU: compiling costs more than it saves on small runs")
+    est = update_seconds_estimate(shape, tokens_per_step, peak_flops)
+    if est >= COMPILE_MIN_UPDATE_S:
+        about = "" if est == float("inf") else f", ~{est:.1f} s of update compute per step"
+        return Choice(key, True, f"CUDA{about}: compiled layers are ~26% faster and keep ~30% less activation memory")
+    return Choice(key, False, f"CUDA, but only ~{est:.2f} s of update compute per step: a cold compile (~20 s) would "
+                              "cost more than it saves")
+
+
 def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
-           checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048) -> dict[str, Choice]:
+           checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048,
+           peak_flops: float = 0.0) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
 
     `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
     rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
-    without."""
+    without. `peak_flops` (the device's dense bf16 peak; 0: unknown) sizes the compile decision."""
     cuda = device.type == "cuda"
     out: dict[str, Choice] = {}
     if compile_layers is None:
-        compile_layers = cuda
-        out["compile"] = Choice("actor_rollout_ref.actor.use_torch_compile", compile_layers,
-                                "CUDA: compiled layers are ~26% faster and keep ~30% less activation memory" if cuda
-                                else "CPU: compiling costs more than it saves on small runs")
+        out["compile"] = compile_choice(shape, cuda=cuda, tokens_per_step=num_rollout_rows * max_seq_len,
+                                        peak_flops=peak_flops)
+        compile_layers = out["compile"].value
     engine = shape.num_params * 2 if engine_on_device else 0
     optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
     head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
@@ -157,6 +185,15 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
         out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
                                f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
                                f"+ {engine / GiB:.1f} GiB weights; {room / GiB:.1f} GiB left beside the trainer")
+        # the KV cache may stay through the update when both fit: no re-allocation, CUDA graphs kept
+        cache = min(0.95, util) * total - engine
+        need = budget * per_token
+        keep = spare - cache >= need
+        out["free_cache"] = Choice(
+            "actor_rollout_ref.rollout.free_cache_engine", not keep,
+            f"the {cache / GiB:.1f} GiB KV cache and the update's {need / GiB:.1f} GiB of activations "
+            + (f"fit together in {spare / GiB:.1f} GiB: the cache stays" if keep
+               else f"do not fit together in {spare / GiB:.1f} GiB: the cache is released while training"))
     return out
 
 
@@ -201,7 +238,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native",
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
-                     checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu)
+                     checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
+                     peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0)
     made: list[Choice] = []
 
     def take(name, holder, attr, key=None, read=True):
@@ -221,11 +259,17 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", read=r.log_prob_use_dynamic_bsz)
     take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", read=uses_ref and ref.log_prob_use_dynamic_bsz)
-    if r.gpu_memory_utilization is None:
+    engine_auto = r.gpu_memory_utilization is None
+    if engine_auto:
         if "engine" in choices:
             take("engine", r, "gpu_memory_utilization")
         else:  # no engine memory on this device (CPU, or the hf engine that shares the actor's weights)
             r.gpu_memory_utilization = 0.5
+    if r.free_cache_engine is None:  # kept only where the planned engine share and update budget were both ours
+        if engine_auto and a.ppo_max_token_len_per_gpu == choices["update_tokens"].value and "free_cache" in choices:
+            take("free_cache", r, "free_cache_engine")
+        else:
+            r.free_cache_engine = True
     if made and m.enable_gradient_checkpointing and any(c.key.endswith("checkpointing") for c in made):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # (an explicit True was applied by load_policy)

@@ -55,8 +55,8 @@ class RolloutConfig:
     """Keep generating past EOS (benchmarks)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
-    free_cache_engine: bool = True
-    """Release the KV cache while the trainer trains."""
+    free_cache_engine: bool | None = None
+    """Release the KV cache while the trainer trains; None: auto, kept when it fits beside the update (memory.py)."""
     load_format: str = "dummy"
     """verl's initial weight format; polyrl syncs real weights before the first rollout either way."""
     tensor_model_parallel_size: int = 1

@@ -169,6 +169,8 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def __init__(self, cfg, dist_env: DistEnv):
         self._sender = WeightSender(ROLLOUT_RANK, _bucket_bytes(cfg))
+        if cfg.actor_rollout_ref.rollout.free_cache_engine is None:  # no engine cache on this GPU to keep
+            cfg.actor_rollout_ref.rollout.free_cache_engine = True
         super().__init__(cfg, dist=dist_env)
         self.max_age = cfg.async_training.max_trajectory_age_steps
         self._start()

@@ -4,7 +4,8 @@
 1. lets go of the exception (its frames hold the stage's tensors), drops gradients and empties the allocator cache;
 2. asks the stage's shrinker (`SHRINKERS`, one function per stage) to make the cause smaller: it edits the config key
    in place (so later steps start from the value that fit, and the warning names that key), e.g. halves a token
-   budget, halves the engine's KV cache, or turns gradient checkpointing on;
+   budget, halves the engine's KV cache, or turns gradient checkpointing on (a training stage first lets go of a KV
+   cache the engine kept through training, `rollout.free_cache_engine` auto-chosen False);
 3. runs the stage again with the RNG states it started with: from its start, or, for an update, from the mini-batch
    that failed (`StageContext.progress`: the mini-batches before it have taken their optimizer steps).
 A warning is printed once per key. A retry changes the result only as a different micro-batch split does: the
@@ -71,8 +72,21 @@ def _halve_budget(holder, prefix: str, dyn: str, budget: str, micro: str, ctx: S
     return Change(prefix + budget, old, new)
 
 
+def release_kept_cache(cfg, ctx: StageContext) -> Change | None:
+    """An engine that kept its KV cache through training (rollout.free_cache_engine auto-chosen False) lets it go."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.free_cache_engine or ctx.engine is None:
+        return None
+    ctx.engine.release_memory()
+    r.free_cache_engine = True
+    return Change("actor_rollout_ref.rollout.free_cache_engine", False, True)
+
+
 def shrink_update(cfg, ctx: StageContext) -> Change | None:
     roles = cfg.actor_rollout_ref
+    change = release_kept_cache(cfg, ctx)
+    if change is not None:
+        return change
     change = _halve_budget(roles.actor, "actor_rollout_ref.actor.", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
                            "ppo_micro_batch_size_per_gpu", ctx)
     if change is None and not roles.model.enable_gradient_checkpointing and ctx.model is not None:
@@ -83,13 +97,15 @@ def shrink_update(cfg, ctx: StageContext) -> Change | None:
 
 
 def shrink_old_log_prob(cfg, ctx: StageContext) -> Change | None:
-    return _halve_budget(cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.", "log_prob_use_dynamic_bsz",
-                         "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu", ctx)
+    return release_kept_cache(cfg, ctx) or _halve_budget(
+        cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.", "log_prob_use_dynamic_bsz",
+        "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu", ctx)
 
 
 def shrink_ref(cfg, ctx: StageContext) -> Change | None:
-    return _halve_budget(cfg.actor_rollout_ref.ref, "actor_rollout_ref.ref.", "log_prob_use_dynamic_bsz",
-                         "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu", ctx)
+    return release_kept_cache(cfg, ctx) or _halve_budget(
+        cfg.actor_rollout_ref.ref, "actor_rollout_ref.ref.", "log_prob_use_dynamic_bsz",
+        "log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu", ctx)
 
 
 def shrink_gen(cfg, ctx: StageContext) -> Change | None:

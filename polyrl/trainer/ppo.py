@@ -272,7 +272,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                     with timer.stage("old_log_prob"):
                         batch["old_log_probs"] = self.oom.run(
                             "old_log_prob", lambda: self._old_logprobs(self.model, batch, s),
-                            ctx=StageContext(batch, s.micro_batch_size))
+                            ctx=StageContext(batch, s.micro_batch_size, engine=self.engine))
                 if batch["old_log_probs"] is not batch["rollout_log_probs"]:  # async_ppo's engine-behaviour batches
                     metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
                                                        batch["response_mask"]))
@@ -291,8 +291,9 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                         self.model, batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size)
             if self.ref_model is not None:
                 with timer.stage("ref"):
-                    batch["ref_log_probs"] = self.oom.run("ref", lambda: self._ref_logprobs(batch, s),
-                                                          ctx=StageContext(batch, s.micro_batch_size))
+                    batch["ref_log_probs"] = self.oom.run(
+                        "ref", lambda: self._ref_logprobs(batch, s),
+                        ctx=StageContext(batch, s.micro_batch_size, engine=self.engine))
             if self.critic is not None:
                 with timer.stage("values"):
                     batch["values"] = self.critic.compute_values(batch)
@@ -311,7 +312,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
             with timer.stage("update_actor"):
                 if self.global_step >= cfg.trainer.critic_warmup:
                     # a retry (trainer/oom.py) re-reads the shrunk budget and resumes after the applied mini-batches
-                    ctx = StageContext(batch, s.micro_batch_size, model=self.model,
+                    ctx = StageContext(batch, s.micro_batch_size, model=self.model, engine=self.engine,
                                        progress=lambda: self.actor.mini_batches_applied)
                     with self.calibration.around_update():
                         metrics.update(self.oom.run("update_actor", lambda: self.actor.update(
