@@ -9,7 +9,7 @@
 #      7B's fp32 master weights + Adam (~122 GB): no chance on an 80 GB card, a try on a 141 GB one (it did not
 #      fit with activations in the 2026-11-21 update runs); a trainer pool of several GPUs is not built yet
 # Rows go to $OUT/rows.md (append them to BENCHMARKS.md by hand), logs to $OUT/*.log.
-#   usage: bash benchmarks/offpolicy_session.sh [1.5b|recompute|learn|7b|all]  (a 2-GPU machine counts its whole held time:
+#   usage: bash benchmarks/offpolicy_session.sh [1.5b|partial|recompute|learn|7b|all]  (a 2-GPU machine counts its whole held time:
 #   run one phase a call; each benchmark run is capped at 5 min, each quickstart at 7)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false POLYRL_CACHE=/tmp/pcache  # both quickstarts share one SFT start
@@ -24,6 +24,11 @@ step() {  # step <name> <shape> <mode> <args...>
 if [ "$PHASE" = 1.5b ] || [ "$PHASE" = all ]; then
   step colocated 1.5b colocated
   step offpolicy 1.5b offpolicy
+fi
+if [ "$PHASE" = partial ] || [ "$PHASE" = all ]; then  # rows past 2048 new tokens continue in the next call
+  step offpolicy_partial 1.5b offpolicy --extra async_training.partial_rollout=True
+  step offpolicy_partial1k 1.5b offpolicy --extra async_training.partial_rollout=True \
+    async_training.partial_rollout_max_new_tokens=1024
 fi
 if [ "$PHASE" = recompute ] || [ "$PHASE" = all ]; then
   step offpolicy_recompute 1.5b offpolicy --extra algorithm.rollout_correction.rollout_is=token

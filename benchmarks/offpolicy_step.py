@@ -5,6 +5,7 @@
     (add --shape 7b for the Qwen2.5-7B shape; --rows-out BENCHMARKS.md appends a row; --shape tiny --device cpu is
     a smoke test of the same path over gloo)
 
+With `--extra async_training.partial_rollout=True` a row decoded past the cap keeps its drawn length in the next call.
 Both modes train the same global batch (`--prompts` x n=8, prompt 128 tokens) from the same random-init checkpoint
 (grpo_step.py's setup: Qwen2.5 shape, char tokenizer, digit-fraction reward). Response lengths are forced from a
 long-tailed lognormal like NeMo RL's (mean ~`--mean-len`, clipped to [16, `--max-len`], a new draw per batch), so
@@ -38,6 +39,7 @@ class ForcedLengths:
 
     def __init__(self, engine, mean_len: int, max_len: int, seed: int):
         self.inner, self.mean_len, self.max_len, self.calls, self.seed = engine, mean_len, max_len, 0, seed
+        self.left: dict[tuple, int] = {}  # partial rollouts: a continued row's prompt + tokens -> its length left
 
     def lengths(self, num: int) -> list[int]:
         sigma = 0.9  # lognormal mean = exp(mu + sigma^2 / 2)
@@ -49,9 +51,21 @@ class ForcedLengths:
     def generate(self, prompt_ids, sampling):
         import dataclasses
 
-        forced = self.lengths(len(prompt_ids) * sampling.n)
-        return self.inner.generate(prompt_ids, dataclasses.replace(sampling, forced_lengths=forced, ignore_eos=True,
-                                                                   max_new_tokens=self.max_len))
+        caps = sampling.max_new_tokens_per_row
+        if caps is None:
+            forced = self.lengths(len(prompt_ids) * sampling.n)
+            return self.inner.generate(prompt_ids, dataclasses.replace(
+                sampling, forced_lengths=forced, ignore_eos=True, max_new_tokens=self.max_len))
+        # partial rollouts (n=1, a cap per row): a continued row keeps the length drawn when it started
+        fresh = iter(self.lengths(len(prompt_ids)))
+        total = [self.left.pop(tuple(p), None) or next(fresh) for p in prompt_ids]
+        forced = [max(1, min(t, c)) for t, c in zip(total, caps)]
+        out = self.inner.generate(prompt_ids, dataclasses.replace(
+            sampling, forced_lengths=forced, max_new_tokens_per_row=None, ignore_eos=True, max_new_tokens=max(forced)))
+        for p, toks, t in zip(prompt_ids, out.token_ids, total):
+            if t > len(toks):
+                self.left[tuple(p) + tuple(toks)] = t - len(toks)
+        return out
 
     def __getattr__(self, name):  # update_weights, release_memory, resume, num_calls, model ...
         return getattr(self.inner, name)

@@ -45,6 +45,54 @@ def test_behaviour_source_is_the_engine_unless_decoupled_correction_needs_the_tr
     assert [behaviour_source(bypass, stale=s) for s in (False, True)] == ["engine", "engine"]
 
 
+def test_partial_rollouts_continue_capped_rows_and_ship_finished_groups_oldest_first():
+    from types import SimpleNamespace
+
+    from polyrl.rollout.base import Generation
+    from polyrl.trainer.partial_rollout import PartialRollouts, as_part
+
+    lengths = {"a": [2, 7], "b": [3, 3], "c": [1, 9]}  # each row's own length (it would stop there), max 8
+
+    def engine(prompts, caps):  # emits the row's next tokens up to its cap; "stop" where its length ends
+        toks, reasons = [], []
+        for p, cap in zip(prompts, caps):
+            name, row, have = p[0], p[1], len(p) - 2
+            left = min(lengths[name][row], 8) - have
+            toks.append(list(range(have, have + min(left, cap))))
+            reasons.append("stop" if left <= cap and lengths[name][row] <= 8 else "length")
+        return Generation(prompt_index=list(range(len(prompts))), token_ids=toks,
+                          logprobs=[[-0.5] * len(t) for t in toks], finish_reason=reasons)
+
+    class Pool(PartialRollouts):  # each row's prompt names its group and row, so the fake engine can answer
+        def requests(self):
+            prompts, rows, caps = super().requests()
+            ids = [[g.sample.prompt_ids[0], g.rows.index(r)] + r.tokens for g in self.groups for r in g.rows
+                   if not r.done]
+            return ids, rows, caps
+
+    pool = Pool(n=2, max_response_length=8, max_new_tokens=3)
+    pool.add([SimpleNamespace(prompt_ids=[n]) for n in ("a", "b")], {"draw": 0})
+    prompts, rows, caps = pool.requests()
+    assert caps == [3, 3, 3, 3]
+    pool.absorb(engine(prompts, caps), rows, caps, version=0)
+    assert pool.num_done() == 1 and [g.sample.prompt_ids[0] for g in pool.take(5)] == ["b"]  # a's 2nd row: 3 of 7
+    assert pool.resume_state() == {"draw": 0}
+    pool.add([SimpleNamespace(prompt_ids=["c"])], {"draw": 1})
+    prompts, rows, caps = pool.requests()
+    pool.absorb(engine(prompts, caps), rows, caps, version=1)
+    assert pool.num_done() == 0  # a: 6 of 7, c: 3 of 8 (its cap is the response length)
+    for version in (2, 3):
+        prompts, rows, caps = pool.requests()
+        pool.absorb(engine(prompts, caps), rows, caps, version=version)
+    a, c = pool.take(5)
+    assert [r.tokens for r in a.rows] == [[0, 1], list(range(7))] and a.rows[1].finish_reason == "stop"
+    assert (a.rows[1].first_version, a.rows[1].last_version) == (0, 2)  # tagged with both versions
+    assert [len(r.tokens) for r in c.rows] == [1, 8] and c.rows[1].finish_reason == "length"  # cut at the limit
+    assert pool.resume_state() is None
+    prompts, out = as_part([a, c])
+    assert out.prompt_index == [0, 0, 1, 1] and len(out.logprobs[1]) == 7
+
+
 # ------------------------------------------------------------------------------------------------ weight streaming
 def _free_port() -> int:
     with socket.socket() as s:
@@ -176,6 +224,25 @@ def test_stale_batches_train_against_the_engine_log_probs_unless_rollout_correct
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (key, a[key], b[key])
 
 
+def test_partial_rollouts_train_on_rows_from_two_weight_versions(tiny_model_dir, synth_data_dir, tmp_path):
+    """partial_rollout=True with a cap of 2 of 6 response tokens: rows continue across generation calls (and weight
+    versions), batches ship finished groups, pi_old is the engine's, and the run trains to the end."""
+    args = ("actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True",
+            "async_training.partial_rollout_max_new_tokens=2", "actor_rollout_ref.rollout.ignore_eos=True")
+    codes, log = _wait(_job(_args(tiny_model_dir, synth_data_dir, tmp_path, 4, *args)))
+    assert codes == [0, 0], log[-4000:]
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["response_length/mean"] == 6 for r in rows)  # every shipped row finished (ignore_eos: at 6)
+    assert all(r["async/partial_rollout/gen_calls"] >= 1 for r in rows)
+    assert rows[0]["async/partial_rollout/gen_calls"] == 3  # the first batch: 3 calls of 2 tokens
+    later = rows[1:]
+    assert max(r["async/partial_rollout/frac_rows_resumed"] for r in later) > 0
+    assert max(r["async/partial_rollout/version_span_max"] for r in later) >= 1
+    assert max(r["async/staleness/max"] for r in later) >= 1
+    assert all("timing_s/behaviour_log_prob" not in r for r in rows)
+
+
 KILLING_REWARD = '''
 import os
 
@@ -253,14 +320,19 @@ def test_pipeline_keys_are_refused_when_they_cannot_apply():
     from polyrl.trainer.config import PPOConfig
 
     for argv, words in [(["async_training.max_trajectory_age_steps=2"], "hybrid_engine=False"),
-                        (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True"],
-                         "partial_rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True",
+                          "algorithm.rollout_correction.rollout_is=token"], "bypass_mode=True"),
+                        (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True",
+                          "data.max_response_length=64", "async_training.partial_rollout_max_new_tokens=65"],
+                         "partial_rollout_max_new_tokens=65"),
                         (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2"], "1 rollout"),
                         (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
                          "lora_rank=0")]:
         with pytest.raises(ConfigError, match=words):
             check_async(build_config(PPOConfig(), argv))
     check_async(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"]))  # the plain switch passes
+    check_async(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False",
+                                           "async_training.partial_rollout=True"]))
 
 
 def test_launch_counts_the_rollout_process():

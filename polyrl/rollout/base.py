@@ -27,6 +27,16 @@ class SamplingParams:
     seed: int | None = None
     # per-sequence forced lengths (benchmarks use these to model a long-tailed length distribution)
     forced_lengths: list[int] | None = None
+    # per-sequence caps (stop tokens still end a row earlier): partial rollouts continue rows with what is left
+    max_new_tokens_per_row: list[int] | None = None
+
+    def row_limits(self, num_rows: int) -> list[int] | None:
+        """Each row's exact (forced) or maximum new-token count, where set per row; None: `max_new_tokens` for all."""
+        limits = self.forced_lengths if self.forced_lengths is not None else self.max_new_tokens_per_row
+        if limits is not None and len(limits) != num_rows:
+            raise ValueError(f"{'forced_lengths' if self.forced_lengths is not None else 'max_new_tokens_per_row'} "
+                             f"has {len(limits)} entries; it needs one per sample ({num_rows}).")
+        return limits
 
     @property
     def greedy(self) -> bool:

@@ -32,11 +32,12 @@ class HFRollout:
         out = Generation(prompt_index=rows, token_ids=[], logprobs=[], finish_reason=[])
         was_training = self.model.training
         self.model.eval()
+        limits = sampling.row_limits(len(rows))
         try:
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start:start + self.max_batch_size]
-                forced = sampling.forced_lengths[start:start + len(chunk)] if sampling.forced_lengths else None
-                toks, lps, reasons = self._generate_chunk([prompt_ids[i] for i in chunk], sampling, forced)
+                caps = limits[start:start + len(chunk)] if limits is not None else None
+                toks, lps, reasons = self._generate_chunk([prompt_ids[i] for i in chunk], sampling, caps)
                 out.token_ids += toks
                 out.logprobs += lps
                 out.finish_reason += reasons
@@ -44,7 +45,9 @@ class HFRollout:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, prompts, sampling: SamplingParams, forced):
+    def _generate_chunk(self, prompts, sampling: SamplingParams, caps):
+        """`caps`: each row's new-token limit (exact when forced_lengths are set: stop tokens are then ignored)."""
+        forced = sampling.forced_lengths is not None
         B, P = len(prompts), max(len(p) for p in prompts)
         dev = self.device
         input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long, device=dev)
@@ -54,8 +57,8 @@ class HFRollout:
             mask[b, P - len(p):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(list(sampling.stop_token_ids) or [-1], device=dev)
-        max_new = max(forced) if forced else sampling.max_new_tokens
-        limit_B = torch.tensor(forced, device=dev) if forced else torch.full((B,), max_new, device=dev)
+        max_new = max(caps) if caps else sampling.max_new_tokens
+        limit_B = torch.tensor(caps, device=dev) if caps else torch.full((B,), max_new, device=dev)
         tokens_BT = torch.full((B, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logp_BT = torch.zeros((B, max_new), device=dev)
         length_B = torch.zeros(B, dtype=torch.long, device=dev)

@@ -22,7 +22,10 @@ class AsyncTrainingConfig:
     """Off-policy pipeline: how many optimizer steps older than the trained weights a batch's weights may be
     (1: batch k+1 is generated while step k trains; 0: strictly on-policy, no overlap)."""
     partial_rollout: bool = False
-    """Continue unfinished sequences in the next step (not implemented: must stay False)."""
+    """Off-policy pipeline: rows still decoding at `partial_rollout_max_new_tokens` continue in the next generation
+    call, beside the next batch's rows (trainer/partial_rollout.py); a batch ships the groups that finished."""
+    partial_rollout_max_new_tokens: int | None = None
+    """With partial_rollout: new tokens per row per generation call; None: half of rollout.response_length."""
     weight_bucket_mb: int = 512
     """Off-policy pipeline: weights stream to the rollout process in buckets of at most this many MiB."""
 
@@ -38,7 +41,7 @@ def check_async(cfg) -> None:
                               "actor_rollout_ref.hybrid_engine=False to use them, or remove them.")
         return
     if a.partial_rollout:
-        raise ConfigError("async_training.partial_rollout=True is not implemented; set it to False.")
+        check_partial_rollout(cfg)
     if a.max_trajectory_age_steps < 0:
         raise ConfigError(f"async_training.max_trajectory_age_steps={a.max_trajectory_age_steps}; use 0 (on-policy) "
                           "or more (1 overlaps generation with training).")
@@ -51,3 +54,23 @@ def check_async(cfg) -> None:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False does not stream LoRA adapters yet; set "
                           "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
 
+
+
+def check_partial_rollout(cfg) -> None:
+    from polyrl.errors import ConfigError
+
+    a, alg = cfg.async_training, cfg.algorithm
+    rc = alg.rollout_correction
+    cap = a.partial_rollout_max_new_tokens
+    length = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+    if cap is not None and not 1 <= cap <= length:
+        raise ConfigError(f"async_training.partial_rollout_max_new_tokens={cap}; use 1 to the response length "
+                          f"({length}), or null for half of it.")
+    if rc.enabled and not rc.bypass_mode:
+        raise ConfigError("async_training.partial_rollout=True trains against the engine's own log-probs (a row's "
+                          "tokens come from two weight versions), which decoupled rollout correction cannot "
+                          "recompute; set algorithm.rollout_correction.bypass_mode=True or turn rollout_is/rollout_rs "
+                          "off.")
+    if alg.filter_groups.enable or alg.adv_estimator == "remax":
+        raise ConfigError("async_training.partial_rollout=True does not combine with algorithm.filter_groups or the "
+                          "remax estimator yet; turn one of them off.")

@@ -33,6 +33,11 @@ lognormal lengths) it took 1.1-1.4 s of the rollout's 6.5 s per batch. Hence the
 correction on where the gap is large (FP8 rollouts). Batches as fresh as the trained weights (the first, and all of
 them at age 0) take the on-policy path (`old_from_current`): no pass, bit-identical results.
 
+Partial rollouts (`async_training.partial_rollout=True`, trainer/partial_rollout.py): the rollout caps the tokens
+a row decodes per generation call and continues unfinished rows in the next call, shipping the groups that finished;
+their rows span weight versions, so pi_old is the engine's token by token and each sample is tagged with the first
+version that generated it.
+
 Metrics (besides the on-policy ones; docs/async_ppo.md):
 - `timing_s/exposed_generation`: the trainer blocked waiting for the next batch (generation the overlap did not hide,
   the trainer's idle time waiting for data). `timing_s/rollout_idle`: the rollout process blocked waiting for weights.
@@ -65,6 +70,8 @@ from polyrl.distributed.env import use_expandable_segments
 from polyrl.distributed.p2p import WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
+from polyrl.trainer.oom import StageContext
+from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
 from polyrl.utils.timing import StepTimer
 
@@ -246,8 +253,9 @@ def _rollout_lost(what: str, ckpt_dir: str):
 
 # ------------------------------------------------------------------------------------------------ rollout side
 class RolloutWorker:
-    """The rollout process: generates and scores batch after batch with the newest weights the age limit allows,
-    evaluates stale batches' behaviour log-probs, and sends each batch to the trainer."""
+    """The rollout process: generates and scores batch after batch with the newest weights the age limit allows
+    (evaluating stale batches' behaviour log-probs where decoupled rollout correction asks for them), and sends each
+    batch to the trainer."""
 
     def __init__(self, cfg, dist_env: DistEnv):
         cfg = copy.deepcopy(cfg)
@@ -268,6 +276,9 @@ class RolloutWorker:
         spec = tensor_spec(merged_state_dict(self.roll.model).items())
         self.receiver = WeightReceiver(TRAINER_RANK, spec, _bucket_bytes(cfg), self.roll.device)
         self.version = 0
+        a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
+        self.partial = PartialRollouts(r.n, r.response_length, a.partial_rollout_max_new_tokens
+                                       or max(1, r.response_length // 2)) if a.partial_rollout else None
 
     def serve(self) -> None:
         hello = recv_object(TRAINER_RANK)
@@ -295,8 +306,12 @@ class RolloutWorker:
 
     def _batch(self, k: int) -> dict:
         roll = self.roll
-        samples, batch, index, metrics = roll._collect_batch(self.timer)
-        behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=self.version < k)
+        if self.partial is not None:
+            samples, batch, index, metrics, versions = self._partial_batch()
+        else:
+            samples, batch, index, metrics = roll._collect_batch(self.timer)
+            versions = [self.version] * batch["responses"].shape[0]
+        behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=min(versions) < k)
         if behaviour == "recomputed":  # the generating weights' log-probs at the trainer's precision
             with self.timer.stage("behaviour_log_prob"):
                 batch["old_log_probs"] = roll._old_logprobs(roll.model, batch, roll._update_settings(batch))
@@ -305,8 +320,36 @@ class RolloutWorker:
             timings["timing_s/rollout_update_weights"] = 0.0
         return {"batch_index": k, "samples": samples, "index": index, "metrics": metrics, "timings": timings,
                 "batch": {key: v.cpu() for key, v in batch.items()}, "behaviour": behaviour,
-                "weight_versions": [self.version] * batch["responses"].shape[0],
-                "sampler": roll.sampler.state_dict(), "engine": roll._engine_generator_state()}
+                "weight_versions": versions, "engine": roll._engine_generator_state(),
+                # where a resume starts generating: before the oldest prompts still in flight, if any
+                "sampler": (self.partial and self.partial.resume_state()) or roll.sampler.state_dict()}
+
+    def _partial_batch(self):
+        """Partial rollouts (trainer/partial_rollout.py): draw a batch of prompts, decode every row in flight up to
+        the cap, and repeat until enough groups have finished; ship the oldest finished ones."""
+        roll, pool, timer = self.roll, self.partial, self.timer
+        want, sampling = roll.cfg.data.train_batch_size, roll._sampling_params()
+        calls = 0
+        while not calls or pool.num_done() < want:
+            state = copy.deepcopy(roll.sampler.state_dict())
+            pool.add(roll.sampler.next_batch(), state)
+            prompts, rows, caps = pool.requests()
+            with timer.stage("gen"):
+                out = roll.oom.run("gen", lambda: roll._generate(prompts, continuation_sampling(sampling, caps)),
+                                   ctx=StageContext(engine=roll.engine))
+            pool.absorb(out, rows, caps, self.version)
+            calls += 1
+        groups = pool.take(want)
+        prompts, out = as_part(groups)
+        with timer.stage("reward"):
+            scores, extras, texts = roll._score(prompts, out)
+        if roll.cfg.trainer.rollout_data_dir:
+            roll._dump_generations(roll.cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
+        metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
+                   "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
+        part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=None)
+        samples, batch, index, metrics = roll._assemble_batch([part], want, metrics)
+        return samples, batch, index, metrics, [r.first_version for g in groups for r in g.rows]
 
     @torch.no_grad()
     def _load_weights(self, version: int) -> None:

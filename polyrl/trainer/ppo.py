@@ -360,9 +360,7 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                 prompts = [prompts[i] for i in keep]
             num_gen += 1
             with timer.stage("gen"):
-                sampling = SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k,
-                                          top_p=r.top_p, max_new_tokens=r.response_length,
-                                          stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
+                sampling = self._sampling_params()
                 out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
                                    ctx=StageContext(engine=self.engine))
             with timer.stage("reward"):
@@ -396,6 +394,16 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
                     f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
                     "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
                     "too many groups get identical rewards.")
+        return self._assemble_batch(parts, want, metrics)
+
+    def _sampling_params(self) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
+                              max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
+
+    def _assemble_batch(self, parts: list[dict], want: int, metrics: dict):
+        """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep])."""
+        cfg = self.cfg
         rows = kept_rows(parts, want)
         samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
         prompts_all = [s.prompt_ids for s in samples]

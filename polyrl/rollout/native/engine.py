@@ -426,10 +426,8 @@ class NativeEngine:
         if not 1 <= n <= self.max_num_seqs:
             raise ValueError(f"SamplingParams.n={n} must be between 1 and max_num_seqs={self.max_num_seqs}.")
         num_rows = len(prompt_ids) * n
-        forced = sampling.forced_lengths
-        if forced is not None and len(forced) != num_rows:
-            raise ValueError(f"forced_lengths has {len(forced)} entries; it needs one per sample ({num_rows}).")
-        max_new = (lambda r: int(forced[r])) if forced is not None else (lambda r: sampling.max_new_tokens)
+        limits = sampling.row_limits(num_rows)
+        max_new = (lambda r: int(limits[r])) if limits is not None else (lambda r: sampling.max_new_tokens)
         for p, ids in enumerate(prompt_ids):
             longest = max(max_new(p * n + j) for j in range(n))
             if not ids:

@@ -1,0 +1,112 @@
+"""Partial rollouts for the one-step off-policy pipeline (`async_training.partial_rollout=True`).
+
+A GRPO batch waits for its longest response: with long-tailed lengths the rollout GPU spends its last thousands of
+decode steps on a few rows, reading all the weights each step for them. With partial rollouts each generation call
+decodes at most `async_training.partial_rollout_max_new_tokens` tokens per row; a row that reaches that cap without
+finishing stays in flight and continues in the next call, beside the next batch's new rows, with whatever weights
+the rollout has then. A batch ships the prompt groups whose n rows have all finished, oldest first.
+
+How a row continues: its prompt plus the tokens it has so far are the next call's prompt (re-prefilled under the
+current weights, as vLLM's recompute preemption), not a KV cache kept across calls and weight updates. Prefill is
+compute-bound and cheap next to the decode steps saved. Every token keeps the log-prob the engine sampled it with,
+so the batch's pi_old is the engine's, token by token, across both weight versions (async_ppo.py's default); each
+row is tagged with the first and last weight version that generated it, and its staleness counts from the first.
+
+Data position: a batch carries the sampler state before the oldest draw still in flight, so a resumed run draws
+those prompts again. Groups of that draw that had already shipped are then trained once more; none is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from polyrl.rollout.base import Generation
+
+
+@dataclass(eq=False)
+class Row:
+    """One sample of a prompt group, possibly still in flight (compared by identity)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+    done: bool = False
+    first_version: int | None = None
+    last_version: int | None = None
+
+
+@dataclass(eq=False)
+class Group:
+    sample: object  # the dataset's RLSample
+    rows: list[Row]
+    draw_state: dict  # the sampler's state before the draw this group came from
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.rows)
+
+
+class PartialRollouts:
+    """The groups in flight, in the order they were drawn. `requests` -> engine -> `absorb`, then `take` the
+    finished groups."""
+
+    def __init__(self, n: int, max_response_length: int, max_new_tokens: int):
+        self.n, self.max_len, self.cap = n, max_response_length, max_new_tokens
+        self.groups: list[Group] = []
+
+    def add(self, samples: list, draw_state: dict) -> None:
+        self.groups += [Group(s, [Row() for _ in range(self.n)], draw_state) for s in samples]
+
+    def requests(self) -> tuple[list[list[int]], list[Row], list[int]]:
+        """One engine prompt per unfinished row (its prompt + its tokens so far), the rows they continue, and each
+        row's new-token limit for this call (the cap, or what is left of the response length)."""
+        rows = [(g, r) for g in self.groups for r in g.rows if not r.done]
+        caps = [min(self.cap, self.max_len - len(r.tokens)) for _, r in rows]
+        return [list(g.sample.prompt_ids) + r.tokens for g, r in rows], [r for _, r in rows], caps
+
+    def absorb(self, out: Generation, rows: list[Row], caps: list[int], version: int) -> None:
+        """Append one call's output (one engine row per request, n=1) to the rows it continued."""
+        assert len(out.token_ids) == len(rows) == len(caps), (len(out.token_ids), len(rows), len(caps))
+        for row, cap, toks, lps, reason in zip(rows, caps, out.token_ids, out.logprobs, out.finish_reason):
+            row.tokens += toks
+            row.logprobs += lps
+            row.finish_reason = reason
+            row.first_version = version if row.first_version is None else row.first_version
+            row.last_version = version
+            # in flight only when this call stopped it at the cap (not at a stop token, its own end, or the limit)
+            row.done = reason == "stop" or len(toks) < cap or len(row.tokens) >= self.max_len
+
+    def num_done(self) -> int:
+        return sum(g.done for g in self.groups)
+
+    def take(self, num: int) -> list[Group]:
+        """Up to `num` finished groups, oldest first; they leave the pool."""
+        out = [g for g in self.groups if g.done][:num]
+        taken = {id(g) for g in out}
+        self.groups = [g for g in self.groups if id(g) not in taken]
+        return out
+
+    def resume_state(self) -> dict | None:
+        """The sampler state a resumed run restarts from: before the oldest draw still held (None: nothing held)."""
+        return self.groups[0].draw_state if self.groups else None
+
+
+def as_part(groups: list[Group]) -> tuple[list, Generation]:
+    """The finished groups as one generation part of `PPOTrainer._assemble_batch`: prompts and prompt-major rows."""
+    rows = [(i, r) for i, g in enumerate(groups) for r in g.rows]
+    out = Generation(prompt_index=[i for i, _ in rows], token_ids=[r.tokens for _, r in rows],
+                     logprobs=[r.logprobs for _, r in rows], finish_reason=[r.finish_reason for _, r in rows])
+    return [g.sample for g in groups], out
+
+
+def row_metrics(groups: list[Group]) -> dict[str, float]:
+    rows = [r for g in groups for r in g.rows]
+    spans = [r.last_version - r.first_version for r in rows]
+    return {"async/partial_rollout/frac_rows_resumed": sum(s > 0 for s in spans) / len(rows),
+            "async/partial_rollout/version_span_max": float(max(spans))}
+
+
+def continuation_sampling(sampling, caps: list[int]):
+    """One engine row per request: every row is its own prompt (n=1), with its own new-token limit."""
+    return dataclasses.replace(sampling, n=1, max_new_tokens=max(caps), max_new_tokens_per_row=caps)
