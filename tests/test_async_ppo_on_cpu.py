@@ -313,6 +313,21 @@ def test_quickstart_learns_one_step_off_policy(tmp_path, monkeypatch, quickstart
     assert max(r.get("async/staleness/max", 0) for r in rows) == 1.0
 
 
+def test_quickstart_learns_with_partial_rollouts(tmp_path, monkeypatch, quickstart_cache):
+    """The same 12 off-policy steps with partial rollouts capped at 4 of the 8 response tokens: answers longer than
+    the cap finish in the next call (with the next weights), and learning holds."""
+    from polyrl.trainer.quickstart import FAST, QuickstartSettings, run_quickstart
+
+    monkeypatch.setenv("POLYRL_CACHE", str(quickstart_cache))
+    s = QuickstartSettings(**{**FAST, "grpo_steps": 12})
+    r = run_quickstart(str(tmp_path / "qs"), settings=s, extra_overrides=[
+        "actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True",
+        "async_training.partial_rollout_max_new_tokens=4"])
+    assert r["accuracy_after"] - r["accuracy_before"] >= 0.20, r
+    rows = [json.loads(line) for line in (tmp_path / "qs" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("async/partial_rollout/frac_rows_resumed", 0) for r in rows) > 0
+
+
 def test_pipeline_keys_are_refused_when_they_cannot_apply():
     from polyrl.config import build_config
     from polyrl.errors import ConfigError
