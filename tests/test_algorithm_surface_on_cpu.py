@@ -113,7 +113,7 @@ def test_max_actor_ckpt_to_keep_and_resume_path(tiny_model_dir, synth_data_dir, 
 def test_kept_rows_takes_whole_groups_in_order():
     from types import SimpleNamespace
 
-    from polyrl.trainer.ppo import kept_rows
+    from polyrl.trainer.rollout_batch import kept_rows
 
     parts = [{"out": SimpleNamespace(prompt_index=[0, 0, 1, 1, 2, 2]), "keep": {0, 2}},
              {"out": SimpleNamespace(prompt_index=[0, 0, 1, 1]), "keep": {1}}]

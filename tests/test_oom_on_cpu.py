@@ -99,6 +99,7 @@ def test_plan_memory_fills_auto_keys_logs_each_once_and_keeps_user_values(tiny_m
     assert arr.actor.ppo_max_token_len_per_gpu == 999 and not any("ppo_max_token_len" in s for s in lines)
     assert arr.actor.use_dynamic_bsz is True and arr.actor.use_torch_compile is False
     assert arr.model.enable_gradient_checkpointing is False
+    assert arr.rollout.free_cache_engine is True  # no engine memory of its own on CPU: nothing to keep
     assert arr.rollout.log_prob_max_token_len_per_gpu >= 24 and arr.ref.log_prob_max_token_len_per_gpu >= 24
     for key in ("use_torch_compile=False", "enable_gradient_checkpointing=False",
                 "rollout.log_prob_max_token_len_per_gpu=", "ref.log_prob_max_token_len_per_gpu="):

@@ -93,7 +93,7 @@ class PartialRollouts:
 
 
 def as_part(groups: list[Group]) -> tuple[list, Generation]:
-    """The finished groups as one generation part of `PPOTrainer._assemble_batch`: prompts and prompt-major rows."""
+    """The finished groups as one generation part of `RolloutBatchMixin._assemble_batch`: prompts and prompt-major rows."""
     rows = [(i, r) for i, g in enumerate(groups) for r in g.rows]
     out = Generation(prompt_index=[i for i, _ in rows], token_ids=[r.tokens for _, r in rows],
                      logprobs=[r.logprobs for _, r in rows], finish_reason=[r.finish_reason for _, r in rows])

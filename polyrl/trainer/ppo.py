@@ -2,7 +2,8 @@
 
     prompts -> gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> update_weights
 
-Each stage is one call, timed as `timing_s/<stage>`. Where we deviate from verl / the papers:
+Each stage is one call, timed as `timing_s/<stage>`; where the batch comes from (gen, reward, DAPO filtering, the
+padded batch) is trainer/rollout_batch.py. Where we deviate from verl / the papers:
 - Old log-probs are not recomputed when provably identical: with ppo_epochs=1 and a single mini-batch the policy has
   not changed since the rollout, so the update's own forward pass supplies them (`old_log_prob_source=current` in the
   metrics). The ratio is then exactly 1 by construction.
@@ -23,12 +24,11 @@ from __future__ import annotations
 import copy
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller, select_groups
+from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
@@ -47,6 +47,7 @@ from polyrl.trainer.core import TrainerCore
 from polyrl.trainer.config import PPOConfig
 from polyrl.trainer.metrics import data_metrics, rollout_logprob_gap
 from polyrl.trainer.oom import OOMGuard, StageContext
+from polyrl.trainer.rollout_batch import RolloutBatchMixin
 from polyrl.learner.actor import (
     Actor,
     ForwardSettings,
@@ -55,7 +56,6 @@ from polyrl.learner.actor import (
     compute_sum_pi_squared,
     make_scheduler,
 )
-from polyrl.learner.batch import build_batch
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
 from polyrl.learner.memory import FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory, resolve_switches
@@ -86,7 +86,7 @@ def resolve_defaults(cfg: PPOConfig) -> None:
 _NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-class PPOTrainer(CheckpointingMixin, TrainerCore):
+class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
     def __init__(self, cfg: PPOConfig, dist: DistEnv | None = None):
         """`dist`: the process view to train in; None joins the torchrun job (the off-policy pipeline passes each
         role a one-process view of its own, trainer/async_ppo.py)."""
@@ -345,112 +345,6 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         return dp_data.merge_step_metrics(self.dist.all_gather_object(metrics)) if self.dist.is_distributed \
             else metrics
 
-    def _collect_batch(self, timer):
-        """gen + reward (+ DAPO dynamic sampling): the batch of sequences this step trains on."""
-        cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
-        fg = cfg.algorithm.filter_groups
-        want = cfg.data.train_batch_size
-        parts, metrics = [], {}
-        num_gen = 0
-        while True:
-            prompts = self.sampler.next_batch()
-            if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
-                keep = dp_data.shard_prompts(len(prompts), cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
-                                             self.dist.data.rank, self.dist.data.world_size)
-                prompts = [prompts[i] for i in keep]
-            num_gen += 1
-            with timer.stage("gen"):
-                sampling = self._sampling_params()
-                out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
-                                   ctx=StageContext(engine=self.engine))
-            with timer.stage("reward"):
-                scores, extras, texts = self._score(prompts, out)
-            if cfg.trainer.rollout_data_dir:
-                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
-            if cfg.algorithm.adv_estimator == "remax":
-                with timer.stage("gen_max"):
-                    greedy = self.engine.generate([p.prompt_ids for p in prompts],
-                                                  SamplingParams(n=1, temperature=0.0, max_new_tokens=r.response_length,
-                                                                 stop_token_ids=self.stop_ids))
-                    base, _, _ = self._score(prompts, greedy)
-                baselines = [base[i] for i in out.prompt_index]
-            else:
-                baselines = None
-            part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=baselines)
-            if not fg.enable:
-                parts = [part]
-                break
-            # DAPO dynamic sampling: keep only groups whose metric varies, until train_batch_size prompts are kept
-            metric = extras.get(fg.metric, scores) if fg.metric not in (None, "score", "seq_reward") else scores
-            kept, _ = select_groups(metric, out.prompt_index)
-            metrics["train/num_gen_batches"] = num_gen
-            part["keep"] = set(kept)
-            parts.append(part)
-            num_kept = sum(len(p["keep"]) for p in parts)
-            if num_kept >= want:
-                break
-            if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
-                raise ConfigError(
-                    f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
-                    "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
-                    "too many groups get identical rewards.")
-        return self._assemble_batch(parts, want, metrics)
-
-    def _sampling_params(self) -> SamplingParams:
-        r = self.cfg.actor_rollout_ref.rollout
-        return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
-                              max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
-
-    def _assemble_batch(self, parts: list[dict], want: int, metrics: dict):
-        """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep])."""
-        cfg = self.cfg
-        rows = kept_rows(parts, want)
-        samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
-        prompts_all = [s.prompt_ids for s in samples]
-        resp = [parts[i]["out"].token_ids[j] for i, j in rows]
-        logps = [parts[i]["out"].logprobs[j] for i, j in rows]
-        scores = [parts[i]["scores"][j] for i, j in rows]
-        index = [i * 1_000_000 + parts[i]["out"].prompt_index[j] for i, j in rows]  # group id: (batch, prompt)
-        baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
-        gdpo_keys = cfg.algorithm.gdpo_reward_keys if cfg.algorithm.adv_estimator == "gdpo" else None
-        extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
-        batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        rl = torch.zeros(batch["response_mask"].shape, dtype=batch["response_mask"].dtype)  # filled on the host,
-        for i, lp in enumerate(logps):  # then one copy (a device copy per row cost a sync each)
-            rl[i, : len(lp)] = torch.tensor(lp, dtype=rl.dtype)
-        batch["rollout_log_probs"] = rl.to(self.device)
-        tls = torch.zeros_like(batch["response_mask"])
-        last = (batch["response_lengths"] - 1).clamp(min=0)
-        tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
-        batch["token_level_scores"] = tls
-        if baselines:
-            batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
-        if gdpo_keys:  # [B, K]: one column per reward component, popped again by _advantages
-            missing = [k for k in gdpo_keys if k not in extras_all]
-            if missing:
-                raise ConfigError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not "
-                                  f"return (it returns {sorted(extras_all)}); return them in its result dict.")
-            batch["reward_components"] = torch.tensor([extras_all[k] for k in gdpo_keys], dtype=torch.float32,
-                                                      device=self.device).T
-        for k, v in extras_all.items():
-            metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
-        return samples, batch, index, metrics
-
-    def _generate(self, prompt_ids, sampling):
-        """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""
-        self.engine.resume()
-        out = self.engine.generate(prompt_ids, sampling)
-        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.engine.release_memory()
-        return out
-
-    def _score(self, prompts, out):
-        texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-        samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
-                   for pi, text in zip(out.prompt_index, texts)]
-        scores, extras = self.reward.score(samples, response_lengths=out.lengths)
-        return scores, extras, texts  # the decoded responses, for logging and majority votes
-
     def _update_settings(self, batch, skip_mini_batches: int = 0) -> UpdateSettings:
         a, r = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout
         B = batch["responses"].shape[0]
@@ -559,18 +453,6 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
         metrics.update(self.timer.pop())
         return metrics
 
-    def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:
-        """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score."""
-        import json as _json
-
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        rank = f"_rank{self.dist.rank}" if self.dist.is_distributed else ""
-        with open(Path(folder) / f"{self.global_step + 1}{rank}.jsonl", "a") as f:
-            for pi, resp, score in zip(out.prompt_index, responses, scores):
-                prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
-                f.write(_json.dumps({"step": self.global_step + 1, "input": prompt, "output": resp, "score": score})
-                        + "\n")
-
     @staticmethod
     def _binary_rewards(scores) -> bool:
         return all(s in (0.0, 1.0) for s in scores)
@@ -595,13 +477,3 @@ class PPOTrainer(CheckpointingMixin, TrainerCore):
 
         path = build_report(str(self.run_dir))
         print(f"polyrl: report written to {path}", flush=True)
-
-
-def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
-    """(generation batch, row) pairs to train on: every row of a plain step; under DAPO dynamic sampling the rows of
-    the first `num_groups` kept prompt groups (whole groups only, in generation order)."""
-    if "keep" not in parts[0]:
-        return [(0, j) for j in range(len(parts[0]["out"].prompt_index))]
-    groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
-    chosen = set(groups[:num_groups])
-    return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]

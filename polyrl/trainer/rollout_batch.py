@@ -1,0 +1,151 @@
+"""Where a step's batch comes from, for `PPOTrainer` and the off-policy rollout process (async_ppo.py): prompts ->
+gen -> reward (-> DAPO dynamic sampling, remax baselines) -> the padded batch the update reads.
+
+`_collect_batch` is the on-policy path; partial rollouts (partial_rollout.py) bring their own finished groups to
+`_assemble_batch`. Needs the trainer's cfg, sampler, engine, reward, tokenizer, oom guard, dist and device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from polyrl.algorithms import select_groups
+from polyrl.distributed import data as dp_data
+from polyrl.errors import ConfigError
+from polyrl.learner.batch import build_batch
+from polyrl.rollout import SamplingParams
+from polyrl.trainer.oom import StageContext
+
+
+class RolloutBatchMixin:
+    """Generation, scoring and batch assembly of the LLM trainer (see the module docstring)."""
+
+    def _collect_batch(self, timer):
+        """gen + reward (+ DAPO dynamic sampling): the batch of sequences this step trains on."""
+        cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
+        fg = cfg.algorithm.filter_groups
+        want = cfg.data.train_batch_size
+        parts, metrics = [], {}
+        num_gen = 0
+        while True:
+            prompts = self.sampler.next_batch()
+            if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
+                keep = dp_data.shard_prompts(len(prompts), cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                                             self.dist.data.rank, self.dist.data.world_size)
+                prompts = [prompts[i] for i in keep]
+            num_gen += 1
+            with timer.stage("gen"):
+                sampling = self._sampling_params()
+                out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
+                                   ctx=StageContext(engine=self.engine))
+            with timer.stage("reward"):
+                scores, extras, texts = self._score(prompts, out)
+            if cfg.trainer.rollout_data_dir:
+                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer.stage("gen_max"):
+                    greedy = self.engine.generate([p.prompt_ids for p in prompts],
+                                                  SamplingParams(n=1, temperature=0.0, max_new_tokens=r.response_length,
+                                                                 stop_token_ids=self.stop_ids))
+                    base, _, _ = self._score(prompts, greedy)
+                baselines = [base[i] for i in out.prompt_index]
+            else:
+                baselines = None
+            part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=baselines)
+            if not fg.enable:
+                parts = [part]
+                break
+            # DAPO dynamic sampling: keep only groups whose metric varies, until train_batch_size prompts are kept
+            metric = extras.get(fg.metric, scores) if fg.metric not in (None, "score", "seq_reward") else scores
+            kept, _ = select_groups(metric, out.prompt_index)
+            metrics["train/num_gen_batches"] = num_gen
+            part["keep"] = set(kept)
+            parts.append(part)
+            num_kept = sum(len(p["keep"]) for p in parts)
+            if num_kept >= want:
+                break
+            if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
+                raise ConfigError(
+                    f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
+                    "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
+                    "too many groups get identical rewards.")
+        return self._assemble_batch(parts, want, metrics)
+
+    def _sampling_params(self) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
+                              max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
+
+    def _assemble_batch(self, parts: list[dict], want: int, metrics: dict):
+        """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep])."""
+        cfg = self.cfg
+        rows = kept_rows(parts, want)
+        samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
+        prompts_all = [s.prompt_ids for s in samples]
+        resp = [parts[i]["out"].token_ids[j] for i, j in rows]
+        logps = [parts[i]["out"].logprobs[j] for i, j in rows]
+        scores = [parts[i]["scores"][j] for i, j in rows]
+        index = [i * 1_000_000 + parts[i]["out"].prompt_index[j] for i, j in rows]  # group id: (batch, prompt)
+        baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
+        gdpo_keys = cfg.algorithm.gdpo_reward_keys if cfg.algorithm.adv_estimator == "gdpo" else None
+        extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
+        batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        rl = torch.zeros(batch["response_mask"].shape, dtype=batch["response_mask"].dtype)  # filled on the host,
+        for i, lp in enumerate(logps):  # then one copy (a device copy per row cost a sync each)
+            rl[i, : len(lp)] = torch.tensor(lp, dtype=rl.dtype)
+        batch["rollout_log_probs"] = rl.to(self.device)
+        tls = torch.zeros_like(batch["response_mask"])
+        last = (batch["response_lengths"] - 1).clamp(min=0)
+        tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
+        batch["token_level_scores"] = tls
+        if baselines:
+            batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
+        if gdpo_keys:  # [B, K]: one column per reward component, popped again by _advantages
+            missing = [k for k in gdpo_keys if k not in extras_all]
+            if missing:
+                raise ConfigError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not "
+                                  f"return (it returns {sorted(extras_all)}); return them in its result dict.")
+            batch["reward_components"] = torch.tensor([extras_all[k] for k in gdpo_keys], dtype=torch.float32,
+                                                      device=self.device).T
+        for k, v in extras_all.items():
+            metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
+        return samples, batch, index, metrics
+
+    def _generate(self, prompt_ids, sampling):
+        """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""
+        self.engine.resume()
+        out = self.engine.generate(prompt_ids, sampling)
+        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        return out
+
+    def _score(self, prompts, out):
+        texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
+                   for pi, text in zip(out.prompt_index, texts)]
+        scores, extras = self.reward.score(samples, response_lengths=out.lengths)
+        return scores, extras, texts  # the decoded responses, for logging and majority votes
+
+    def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:
+        """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        rank = f"_rank{self.dist.rank}" if self.dist.is_distributed else ""
+        with open(Path(folder) / f"{self.global_step + 1}{rank}.jsonl", "a") as f:
+            for pi, resp, score in zip(out.prompt_index, responses, scores):
+                prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
+                f.write(json.dumps({"step": self.global_step + 1, "input": prompt, "output": resp, "score": score})
+                        + "\n")
+
+
+def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
+    """(generation batch, row) pairs to train on: every row of a plain step; under DAPO dynamic sampling the rows of
+    the first `num_groups` kept prompt groups (whole groups only, in generation order)."""
+    if "keep" not in parts[0]:
+        return [(0, j) for j in range(len(parts[0]["out"].prompt_index))]
+    groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
+    chosen = set(groups[:num_groups])
+    return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]
