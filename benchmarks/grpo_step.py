@@ -68,6 +68,8 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
 
         cfg = type(cfg)(**{**SHAPES["7b"], "vocab_size": cfg.vocab_size}, max_position_embeddings=32768,
                         rope_theta=1e6, initializer_range=init_std)
+    if shape == "r1-1.5b":  # DeepSeek-R1-Distill-Qwen-1.5B (seed 002): the 1.5B dims with an untied LM head
+        cfg.tie_word_embeddings = False
     if shape == "tiny":  # CPU smoke runs: same code path, a 2-layer model
         cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
