@@ -116,13 +116,14 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
     return out + hand_keys(args) + list(args.extra)
 
 
-def run(args, cfg) -> list[dict] | None:
-    """This process's part of the job; the step metrics on the process that logs them (rank 0), else None."""
+def run(args, cfg, lengths: type = None) -> list[dict] | None:
+    """This process's part of the job (`args.mode`, `args.steps`; every engine wrapped in `lengths`, a
+    `ForcedLengths` class); the step metrics on the process that logs them (rank 0), else None."""
     from polyrl.trainer.ppo import PPOTrainer
 
-    make_engine = PPOTrainer._make_engine
-    PPOTrainer._make_engine = lambda self: ForcedLengths(make_engine(self), args.mean_len, args.max_len,
-                                                         seed=1000 * self.dist.rank)
+    make_engine, wrap = PPOTrainer._make_engine, lengths or ForcedLengths
+    PPOTrainer._make_engine = lambda self: wrap(make_engine(self), args.mean_len, args.max_len,
+                                                seed=1000 * self.dist.rank)
     if args.mode == "offpolicy":
         from polyrl.trainer.async_ppo import AsyncPPOTrainer, RolloutWorker, TRAINER_RANK, join_job
 

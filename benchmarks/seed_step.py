@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offpolicy_step import ForcedLengths  # noqa: E402
+from offpolicy_step import ForcedLengths, run  # noqa: E402
 
 # seed 002's table (verl v0.5.0 and RLinf, 8 H100s); generation "per GPU" is per rollout replica of 2 GPUs there
 SEED = {
@@ -89,41 +89,6 @@ def overrides(args, work: Path) -> list[str]:
     else:
         out.append(f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '1'))}")
     return out + list(args.extra)
-
-
-def run(args, cfg) -> list[dict] | None:
-    from polyrl.trainer.ppo import PPOTrainer
-
-    make_engine = PPOTrainer._make_engine
-    PPOTrainer._make_engine = lambda self: SeedLengths(make_engine(self), args.mean_len, args.max_len,
-                                                       seed=1000 * self.dist.rank)
-    if args.mode == "offpolicy":
-        from polyrl.trainer.async_ppo import TRAINER_RANK, AsyncPPOTrainer, RolloutWorker, join_job
-
-        rank, env = join_job(cfg)
-        if rank != TRAINER_RANK:
-            RolloutWorker(cfg, env).serve()
-            return None
-        trainer = AsyncPPOTrainer(cfg, env)
-        steps = [_step(trainer) for _ in range(args.steps)]
-        trainer.finish()
-        return steps
-    trainer = PPOTrainer(cfg)
-    steps = [_step(trainer) for _ in range(args.steps)]
-    trainer.dist.close()
-    return steps if trainer.dist.is_rank0 else None
-
-
-def _step(trainer) -> dict:
-    t0 = time.perf_counter()
-    m = trainer.step()
-    m["bench/step_wall_s"] = time.perf_counter() - t0
-    if trainer.dist.is_rank0:
-        keys = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
-                "timing_s/exposed_generation", "response_length/mean", "response_length/max", "perf/total_num_tokens")
-        print(f"step {trainer.global_step}: " + " ".join(f"{k.split('/', 1)[1]}={m[k]:.1f}" for k in keys if k in m),
-              flush=True)
-    return m
 
 
 def table(steps: list[dict], *, gpus: int, rollout_gpus: int, train_gpus: int) -> dict:
@@ -190,7 +155,7 @@ def main(argv=None) -> None:
     while not ready.exists():
         time.sleep(0.5)
     args.rollout = rollout_name() if args.device == "cuda" else "hf"
-    steps = run(args, build_config(PPOConfig(), overrides(args, work)))
+    steps = run(args, build_config(PPOConfig(), overrides(args, work)), SeedLengths)
     if steps is None:
         return
     for m in steps:
