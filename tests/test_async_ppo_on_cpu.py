@@ -239,6 +239,7 @@ def test_partial_rollouts_train_on_rows_from_two_weight_versions(tiny_model_dir,
     later = rows[1:]
     assert max(r["async/partial_rollout/frac_rows_resumed"] for r in later) > 0
     assert max(r["async/partial_rollout/version_span_max"] for r in later) >= 1
+    assert all(r["async/partial_rollout/rows_continued_on_kept_cache"] > 0 for r in rows)  # native engine: no prefill
     assert max(r["async/staleness/max"] for r in later) >= 1
     assert all("timing_s/behaviour_log_prob" not in r for r in rows)
 

@@ -218,3 +218,47 @@ def test_bad_requests_fail_with_the_value():
         eng.generate(_prompts([4]), SamplingParams(n=2, forced_lengths=[3]))
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], SamplingParams())
+
+
+def test_rows_kept_at_their_limit_continue_on_their_kv_cache():
+    """Partial rollouts: rows cut at 4 new tokens keep their KV blocks (handles); the next call continues them and
+    greedy decoding gives the one-call tokens and log-probs. Rows past max_num_seqs, and every row after the cache was
+    released, are recomputed from their tokens with the same result; blocks never leak."""
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16, num_kv_tokens=1024)
+    prompts = _prompts([3, 21, 1, 9, 40])
+    full = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=10))
+    for release_between in (False, True):
+        a = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=4, keep_unfinished=True))
+        assert all(h is not None for h in a.handles) and eng.stats["num_kept"] == 5
+        assert not eng.blocks.all_free()  # the kept rows hold their blocks between the calls
+        if release_between:
+            eng.release_memory()
+            eng.resume()
+        cont = [p + t for p, t in zip(prompts, a.token_ids)]
+        b = eng.generate(cont, SamplingParams(n=1, temperature=0.0, max_new_tokens=6, continuations=a.handles))
+        assert eng.stats["num_resumed"] == (0 if release_between else 4)  # max_num_seqs=4: the fifth is recomputed
+        assert eng.blocks.all_free()
+        for i in range(len(prompts)):
+            assert a.token_ids[i] + b.token_ids[i] == full.token_ids[i], i
+            got = torch.tensor(a.logprobs[i] + b.logprobs[i])
+            assert torch.allclose(got, torch.tensor(full.logprobs[i]), atol=1e-4), i
+    # a kept row nobody continues lets its blocks go at the next call
+    eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=4, keep_unfinished=True))
+    eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=2))
+    assert eng.blocks.all_free() and eng.kept == []
+
+
+def test_a_row_whose_last_token_at_the_limit_is_a_stop_token_is_not_kept():
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16, num_kv_tokens=1024)
+    candidates = _prompts([3, 21, 1, 9, 40, 7, 15])
+    full = eng.generate(candidates, SamplingParams(n=1, temperature=0.0, max_new_tokens=4))
+    i = next(i for i, t in enumerate(full.token_ids) if t[3] not in t[:3])  # its 4th token is new: stop there
+    prompts, stop = [candidates[i], candidates[i - 1]], full.token_ids[i][3]
+    a = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=4, keep_unfinished=True,
+                                             stop_token_ids=(stop,)))
+    assert a.finish_reason[0] == "stop" and a.handles[0] is None
+    assert len(eng.kept) == sum(h is not None for h in a.handles)
+    eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
+    assert eng.blocks.all_free()

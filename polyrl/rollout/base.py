@@ -29,6 +29,10 @@ class SamplingParams:
     forced_lengths: list[int] | None = None
     # per-sequence caps (stop tokens still end a row earlier): partial rollouts continue rows with what is left
     max_new_tokens_per_row: list[int] | None = None
+    # partial rollouts: rows stopped by their cap keep their KV cache for the next call (Generation.handles), and
+    # `continuations[p]` (a handle or None, n=1) continues prompt p on that cache; engines without one ignore both
+    keep_unfinished: bool = False
+    continuations: list | None = None
 
     def row_limits(self, num_rows: int) -> list[int] | None:
         """Each row's exact (forced) or maximum new-token count, where set per row; None: `max_new_tokens` for all."""
@@ -56,6 +60,7 @@ class Generation:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (emitted a stop token) or "length"
+    handles: list | None = None  # with SamplingParams.keep_unfinished: per row, its kept KV cache (None: none kept)
 
     @property
     def lengths(self) -> list[int]:

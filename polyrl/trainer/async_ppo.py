@@ -329,16 +329,17 @@ class RolloutWorker:
         the cap, and repeat until enough groups have finished; ship the oldest finished ones."""
         roll, pool, timer = self.roll, self.partial, self.timer
         want, sampling = roll.cfg.data.train_batch_size, roll._sampling_params()
-        calls = 0
+        calls = on_cache = 0
         while not calls or pool.num_done() < want:
             state = copy.deepcopy(roll.sampler.state_dict())
             pool.add(roll.sampler.next_batch(), state)
             prompts, rows, caps = pool.requests()
             with timer.stage("gen"):
-                out = roll.oom.run("gen", lambda: roll._generate(prompts, continuation_sampling(sampling, caps)),
+                out = roll.oom.run("gen", lambda: roll._generate(prompts, continuation_sampling(sampling, rows, caps)),
                                    ctx=StageContext(engine=roll.engine))
             pool.absorb(out, rows, caps, self.version)
             calls += 1
+            on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
         groups = pool.take(want)
         prompts, out = as_part(groups)
         with timer.stage("reward"):
@@ -346,6 +347,7 @@ class RolloutWorker:
         if roll.cfg.trainer.rollout_data_dir:
             roll._dump_generations(roll.cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
         metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
+                   "async/partial_rollout/rows_continued_on_kept_cache": float(on_cache),
                    "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
         part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=None)
         samples, batch, index, metrics = roll._assemble_batch([part], want, metrics)

@@ -6,9 +6,11 @@ decodes at most `async_training.partial_rollout_max_new_tokens` tokens per row; 
 finishing stays in flight and continues in the next call, beside the next batch's new rows, with whatever weights
 the rollout has then. A batch ships the prompt groups whose n rows have all finished, oldest first.
 
-How a row continues: its prompt plus the tokens it has so far are the next call's prompt (re-prefilled under the
-current weights, as vLLM's recompute preemption), not a KV cache kept across calls and weight updates. Prefill is
-compute-bound and cheap next to the decode steps saved. Every token keeps the log-prob the engine sampled it with,
+How a row continues: its prompt plus the tokens it has so far are the next call's prompt. The native engine keeps
+the row's KV cache between the two calls (`SamplingParams.keep_unfinished`, `Generation.handles`), across the
+weight update between them, and feeds only its last token; where no cache was kept (the hf engine, a cache released
+by an OOM retry, more rows than engine seats) the prompt is prefilled again under the current weights, as vLLM's
+recompute preemption. Every token keeps the log-prob the engine sampled it with,
 so the batch's pi_old is the engine's, token by token, across both weight versions (async_ppo.py's default); each
 row is tagged with the first and last weight version that generated it, and its staleness counts from the first.
 
@@ -34,6 +36,7 @@ class Row:
     done: bool = False
     first_version: int | None = None
     last_version: int | None = None
+    handle: object = None  # the engine's kept KV cache of this row (native engine), None: recompute it
 
 
 @dataclass(eq=False)
@@ -68,12 +71,14 @@ class PartialRollouts:
     def absorb(self, out: Generation, rows: list[Row], caps: list[int], version: int) -> None:
         """Append one call's output (one engine row per request, n=1) to the rows it continued."""
         assert len(out.token_ids) == len(rows) == len(caps), (len(out.token_ids), len(rows), len(caps))
-        for row, cap, toks, lps, reason in zip(rows, caps, out.token_ids, out.logprobs, out.finish_reason):
+        for i, (row, cap, toks, lps, reason) in enumerate(zip(rows, caps, out.token_ids, out.logprobs,
+                                                             out.finish_reason)):
             row.tokens += toks
             row.logprobs += lps
             row.finish_reason = reason
             row.first_version = version if row.first_version is None else row.first_version
             row.last_version = version
+            row.handle = out.handles[i] if out.handles is not None else None
             # in flight only when this call stopped it at the cap (not at a stop token, its own end, or the limit)
             row.done = reason == "stop" or len(toks) < cap or len(row.tokens) >= self.max_len
 
@@ -93,7 +98,7 @@ class PartialRollouts:
 
 
 def as_part(groups: list[Group]) -> tuple[list, Generation]:
-    """The finished groups as one generation part of `RolloutBatchMixin._assemble_batch`: prompts and prompt-major rows."""
+    """The finished groups as one part for `RolloutBatchMixin._assemble_batch`: prompts and prompt-major rows."""
     rows = [(i, r) for i, g in enumerate(groups) for r in g.rows]
     out = Generation(prompt_index=[i for i, _ in rows], token_ids=[r.tokens for _, r in rows],
                      logprobs=[r.logprobs for _, r in rows], finish_reason=[r.finish_reason for _, r in rows])
@@ -107,6 +112,8 @@ def row_metrics(groups: list[Group]) -> dict[str, float]:
             "async/partial_rollout/version_span_max": float(max(spans))}
 
 
-def continuation_sampling(sampling, caps: list[int]):
-    """One engine row per request: every row is its own prompt (n=1), with its own new-token limit."""
-    return dataclasses.replace(sampling, n=1, max_new_tokens=max(caps), max_new_tokens_per_row=caps)
+def continuation_sampling(sampling, rows: list[Row], caps: list[int]):
+    """One engine row per request: every row is its own prompt (n=1), with its own new-token limit; rows stopped by
+    the cap keep their KV cache, and rows that kept one continue on it (engines without a cache recompute)."""
+    return dataclasses.replace(sampling, n=1, max_new_tokens=max(caps), max_new_tokens_per_row=caps,
+                               keep_unfinished=True, continuations=[r.handle for r in rows])

@@ -61,6 +61,14 @@ def _hf_rope(hf_model) -> tuple[torch.Tensor, float]:
     return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
 
 
+@dataclass(eq=False)
+class KeptRow:
+    """A row whose KV blocks outlive its `generate` call (`SamplingParams.keep_unfinished`): pass it back in
+    `SamplingParams.continuations` to continue it on that cache; valid for the next call only."""
+
+    seq: Sequence
+
+
 class NativeEngine:
     """Paged-KV, continuously batched, CUDA-graph decoding for Qwen2/2.5/3 and Llama models."""
 
@@ -168,6 +176,7 @@ class NativeEngine:
         self.offloaded = False
         self.released = False
         self.num_calls = 0
+        self.kept: list[KeptRow] = []  # rows whose KV blocks outlive a call (partial rollouts): one call at most
         self.last_update_weights_s = 0.0
         self.stats: dict[str, float] = {}
         self.num_blocks = self._plan_kv(gpu_memory_utilization, num_kv_tokens)
@@ -239,7 +248,9 @@ class NativeEngine:
         self.blocks = BlockManager(self.num_blocks, self.block_size)
 
     def release_memory(self, offload_weights: bool = False) -> None:
-        """Free the KV cache and CUDA graphs (and move weights to host memory if `offload_weights`)."""
+        """Free the KV cache and CUDA graphs (and move weights to host memory if `offload_weights`). Kept rows lose
+        their cache: a later continuation recomputes it."""
+        self.kept = []
         self.graphs = None
         self.kv = self.kv_scale = None
         for layer in self.model.layers:
@@ -389,8 +400,8 @@ class NativeEngine:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        for seq in step.retired:
-            sched.retire(seq)
+        for seq in step.retired:  # at their length limit
+            sched.retire(seq, park=sched.keep_at_limit)
         return _InFlight(step, th, lh, event)
 
     def _gather_decode_meta(self, slots: np.ndarray, pos: np.ndarray) -> AttnMeta:
@@ -458,9 +469,12 @@ class NativeEngine:
             gen.manual_seed(seed)
         stop = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
         sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens, self.max_blocks_per_seq, max_new)
+        resumed = self._resume_kept(sched, prompt_ids, sampling.continuations, max_new) if n == 1 else {}
         parents = [Sequence(row=p * n, prompt_index=p, tokens=list(map(int, ids)), num_prompt=len(ids),
-                            max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids)]
+                            max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids) if p not in resumed]
         sched.waiting.extend(parents)
+        if sampling.keep_unfinished:
+            sched.keep_at_limit = True
         all_seqs: dict[int, Sequence] = {}
         inflight: list[_InFlight] = []
 
@@ -486,18 +500,66 @@ class NativeEngine:
             launched = self._launch(step, sched, sampling, gen)
             drain()
             inflight.append(launched)
-        assert self.blocks.all_free(), "KV blocks leaked"
+        rows = [all_seqs[r] for r in range(num_rows)]
+        handles = self._keep(sched, rows) if sampling.keep_unfinished else None
+        held = {b for h in self.kept for b in h.seq.blocks}
+        assert self.blocks.num_free == self.num_blocks - 1 - len(held), "KV blocks leaked"
         self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
                           prefill_tokens=prefill_tokens,
-                          num_preempted=sched.num_preempted,
+                          num_preempted=sched.num_preempted, num_resumed=len(resumed), num_kept=len(self.kept),
                           graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
-        rows = [all_seqs[r] for r in range(num_rows)]
         return Generation(
             prompt_index=[r // n for r in range(num_rows)],
             token_ids=[s.tokens[s.num_prompt :] for s in rows],
             logprobs=[s.logprobs for s in rows],
             finish_reason=[s.finish_reason for s in rows],
+            handles=handles,
         )
+
+    # ---- partial rollouts: rows that keep their KV cache between calls -----------------------------------------
+    def _resume_kept(self, sched: Scheduler, prompt_ids, continuations, max_new) -> dict[int, Sequence]:
+        """Seat the rows that continue on their kept cache (their last token is fed as a one-token prefill); every
+        other kept row lets its blocks go (a kept row lives one call). Returns {prompt: sequence} of those seated."""
+        kept, self.kept = self.kept, []
+        wanted = {}
+        for p, h in enumerate(continuations or []):
+            if isinstance(h, KeptRow) and any(h is k for k in kept) and h.seq.tokens == list(map(int, prompt_ids[p])):
+                wanted[id(h)] = p
+        resumed = {}
+        for h in kept:
+            p = wanted.get(id(h))
+            if p is None or len(resumed) >= self.max_num_seqs:
+                self.blocks.release(h.seq.blocks)
+                continue
+            seq = h.seq
+            grow = self.blocks.blocks_for(len(seq.tokens)) - len(seq.blocks)  # the last token's K/V is not written
+            if grow > self.blocks.num_free:
+                self.blocks.release(seq.blocks)
+                continue
+            seq.blocks += self.blocks.allocate(grow) if grow > 0 else []
+            seq.row, seq.prompt_index, seq.num_prompt, seq.max_new = p, p, len(seq.tokens), max_new(p)
+            seq.logprobs, seq.finish_reason, seq.done_scheduling, seq.n = [], None, False, 1
+            seq.prefilled, seq.num_cached, seq.length = False, len(seq.tokens) - 1, len(seq.tokens)
+            seq.slot = sched.free_slots.pop()
+            sched._set_blocks(seq)
+            sched.running.append(seq)
+            resumed[p] = seq
+        return resumed
+
+    def _keep(self, sched: Scheduler, rows: list[Sequence]) -> list:
+        """After a call with keep_unfinished: rows that reached their limit without a stop token keep their blocks
+        (handles); the rest, parked by the scheduler until their last token was known, let theirs go."""
+        handles = []
+        for seq in rows:
+            parked = seq in sched.parked
+            if parked and seq.finish_reason == "length":
+                self.kept.append(KeptRow(seq))
+                handles.append(self.kept[-1])
+            else:
+                if parked:
+                    self.blocks.release(seq.blocks)
+                handles.append(None)
+        return handles
 
 
 @register_rollout("native")

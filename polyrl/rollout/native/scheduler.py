@@ -71,6 +71,8 @@ class Scheduler:
         self.drain: Callable[[], None] = lambda: None  # set by the engine: finish the step in flight
         self.num_preempted = 0
         self.watermark = max(1, self.bm.num_blocks // 100)
+        self.keep_at_limit = False  # partial rollouts: a row retired at its length limit keeps its blocks (parked)
+        self.parked: list[Sequence] = []
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _set_blocks(self, seq: Sequence, start: int = 0) -> None:
@@ -88,11 +90,15 @@ class Scheduler:
         self._set_blocks(seq, start)
         return True
 
-    def retire(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and seat (after its last forward was launched; the stream orders reuse)."""
+    def retire(self, seq: Sequence, park: bool = False) -> None:
+        """Free a sequence's blocks and seat (after its last forward was launched; the stream orders reuse). `park`:
+        keep its blocks (the engine decides once the last token is known: engine.py `_keep`)."""
         if seq in self.running:
             self.running.remove(seq)
-        self.bm.release(seq.blocks)
+        if park:
+            self.parked.append(seq)
+        else:
+            self.bm.release(seq.blocks)
         self.bm.release(seq.fork_blocks)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
