@@ -262,3 +262,16 @@ def test_a_row_whose_last_token_at_the_limit_is_a_stop_token_is_not_kept():
     assert len(eng.kept) == sum(h is not None for h in a.handles)
     eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
     assert eng.blocks.all_free()
+
+
+def test_rows_resuming_on_a_kept_cache_prefill_in_a_step_of_their_own():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_blocks_per_seq=16, forced_max_new=lambda r: 5)
+    kept = Sequence(row=0, prompt_index=0, tokens=list(range(30)), num_prompt=30, max_new=5)
+    kept.blocks, kept.num_cached, kept.resumed, kept.slot = bm.allocate(8), 29, True, sched.free_slots.pop()
+    sched.running.append(kept)
+    sched.waiting.append(Sequence(row=1, prompt_index=1, tokens=list(range(12)), num_prompt=12, max_new=5))
+    first = sched.schedule()
+    assert first.seqs == [kept] and first.chunks == [(29, 1)] and not kept.resumed  # one query over 30 positions
+    second = sched.schedule()
+    assert [s.row for s in second.seqs] == [1] and second.chunks == [(0, 12)]  # then the new prompt, as usual

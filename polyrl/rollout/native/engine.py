@@ -539,7 +539,7 @@ class NativeEngine:
             seq.blocks += self.blocks.allocate(grow) if grow > 0 else []
             seq.row, seq.prompt_index, seq.num_prompt, seq.max_new = p, p, len(seq.tokens), max_new(p)
             seq.logprobs, seq.finish_reason, seq.done_scheduling, seq.n = [], None, False, 1
-            seq.prefilled, seq.num_cached, seq.length = False, len(seq.tokens) - 1, len(seq.tokens)
+            seq.prefilled, seq.num_cached, seq.length, seq.resumed = False, len(seq.tokens) - 1, len(seq.tokens), True
             seq.slot = sched.free_slots.pop()
             sched._set_blocks(seq)
             sched.running.append(seq)

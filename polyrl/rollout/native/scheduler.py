@@ -41,6 +41,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     done_scheduling: bool = False
     finish_reason: str | None = None
+    resumed: bool = False  # continues on a KV cache kept from an earlier call (engine.py `_resume_kept`)
 
     def __post_init__(self):
         self.length = len(self.tokens)
@@ -106,7 +107,7 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence) -> None:
         self.retire(victim)
-        victim.num_cached, victim.prefilled = 0, False
+        victim.num_cached, victim.prefilled, victim.resumed = 0, False, False
         self.waiting.appendleft(victim)
         self.num_preempted += 1
 
@@ -123,12 +124,16 @@ class Scheduler:
     def _schedule_prefill(self) -> Step | None:
         budget = self.max_num_batched_tokens
         seqs, chunks = [], []
-        for seq in self.running:  # unfinished chunked prefills first
-            if not seq.prefilled and budget > 0:
+        unfinished = [s for s in self.running if not s.prefilled]
+        # rows resuming on a kept cache feed one token each over long contexts: a step of their own, so the padded
+        # prefill attention ([rows, queries, context]) stays one query wide
+        alone = any(s.resumed for s in unfinished)
+        for seq in unfinished:  # unfinished chunked prefills first
+            if budget > 0 and seq.resumed == alone:
                 c = min(seq.length - seq.num_cached, budget)
                 seqs.append(seq), chunks.append((seq.num_cached, c))
                 budget -= c
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not alone:
             seq = self.waiting[0]
             if sum(s.n for s in self.running) + seq.n > self.max_num_seqs:  # an unforked prompt holds n seats
                 break
@@ -152,7 +157,7 @@ class Scheduler:
         for i, (seq, (start, c)) in enumerate(zip(seqs, chunks)):
             seq.num_cached = start + c
             if seq.num_cached == seq.length:
-                seq.prefilled = True
+                seq.prefilled, seq.resumed = True, False
                 for s in [seq] + self._fork(seq, step):
                     step.sample_seqs.append(s), step.sample_src.append(i)
         self._after_sampling(step)
