@@ -83,13 +83,15 @@ def hand_keys(args) -> list[str]:
     return hand
 
 
-def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
+def overrides(args, work: Path, model_dir: Path, tok_dir: Path, prompt_len: int = 128) -> list[str]:
+    """The `polyrl train` keys of a run: `args` has mode, prompts, n, max_len, steps, rollout, device, max_age,
+    the memory flags (`hand_keys`) and extra; colocated runs use every process of the job."""
     run = work / f"run_{args.mode}"
     out = [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={work / 'train.parquet'}",
         f"data.train_batch_size={args.prompts}",
-        "data.max_prompt_length=128",
+        f"data.max_prompt_length={prompt_len}",
         f"data.max_response_length={args.max_len}",
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.model.tokenizer_path={tok_dir}",
@@ -112,7 +114,7 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path) -> list[str]:
     if args.mode == "offpolicy":
         out += ["actor_rollout_ref.hybrid_engine=False", f"async_training.max_trajectory_age_steps={args.max_age}"]
     else:
-        out += ["trainer.n_gpus_per_node=2"]
+        out += [f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '2'))}"]
     return out + hand_keys(args) + list(args.extra)
 
 

@@ -59,36 +59,13 @@ class SeedLengths(ForcedLengths):
 
 
 def overrides(args, work: Path) -> list[str]:
-    out = [
-        "algorithm.adv_estimator=grpo",
-        f"data.train_files={work / 'train.parquet'}",
-        f"data.train_batch_size={args.seqs // args.n}",
-        f"data.max_prompt_length={args.prompt}",
-        f"data.max_response_length={args.max_len}",
-        f"actor_rollout_ref.model.path={work / 'model'}",
-        f"actor_rollout_ref.model.tokenizer_path={work / 'tokenizer'}",
-        "actor_rollout_ref.actor.optim.lr=1e-6",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.seqs // args.n}",
-        "actor_rollout_ref.actor.use_kl_loss=False",
-        "actor_rollout_ref.actor.entropy_coeff=0",
-        f"actor_rollout_ref.rollout.name={args.rollout}",
-        f"actor_rollout_ref.rollout.n={args.n}",
-        f"custom_reward_function.path={work / 'reward.py'}",
-        "trainer.logger=[]",
-        f"trainer.run_dir={work / ('run_' + args.mode)}",
-        f"trainer.default_local_dir={work / ('run_' + args.mode) / 'ckpt'}",
-        f"trainer.total_training_steps={args.steps}",
-        "trainer.val_before_train=False",
-        "trainer.resume_mode=disable",
-        "trainer.save_freq=-1",
-        f"trainer.device={args.device}",
-        "trainer.progress_bar=False",
-    ]
-    if args.mode == "offpolicy":
-        out.append("actor_rollout_ref.hybrid_engine=False")
-    else:
-        out.append(f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '1'))}")
-    return out + list(args.extra)
+    """offpolicy_step.py's keys for this shape (memory keys on auto), no checkpoints."""
+    from offpolicy_step import overrides as run_keys
+
+    args.prompts, args.max_age, args.grad_ckpt, args.max_token_len = args.seqs // args.n, 1, "auto", None
+    args.gpu_mem_colocated = args.gpu_mem_rollout = None
+    keys = run_keys(args, work, work / "model", work / "tokenizer", prompt_len=args.prompt)
+    return keys[:len(keys) - len(args.extra)] + ["trainer.save_freq=-1"] + list(args.extra)  # the user's keys last
 
 
 def table(steps: list[dict], *, gpus: int, rollout_gpus: int, train_gpus: int) -> dict:
