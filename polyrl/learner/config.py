@@ -168,7 +168,8 @@ class ActorConfig:
     data_loader_seed: int | None = None
     """Seed of the mini-batch shuffle (actor.shuffle); None: trainer.seed."""
     use_torch_compile: bool | None = None
-    """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA."""
+    """torch.compile each decoder layer (+26% update tok/s on H200, NOTES_training.md); None: auto, on with CUDA
+    where a step's update is big enough to repay a ~20 s cold compile (learner/memory.py `compile_choice`)."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallel degree (needs as many GPUs)."""
     entropy_from_logits_with_chunking: bool = True
