@@ -11,14 +11,18 @@ HEADER = ("| date | device | benchmark | shape / config | polyrl | peer (name: v
 
 
 def commit() -> str:
-    """The measured code's commit: $POLYRL_COMMIT when the run happens in an exported tree without .git."""
+    """The measured code's commit: $POLYRL_COMMIT when set (a copied tree whose .git is stale or missing: pass the
+    commit the copy was made from), else HEAD, marked `+changes` when tracked files differ from it (the device
+    machine's copy once reported an older HEAD for newer code)."""
     import os
 
     if os.environ.get("POLYRL_COMMIT"):
         return os.environ["POLYRL_COMMIT"]
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=Path(__file__).parent).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "-"
+        head = git("rev-parse", "--short", "HEAD") or "-"
+        return head + ("+changes" if head != "-" and git("status", "--porcelain", "--untracked-files=no") else "")
     except OSError:
         return "-"
 
