@@ -332,9 +332,9 @@ class FirstUpdateCalibration:
     fit (the plan's per-token estimate was checked at 1k-token responses; on 2 H100s with 4k-token responses, 1.5B,
     one step fit and the next ran out of memory). All processes take the smallest budget any of them needs."""
 
-    def __init__(self, cfg, device: torch.device, optimizer, dist, log=print):
+    def __init__(self, cfg, device: torch.device, optimizer, dist, log=print, enabled: bool = True):
         self.cfg, self.device, self.optimizer, self.dist, self.log = cfg, device, optimizer, dist, log
-        self.pending = device.type == "cuda"
+        self.pending = enabled and device.type == "cuda"  # enabled: plan_memory chose the budget
 
     @contextlib.contextmanager
     def around_update(self):

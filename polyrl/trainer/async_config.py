@@ -55,7 +55,6 @@ def check_async(cfg) -> None:
                           "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
 
 
-
 def check_partial_rollout(cfg) -> None:
     from polyrl.errors import ConfigError
 

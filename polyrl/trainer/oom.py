@@ -84,11 +84,9 @@ def release_kept_cache(cfg, ctx: StageContext) -> Change | None:
 
 def shrink_update(cfg, ctx: StageContext) -> Change | None:
     roles = cfg.actor_rollout_ref
-    change = release_kept_cache(cfg, ctx)
-    if change is not None:
-        return change
-    change = _halve_budget(roles.actor, "actor_rollout_ref.actor.", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
-                           "ppo_micro_batch_size_per_gpu", ctx)
+    change = release_kept_cache(cfg, ctx) or _halve_budget(
+        roles.actor, "actor_rollout_ref.actor.", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+        "ppo_micro_batch_size_per_gpu", ctx)
     if change is None and not roles.model.enable_gradient_checkpointing and ctx.model is not None:
         ctx.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         roles.model.enable_gradient_checkpointing = True

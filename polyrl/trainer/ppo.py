@@ -148,9 +148,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         self.ref_model = self._make_reference(model)
         self.oom = OOMGuard(cfg, distributed=self.dist.is_distributed, optimizers=[optimizer])  # trainer/oom.py
         # an auto token budget is checked against the first update's measured peak (learner/memory.py)
-        self.calibration = FirstUpdateCalibration(cfg, self.device, optimizer, self.dist,
-                                                  log=print if self.dist.is_rank0 else lambda _: None)
-        self.calibration.pending &= any(c.key.endswith("actor.ppo_max_token_len_per_gpu") for c in made)
+        self.calibration = FirstUpdateCalibration(
+            cfg, self.device, optimizer, self.dist, log=print if self.dist.is_rank0 else lambda _: None,
+            enabled=any(c.key.endswith("actor.ppo_max_token_len_per_gpu") for c in made))
         self.critic = self._make_critic() if cfg.critic.enable else None
         self.kl_ctrl = make_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
 

@@ -521,10 +521,9 @@ class NativeEngine:
         """Seat the rows that continue on their kept cache (their last token is fed as a one-token prefill); every
         other kept row lets its blocks go (a kept row lives one call). Returns {prompt: sequence} of those seated."""
         kept, self.kept = self.kept, []
-        wanted = {}
-        for p, h in enumerate(continuations or []):
-            if isinstance(h, KeptRow) and any(h is k for k in kept) and h.seq.tokens == list(map(int, prompt_ids[p])):
-                wanted[id(h)] = p
+        mine = {id(h) for h in kept}
+        wanted = {id(h): p for p, h in enumerate(continuations or [])
+                  if id(h) in mine and h.seq.tokens == list(map(int, prompt_ids[p]))}
         resumed = {}
         for h in kept:
             p = wanted.get(id(h))

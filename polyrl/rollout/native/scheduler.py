@@ -73,7 +73,7 @@ class Scheduler:
         self.num_preempted = 0
         self.watermark = max(1, self.bm.num_blocks // 100)
         self.keep_at_limit = False  # partial rollouts: a row retired at its length limit keeps its blocks (parked)
-        self.parked: list[Sequence] = []
+        self.parked: set[Sequence] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _set_blocks(self, seq: Sequence, start: int = 0) -> None:
@@ -97,7 +97,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if park:
-            self.parked.append(seq)
+            self.parked.add(seq)
         else:
             self.bm.release(seq.blocks)
         self.bm.release(seq.fork_blocks)
