@@ -9,31 +9,41 @@
 #      7B's fp32 master weights + Adam (~122 GB): no chance on an 80 GB card, a try on a 141 GB one (it did not
 #      fit with activations in the 2026-11-21 update runs); a trainer pool of several GPUs is not built yet
 # Rows go to $OUT/rows.md (append them to BENCHMARKS.md by hand), logs to $OUT/*.log.
-#   usage: bash benchmarks/offpolicy_session.sh [1.5b|partial|recompute|learn|7b|all]  (a 2-GPU machine counts its whole held time:
-#   run one phase a call; each benchmark run is capped at 5 min, each quickstart at 7)
+#   4. (PHASE=prefetch) issue 19's fsdp_config.forward_prefetch A/B: multi_gpu.py 1.5b over 2 GPUs, off then on
+#   usage: bash benchmarks/offpolicy_session.sh PHASE [PHASE ...]   PHASE: 1.5b (= colocated offpolicy), colocated,
+#   offpolicy, partial (= partial2k partial1k), partial2k, partial1k, recompute, learn, prefetch, 7b, all
+#   (a 2-GPU machine counts its whole held time: keep a call under 10 min; each benchmark run is capped at 5 min,
+#   each quickstart at 7)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false POLYRL_CACHE=/tmp/pcache  # both quickstarts share one SFT start
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PHASE=${1:-all}
+PHASES=" ${*:-all} "
+has() {  # has <phase> <group...>: the phase, one of its groups, or all was asked for
+  local p; for p in "$@" all; do [[ "$PHASES" == *" $p "* ]] && return 0; done; return 1
+}
 step() {  # step <name> <shape> <mode> <args...>
   local name=$1 shape=$2 mode=$3; shift 3
   timeout 300 torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode "$mode" --shape "$shape" \
     --rows-out "$OUT/rows.md" --json-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$?"; grep -E '^step |^SUMMARY' "$OUT/$name.log" | tail -7
 }
-if [ "$PHASE" = 1.5b ] || [ "$PHASE" = all ]; then
-  step colocated 1.5b colocated
-  step offpolicy 1.5b offpolicy
+has colocated 1.5b && step colocated 1.5b colocated
+has offpolicy 1.5b && step offpolicy 1.5b offpolicy
+# rows past 2048 (1024) new tokens continue in the next call
+has partial2k partial && step offpolicy_partial 1.5b offpolicy --extra async_training.partial_rollout=True
+has partial1k partial && step offpolicy_partial1k 1.5b offpolicy --extra async_training.partial_rollout=True \
+  async_training.partial_rollout_max_new_tokens=1024
+if has prefetch; then
+  for flag in "" --forward-prefetch; do
+    timeout 240 torchrun --standalone --nproc_per_node=2 benchmarks/multi_gpu.py --shape 1.5b --micro 4 $flag \
+      --out "$OUT/prefetch.jsonl" >"$OUT/prefetch${flag:+_on}.log" 2>&1
+    echo "multi_gpu ${flag:-no prefetch} rc=$?"; tail -4 "$OUT/prefetch${flag:+_on}.log"
+  done
 fi
-if [ "$PHASE" = partial ] || [ "$PHASE" = all ]; then  # rows past 2048 new tokens continue in the next call
-  step offpolicy_partial 1.5b offpolicy --extra async_training.partial_rollout=True
-  step offpolicy_partial1k 1.5b offpolicy --extra async_training.partial_rollout=True \
-    async_training.partial_rollout_max_new_tokens=1024
-fi
-if [ "$PHASE" = recompute ] || [ "$PHASE" = all ]; then
+if has recompute; then
   step offpolicy_recompute 1.5b offpolicy --extra algorithm.rollout_correction.rollout_is=token
 fi
-if [ "$PHASE" = learn ] || [ "$PHASE" = all ]; then
+if has learn; then
   for mode in onpolicy offpolicy; do
     extra=(); [ "$mode" = offpolicy ] && extra=(actor_rollout_ref.hybrid_engine=False)
     CUDA_VISIBLE_DEVICES=$([ "$mode" = onpolicy ] && echo 0 || echo 0,1) timeout 420 \
@@ -49,7 +59,7 @@ for line in open(sys.argv[1]):
 EOF
   done
 fi
-if [ "$PHASE" = 7b ] || [ "$PHASE" = all ]; then
+if has 7b; then
   step colocated_7b 7b colocated --prompts 32
   step offpolicy_7b 7b offpolicy --prompts 32
 fi

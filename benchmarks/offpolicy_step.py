@@ -149,9 +149,11 @@ def _timed_step(trainer) -> dict:
     m["bench/step_wall_s"] = time.perf_counter() - t0
     keys = ("timing_s/step", "timing_s/gen", "timing_s/exposed_generation", "timing_s/rollout_idle",
             "timing_s/update_actor", "timing_s/update_weights", "timing_s/behaviour_log_prob", "timing_s/old_log_prob",
-            "perf/total_num_tokens", "perf/throughput", "response_length/mean", "response_length/max")
+            "perf/total_num_tokens", "perf/throughput", "response_length/mean", "response_length/max",
+            "async/partial_rollout/frac_rows_resumed", "async/partial_rollout/gen_calls",
+            "async/partial_rollout/rows_continued_on_kept_cache", "async/partial_rollout/groups_in_flight")
     if trainer.dist.is_rank0:
-        print(f"step {trainer.global_step}: " + " ".join(f"{k.split('/', 1)[1]}={m[k]:.2f}" for k in keys if k in m),
+        print(f"step {trainer.global_step}: " + " ".join(f"{k.rsplit('/', 1)[1]}={m[k]:.2f}" for k in keys if k in m),
               flush=True)
     return m
 
@@ -214,6 +216,9 @@ def main(argv=None) -> None:
                "update_weights_s": float(np.mean([m.get("timing_s/update_weights", 0) for m in timed])),
                "rollout": args.rollout, "tokens_per_s_per_gpu_each_step": per_step,
                "median_tokens_per_s_per_gpu": float(np.median(per_step))}
+    partial = {k.rsplit("/", 1)[1]: float(np.mean([m[k] for m in timed])) for k in timed[0]
+               if k.startswith("async/partial_rollout/")}
+    summary.update(partial)
     print("SUMMARY " + json.dumps(summary), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=1, default=str))
@@ -228,7 +233,8 @@ def main(argv=None) -> None:
                  f"{args.mean_len} max {args.max_len}; {split}; {memory}{extra}; step {summary['step_s']:.1f}s, gen "
                  f"{summary['gen_s']:.1f}s, exposed gen {summary['exposed_generation_s']:.1f}s, update "
                  f"{summary['update_actor_s']:.1f}s, weights {summary['update_weights_s']:.2f}s; {len(timed)} timed "
-                 f"steps (after {args.warmup}), each: {', '.join(f'{t:.0f}' for t in per_step)} tok/s/GPU")
+                 f"steps (after {args.warmup}), each: {', '.join(f'{t:.0f}' for t in per_step)} tok/s/GPU"
+                 + "".join(f"; {k} {v:.2f}" for k, v in partial.items()))
         append_row(summary["device"], f"offpolicy_step ({args.mode}) tok/s/GPU", shape, f"{tps_gpu:.0f}",
                    peer="NeMo RL Llama-3.1-8B 16xH100: 1562 on-policy, 2161 1-step off (1.38x)",
                    path=args.rows_out)
