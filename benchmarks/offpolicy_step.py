@@ -60,8 +60,8 @@ class ForcedLengths:
         fresh = iter(self.lengths(len(prompt_ids)))
         total = [self.left.pop(tuple(p), None) or next(fresh) for p in prompt_ids]
         forced = [max(1, min(t, c)) for t, c in zip(total, caps)]
-        out = self.inner.generate(prompt_ids, dataclasses.replace(
-            sampling, forced_lengths=forced, max_new_tokens_per_row=None, ignore_eos=True, max_new_tokens=max(forced)))
+        # the caps stay: a row shorter than its cap ends as at EOS and frees its cache; one at its cap keeps it
+        out = self.inner.generate(prompt_ids, dataclasses.replace(sampling, forced_lengths=forced, ignore_eos=True))
         for p, toks, t in zip(prompt_ids, out.token_ids, total):
             if t > len(toks):
                 self.left[tuple(p) + tuple(toks)] = t - len(toks)

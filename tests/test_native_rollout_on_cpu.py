@@ -275,3 +275,32 @@ def test_rows_resuming_on_a_kept_cache_prefill_in_a_step_of_their_own():
     assert first.seqs == [kept] and first.chunks == [(29, 1)] and not kept.resumed  # one query over 30 positions
     second = sched.schedule()
     assert [s.row for s in second.seqs] == [1] and second.chunks == [(0, 12)]  # then the new prompt, as usual
+
+
+def test_waiting_prompts_join_in_batches_not_one_prefill_step_each():
+    """64 one-row prompts, 32 seats, rows ending one by one: prompts join once 4 seats (an eighth) are free, so the
+    32 that wait take about 8 prefill steps, not 32; greedy tokens equal those of a call with a seat for every row."""
+    m = _tiny()
+    prompts = _prompts([6] * 64, seed=3)
+    lengths = [4 + (7 * i) % 29 for i in range(64)]
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=32, forced_lengths=lengths)
+    roomy = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=64, num_kv_tokens=4096)
+    want = roomy.generate(prompts, sp).token_ids
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=32, num_kv_tokens=4096)
+    assert eng.generate(prompts, sp).token_ids == want
+    prefill_steps = eng.stats["num_steps"] - eng.stats["num_decode_steps"]
+    assert prefill_steps <= 1 + 32 // 4 + 2, prefill_steps  # the first 32 in one step (256 tokens), then batches
+
+
+def test_with_forced_lengths_only_rows_at_their_cap_keep_a_cache():
+    """Benchmarks emulate EOS with forced lengths: a row that ends before its cap frees its blocks at once, as a row
+    ending at a stop token; a row forced to its cap is kept for the next call."""
+    m = _tiny()
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=4, num_kv_tokens=1024)
+    prompts = _prompts([5, 7, 3, 9])
+    out = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=6, forced_lengths=[6, 2, 6, 3],
+                                               max_new_tokens_per_row=[6, 6, 6, 6], keep_unfinished=True))
+    assert [h is not None for h in out.handles] == [True, False, True, False]
+    assert len(eng.kept) == 2
+    eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
+    assert eng.blocks.all_free()

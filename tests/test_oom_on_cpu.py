@@ -54,7 +54,7 @@ def test_auto_choices_follow_free_memory(monkeypatch):
     assert margin <= 0.76 * none + 1024 and margin < none
     # explicit user values are not choices
     assert set(_choose(74, compile_layers=False, checkpointing=True)) == {"update_tokens", "logprob_tokens", "engine",
-                                                                           "free_cache"}
+                                                                           "free_cache", "seats"}
 
 
 SMOLLM2_135M = memory.ModelShape(hidden=576, intermediate=1536, num_layers=30, vocab=49152,
@@ -329,3 +329,13 @@ def test_an_update_that_runs_out_of_memory_first_lets_a_kept_kv_cache_go():
     second = shrink_update(cfg, StageContext(engine=engine))  # then the token budget, as before
     assert second.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" and second.new == 4096
     assert engine.released == 1
+
+
+def test_auto_seats_decode_every_row_of_a_call_at_once_where_the_cache_holds_them():
+    """512 rows on one GPU (the off-policy rollout) get 512 seats instead of two waves at verl's 256; a cache too
+    small for them at full length keeps fewer seats, never below 256; more than 1024 rows stop at 1024."""
+    assert _choose(74, num_rollout_rows=512)["seats"].value == 512
+    assert _choose(74, num_rollout_rows=64)["seats"].value == 256
+    assert _choose(74, num_rollout_rows=4096)["seats"].value == 1024
+    squeezed = _choose(74, num_rollout_rows=1024, max_seq_len=32768)["seats"].value
+    assert 256 <= squeezed < 1024

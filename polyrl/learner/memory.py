@@ -40,6 +40,8 @@ HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA c
 MEASURED_HEADROOM = 0.05  # of total memory, above a measured peak (allocator overhead; expandable segments keep it low)
 COMPILE_MIN_UPDATE_S = 1.0  # estimated update compute per step below which a cold compile (~20 s) does not pay
 COMPILE_ESTIMATE_MFU = 0.35  # for that estimate: the update's typical model-FLOPs utilisation (BENCHMARKS.md)
+DEFAULT_MAX_NUM_SEQS = 256  # verl's rollout.max_num_seqs; auto seats never go below it
+MAX_AUTO_NUM_SEQS = 1024  # auto seats (CUDA graphs are captured up to this batch)
 MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 
 
@@ -136,8 +138,9 @@ def compile_choice(shape: ModelShape, *, cuda: bool, tokens_per_step: int, peak_
 def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
            checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048,
-           peak_flops: float = 0.0) -> dict[str, Choice]:
+           peak_flops: float = 0.0, trains: bool = True) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
+    `trains=False`: a process that only generates (the off-policy rollout GPU) holds no optimizer state.
 
     `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
     rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
@@ -149,7 +152,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                                         peak_flops=peak_flops)
         compile_layers = out["compile"].value
     engine = shape.num_params * 2 if engine_on_device else 0
-    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
+    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size) if trains else 0
     head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
     static = optimizer + engine + head + extra_static
     spare = free - HEADROOM * total - static
@@ -185,6 +188,13 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
         out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
                                f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
                                f"+ {engine / GiB:.1f} GiB weights; {room / GiB:.1f} GiB left beside the trainer")
+        # every row of a call decodes at once where the cache holds them at full length: no second wave, no tail
+        # paid twice (512 rows on one H100 at 256 seats decode in two waves)
+        fit = int((min(want, room) - engine - 2 * GiB) / ((max_seq_len + 32) * shape.kv_bytes_per_token))
+        seats = max(DEFAULT_MAX_NUM_SEQS, min(MAX_AUTO_NUM_SEQS, num_rollout_rows, fit) // 8 * 8)
+        out["seats"] = Choice("actor_rollout_ref.rollout.max_num_seqs", seats,
+                              f"{num_rollout_rows} rows per generation call, {max(0, fit)} fit the KV cache at full "
+                              f"length; between {DEFAULT_MAX_NUM_SEQS} (verl's default) and {MAX_AUTO_NUM_SEQS}")
         # the KV cache may stay through the update when both fit: no re-allocation, CUDA graphs kept
         cache = min(0.95, util) * total - engine
         need = budget * per_token
@@ -211,9 +221,9 @@ def resolve_switches(cfg) -> None:
                                                                    and role.log_prob_micro_batch_size is None)
 
 
-def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> list[Choice]:
+def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role: str = "colocated") -> list[Choice]:
     """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`); print each choice
-    once. Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv)
+    once. `role`: colocated (trains and generates), train (no engine on this GPU) or rollout (no optimizer). Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv)
     every rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
     world_size = dist.world_size if dist is not None else 1
@@ -236,7 +246,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
     rows = data.train_batch_size * r.n // max(1, world_size)
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
-                     engine_on_device=device.type == "cuda" and r.name == "native",
+                     engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",
+                     trains=role != "rollout",
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
                      peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0)
@@ -259,6 +270,11 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print) -> li
          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", read=r.log_prob_use_dynamic_bsz)
     take("logprob_tokens", ref, "log_prob_max_token_len_per_gpu",
          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", read=uses_ref and ref.log_prob_use_dynamic_bsz)
+    if r.max_num_seqs is None:  # logged where it differs from verl's default
+        seats = choices.get("seats")
+        r.max_num_seqs = seats.value if seats else DEFAULT_MAX_NUM_SEQS
+        if seats and seats.value != DEFAULT_MAX_NUM_SEQS:
+            made.append(seats)
     engine_auto = r.gpu_memory_utilization is None
     if engine_auto:
         if "engine" in choices:

@@ -25,7 +25,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # EOS ids; generation stops after emitting one
     ignore_eos: bool = False
     seed: int | None = None
-    # per-sequence forced lengths (benchmarks use these to model a long-tailed length distribution)
+    # per-sequence forced lengths (benchmarks use these to model a long-tailed length distribution); a row that ends
+    # at its forced length ends as at a stop token: with keep_unfinished only a forced length at the cap keeps a cache
     forced_lengths: list[int] | None = None
     # per-sequence caps (stop tokens still end a row earlier): partial rollouts continue rows with what is left
     max_new_tokens_per_row: list[int] | None = None

@@ -67,8 +67,9 @@ class RolloutConfig:
     """Max tokens per engine step (prefill chunking)."""
     max_model_len: int | None = None
     """Max prompt + response length the KV cache is sized for."""
-    max_num_seqs: int = 256
-    """Max sequences decoded at once (hf engine: rows per generate call)."""
+    max_num_seqs: int | None = None
+    """Max sequences decoded at once (hf engine: rows per generate call); None: auto, the rows of one generation
+    call where the KV cache holds them at full length, between 256 (verl's default) and 1024 (learner/memory.py)."""
     enable_chunked_prefill: bool = True
     """Split long prefills into chunks of max_num_batched_tokens."""
     enable_prefix_caching: bool = True

@@ -174,6 +174,8 @@ class _MirroredGenerator:
 class AsyncPPOTrainer(PPOTrainer):
     """`PPOTrainer` whose batches come from the rollout process (module docstring)."""
 
+    ROLE = "train"
+
     def __init__(self, cfg, dist_env: DistEnv):
         self._sender = WeightSender(ROLLOUT_RANK, _bucket_bytes(cfg))
         if cfg.actor_rollout_ref.rollout.free_cache_engine is None:  # no engine cache on this GPU to keep
@@ -252,6 +254,13 @@ def _rollout_lost(what: str, ckpt_dir: str):
 
 
 # ------------------------------------------------------------------------------------------------ rollout side
+class _RolloutRole(PPOTrainer):
+    """The rollout process's engine, sampler and reward: a PPOTrainer that never updates, so its GPU's memory plan
+    holds no optimizer state (more KV cache)."""
+
+    ROLE = "rollout"
+
+
 class RolloutWorker:
     """The rollout process: generates and scores batch after batch with the newest weights the age limit allows
     (evaluating stale batches' behaviour log-probs where decoupled rollout correction asks for them), and sends each
@@ -271,7 +280,7 @@ class RolloutWorker:
         # timestamped run directory is only chosen in the trainer process)
         cfg.trainer.run_dir = os.path.join(cfg.trainer.run_dir or tempfile.mkdtemp(prefix="polyrl-"), "rollout")
         self.max_age = cfg.async_training.max_trajectory_age_steps
-        self.roll = PPOTrainer(cfg, dist=dist_env)
+        self.roll = _RolloutRole(cfg, dist=dist_env)
         self.timer = StepTimer()
         spec = tensor_spec(merged_state_dict(self.roll.model).items())
         self.receiver = WeightReceiver(TRAINER_RANK, spec, _bucket_bytes(cfg), self.roll.device)

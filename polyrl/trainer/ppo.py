@@ -87,6 +87,8 @@ _NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
+    ROLE = "colocated"  # what this process's GPU holds (memory.plan_memory): the off-policy roles say train/rollout
+
     def __init__(self, cfg: PPOConfig, dist: DistEnv | None = None):
         """`dist`: the process view to train in; None joins the torchrun job (the off-policy pipeline passes each
         role a one-process view of its own, trainer/async_ppo.py)."""
@@ -124,7 +126,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
 
         model = load_policy(roles.model, device=self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
-        made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None)
+        made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None,
+                           role=self.ROLE)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 

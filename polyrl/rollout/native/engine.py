@@ -401,7 +401,7 @@ class NativeEngine:
             event = torch.cuda.Event()
             event.record()
         for seq in step.retired:  # at their length limit
-            sched.retire(seq, park=sched.keep_at_limit)
+            sched.retire(seq, park=sched.keep_at_limit(seq.row))
         return _InFlight(step, th, lh, event)
 
     def _gather_decode_meta(self, slots: np.ndarray, pos: np.ndarray) -> AttnMeta:
@@ -473,8 +473,9 @@ class NativeEngine:
         parents = [Sequence(row=p * n, prompt_index=p, tokens=list(map(int, ids)), num_prompt=len(ids),
                             max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids) if p not in resumed]
         sched.waiting.extend(parents)
-        if sampling.keep_unfinished:
-            sched.keep_at_limit = True
+        if sampling.keep_unfinished:  # a row stopped at its cap, not at a forced length (an emulated end)
+            caps = sampling.max_new_tokens_per_row
+            sched.keep_at_limit = lambda r: max_new(r) >= (caps[r] if caps is not None else sampling.max_new_tokens)
         all_seqs: dict[int, Sequence] = {}
         inflight: list[_InFlight] = []
 
