@@ -17,7 +17,7 @@ import torch
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896]
     sizes = [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
     return sizes
 

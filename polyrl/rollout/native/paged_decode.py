@@ -26,17 +26,22 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
 
 
-@triton.jit
+# SPLITS is a runtime argument that Triton must not specialise: it follows the batch size (few rows, many splits), and
+# as a constexpr each new value compiled both kernels again, 0.5-1 s each, inside the rollouts where an RL run's
+# lengths first spread out (SmolLM2-135M on an H100: steps 6-10 took 0.8 s against 0.2 s). MULTI = SPLITS > 1 stays
+# a constexpr: the one-split variant writes the final output in the activation dtype.
+@triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
     Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt,
-    stride_ot, stride_oh, stride_os,
+    stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
-    # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
+    # MULTI False (SPLITS == 1): O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32
+    # [T, H, SPLITS, D]
     s = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -95,12 +100,12 @@ def _paged_decode_kernel(
     gm = g < G
     o_ptr = O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=gm[:, None])
-    if SPLITS > 1:
+    if MULTI:
         tl.store(LSE + (s * (G * tl.num_programs(1)) + heads) * SPLITS + sp, lse, mask=gm)
 
 
-@triton.jit
-def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["SPLITS"])
+def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
     # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits. Empty splits (lse -1e30, from
     # splits past a short context) get weight 0 and their partials are never read, so many splits cost little there.
     r = tl.program_id(0).to(tl.int64)
@@ -123,8 +128,8 @@ def _combine_kernel(O, LSE, OUT, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.c
 def combine_splits(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Merge split-K partials o [T, H, SPLITS, D] (fp32) with their log-sum-exps [T, H, SPLITS] into out [T, H, D]."""
     T, H, splits, D = o.shape
-    _combine_kernel[(T * H,)](o, lse, out, SPLITS=splits, SP=triton.next_power_of_2(splits), D=D,
-                              CHUNK=min(16, triton.next_power_of_2(splits)), num_warps=4)
+    assert splits <= MAX_SPLITS, (splits, MAX_SPLITS)
+    _combine_kernel[(T * H,)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D, CHUNK=16, num_warps=4)
     return out
 
 
@@ -155,9 +160,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     fp8 = k_scale is not None
     common = (q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots, meta.block_tables, meta.context_lens, o, lse, scale,
               q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-              meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2))
+              meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits)
     c = CONFIG_FP8 if fp8 else CONFIG
-    knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], SPLITS=splits, IEEE=q_THD.dtype == torch.float32,
+    knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32,
                  FP8=fp8, KVH=kvh,
                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)

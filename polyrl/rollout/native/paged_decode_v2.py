@@ -114,17 +114,18 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_v2_kernel(
     Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt,
-    stride_ot, stride_oh, stride_os,
+    stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
-    # SPLITS == 1: O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
+    # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
+    # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     TILE: tl.constexpr = PAGES * BS  # tokens per step
     PR: tl.constexpr = BS * HB  # cache rows per page (token-major, then head)
     N: tl.constexpr = PAGES * PR  # cache rows per step: the dots' N
@@ -170,7 +171,7 @@ def _paged_decode_v2_kernel(
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
     o_ptr = O + s * stride_ot + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok[:, None])
-    if SPLITS > 1:
+    if MULTI:
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
@@ -214,9 +215,9 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
         q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots,
         meta.block_tables, meta.context_lens, o, lse, scale,
         q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
+        meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        SPLITS=splits, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
+        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:

@@ -1,0 +1,45 @@
+"""The paged-decode kernels compile for sm_90 (Hopper) with no GPU, through the triton wheel's own ptxas, and their
+split count is a run-time argument that Triton does not specialise (one compile serves every batch size; as a
+constexpr each new split count compiled the kernels again inside the rollout). Skipped where triton is not installed
+(CI); run it with `PYTHONPATH=<a triton 3.5 site> python -m pytest -q tests/test_paged_decode_compiles_for_sm90_on_cpu.py`.
+"""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+
+from polyrl.rollout.native import paged_decode as v1  # noqa: E402
+from polyrl.rollout.native import paged_decode_v2 as v2  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def _decode_types(out_dtype: str, kv_dtype: str) -> dict:
+    ptrs = dict(Q="*bf16", K=f"*{kv_dtype}", V=f"*{kv_dtype}", KS="*fp32", VS="*fp32", SeqSlots="*i64", BT="*i32",
+                CL="*i32", O=f"*{out_dtype}", LSE=f"*{out_dtype}", scale="fp32")
+    ints = {k: "i32" for k in ("stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_bt",
+                               "stride_ot", "stride_oh", "stride_os", "SPLITS")}
+    return {**ptrs, **ints}
+
+
+@pytest.mark.parametrize("multi,fp8", [(False, False), (True, False), (True, True)])
+def test_decode_kernels_compile_with_run_time_splits(multi, fp8):
+    types = _decode_types("fp32" if multi else "bf16", "fp8e4nv" if fp8 else "bf16")
+    common = dict(G=3, D=64, BS=16, MULTI=multi, IEEE=False, FP8=fp8, KVH=3)
+    one = dict(GP=16, TILE=128 if fp8 else 64, **common)
+    two = dict(HB=1, R=16, PAGES=8 if fp8 else 4, **common)
+    for fn, consts in ((v1._paged_decode_kernel, one), (v2._paged_decode_v2_kernel, two)):
+        sig = {**types, **{k: "constexpr" for k in consts}}
+        assert compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+
+
+def test_combine_compiles_and_no_kernel_specialises_on_splits():
+    sig = dict(O="*fp32", LSE="*fp32", OUT="*bf16", SPLITS="i32", SP="constexpr", D="constexpr", CHUNK="constexpr")
+    consts = dict(SP=triton.next_power_of_2(v1.MAX_SPLITS), D=64, CHUNK=16)
+    assert compile(ASTSource(fn=v1._combine_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+    for fn in (v1._paged_decode_kernel, v1._combine_kernel, v2._paged_decode_v2_kernel):
+        splits = next(p for p in fn.params if p.name == "SPLITS")
+        assert splits.do_not_specialize and not splits.is_constexpr, fn
