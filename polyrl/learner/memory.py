@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.learner.flops import peak_flops as device_peak_flops
+from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
 
 GiB = 2**30
 MAX_UPDATE_TOKENS = 49152  # the best hand-tuned H200 rows' budget; past it, bigger micro-batches gain nothing
@@ -40,7 +41,6 @@ HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA c
 MEASURED_HEADROOM = 0.05  # of total memory, above a measured peak (allocator overhead; expandable segments keep it low)
 COMPILE_MIN_UPDATE_S = 1.0  # estimated update compute per step below which a cold compile (~20 s) does not pay
 COMPILE_ESTIMATE_MFU = 0.35  # for that estimate: the update's typical model-FLOPs utilisation (BENCHMARKS.md)
-DEFAULT_MAX_NUM_SEQS = 256  # verl's rollout.max_num_seqs; auto seats never go below it
 MAX_AUTO_NUM_SEQS = 1024  # auto seats (CUDA graphs are captured up to this batch)
 MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
+DEFAULT_MAX_NUM_SEQS = 256  # verl's rollout.max_num_seqs: where the auto choice (learner/memory.py) is not made
+
+
 @dataclass
 class ValKwargs:
     n: int = 1

@@ -565,12 +565,13 @@ class NativeEngine:
 @register_rollout("native")
 def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> NativeEngine:
     """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`."""
+    from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
     from polyrl.utils.device import to_dtype
 
     dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
     return NativeEngine.from_hf(
         _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
         kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
 
