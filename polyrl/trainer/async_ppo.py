@@ -182,6 +182,12 @@ class AsyncPPOTrainer(PPOTrainer):
             cfg.actor_rollout_ref.rollout.free_cache_engine = True
         super().__init__(cfg, dist=dist_env)
         self.max_age = cfg.async_training.max_trajectory_age_steps
+        a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
+        if a.partial_rollout:  # the age limit holds per generation call; a row spanning calls is older (docs)
+            spans = -(-r.response_length // (a.partial_rollout_max_new_tokens or max(1, r.response_length // 2)))
+            print(f"polyrl: partial rollouts: a row may span up to {spans} generation calls, so trained rows can be "
+                  f"older than async_training.max_trajectory_age_steps={self.max_age} (by about {spans - 1} weight "
+                  f"version{'s' if spans > 2 else ''}; async/staleness/* logs it)")
         self._start()
 
     def _make_engine(self):
