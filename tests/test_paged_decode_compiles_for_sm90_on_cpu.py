@@ -1,7 +1,8 @@
 """The paged-decode kernels compile for sm_90 (Hopper) with no GPU, through the triton wheel's own ptxas, and their
 split count is a run-time argument that Triton does not specialise (one compile serves every batch size; as a
 constexpr each new split count compiled the kernels again inside the rollout). Skipped where triton is not installed
-(CI); run it with `PYTHONPATH=<a triton 3.5 site> python -m pytest -q tests/test_paged_decode_compiles_for_sm90_on_cpu.py`.
+(CI); run it with
+`PYTHONPATH=<a triton 3.5 site> python -m pytest -q tests/test_paged_decode_compiles_for_sm90_on_cpu.py`.
 """
 
 import pytest

@@ -223,8 +223,9 @@ def resolve_switches(cfg) -> None:
 
 def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role: str = "colocated") -> list[Choice]:
     """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`); print each choice
-    once. `role`: colocated (trains and generates), train (no engine on this GPU) or rollout (no optimizer). Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv)
-    every rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
+    once. `role`: colocated (trains and generates), train (no engine on this GPU) or rollout (no optimizer).
+    Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv) every
+    rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
     world_size = dist.world_size if dist is not None else 1
     resolve_switches(cfg)

@@ -110,4 +110,5 @@ class HFRollout:
 @register_rollout("hf")
 def build_hf_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> HFRollout:
     """`rollout.name=hf`: generates with the actor's own module (LoRA adapters apply as they are; no weight copy)."""
-    return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed, max_batch_size=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+    return HFRollout(model, pad_token_id=pad_token_id, seed=cfg.seed,
+                     max_batch_size=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
