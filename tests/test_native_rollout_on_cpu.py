@@ -304,3 +304,21 @@ def test_with_forced_lengths_only_rows_at_their_cap_keep_a_cache():
     assert len(eng.kept) == 2
     eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
     assert eng.blocks.all_free()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_admission_keeps_greedy_outputs_under_seat_and_block_pressure(seed):
+    """Random prompts, n, seats and cache sizes (some small enough to preempt): greedy tokens equal those of an engine
+    with a seat and blocks for every row, and no block leaks."""
+    g = torch.Generator().manual_seed(seed)
+    m = _tiny()
+    num, n = int(torch.randint(6, 14, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+    prompts = _prompts(torch.randint(1, 30, (num,), generator=g).tolist(), seed=seed)
+    lengths = torch.randint(1, 20, (num * n,), generator=g).tolist()
+    sp = SamplingParams(n=n, temperature=0.0, max_new_tokens=20, forced_lengths=lengths)
+    want = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=64, num_kv_tokens=4096).generate(prompts, sp)
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=int(torch.randint(n, 12, (1,), generator=g)),
+                               max_num_batched_tokens=24, num_kv_tokens=int(torch.randint(64, 160, (1,), generator=g)),
+                               block_size=4)
+    assert eng.generate(prompts, sp).token_ids == want.token_ids
+    assert eng.blocks.all_free()
