@@ -360,6 +360,43 @@ def test_launch_counts_the_rollout_process():
     assert processes_wanted(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"])) == 2
 
 
+def test_the_pipeline_spans_hosts_when_this_one_has_too_few_gpus(monkeypatch):
+    """2 GPUs here: both processes on this host (torchrun). 1 GPU: one process per node through Ray (trainer on the
+    first, rollout on the second). CPU: always here."""
+    from polyrl.config import build_config
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.job import launch_job
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    off = ["actor_rollout_ref.hybrid_engine=False", "trainer.device=cuda"]
+    for gpus, nodes, per_node in ((2, 1, 2), (8, 1, 2), (1, 2, 1), (0, 2, 1)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        job = launch_job(build_config(PPOConfig(), off))
+        assert (job.nnodes, job.num_processes, job.num_processes // job.nnodes) == (nodes, 2, per_node), gpus
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launch_job(build_config(PPOConfig(), off[:1] + ["trainer.device=cpu"])).nnodes == 1
+    assert launch_job(build_config(PPOConfig(), ["trainer.device=cuda"])).num_processes == 1  # colocated: as before
+
+
+def test_the_pipeline_runs_across_two_ray_nodes(tiny_model_dir, synth_data_dir, tmp_path):
+    """The 1 + 1 pipeline as two torchrun agents placed by Ray, one per node (SPREAD lets both sit on this machine):
+    the trainer trains on batches the other node generated, one step off."""
+    ray = pytest.importorskip("ray")
+    from polyrl.distributed.launch import Job, launch_on_ray
+    from polyrl.distributed.ray_cluster import init_ray
+
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 3, "actor_rollout_ref.hybrid_engine=False")
+    os.environ["PYTHONPATH"] = str(Path.cwd())
+    init_ray(num_cpus=4)
+    try:
+        assert launch_on_ray(Job(nproc_per_node=1, nnodes=2, device="cpu"), argv, strategy="SPREAD") == 0
+    finally:
+        ray.shutdown()
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["async/staleness/mean"] for r in rows] == [0.0, 1.0, 1.0]
+
+
 def test_an_error_in_the_rollout_process_reaches_the_trainer_as_one_sentence(tiny_model_dir, synth_data_dir,
                                                                               tmp_path):
     reward = tmp_path / "reward.py"

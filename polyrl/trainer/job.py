@@ -19,14 +19,29 @@ def rollout_pool_size(cfg) -> int:
 
 
 def launch_job(cfg) -> launch.Job:
-    """The processes `cfg.trainer` (and the rollout pool) ask for."""
+    """The processes `cfg.trainer` (and the rollout pool) ask for. The off-policy pipeline runs on this host when it
+    has a GPU for every process; otherwise across hosts through Ray, one process per node (the trainer on the first,
+    the rollout on the second), as verl places its two resource pools."""
     trainer = cfg.trainer
     if trainer.n_gpus_per_node < 1 or trainer.nnodes < 1:
         raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} and trainer.nnodes={trainer.nnodes} "
                           "must both be at least 1.")
     timeout = getattr(trainer, "ray_wait_register_center_timeout", launch.Job.placement_timeout_s)  # not in flow's
-    return launch.Job(nproc_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
-                      extra_processes=rollout_pool_size(cfg), device=trainer.device, placement_timeout_s=timeout)
+    pool = rollout_pool_size(cfg)
+    processes = trainer.n_gpus_per_node * trainer.nnodes + pool
+    if pool and local_gpus(trainer.device) < processes:
+        return launch.Job(nproc_per_node=1, nnodes=processes, device=trainer.device, placement_timeout_s=timeout)
+    return launch.Job(nproc_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes, extra_processes=pool,
+                      device=trainer.device, placement_timeout_s=timeout)
+
+
+def local_gpus(device: str) -> int:
+    """GPUs this host gives a job on `device` (cpu: as many processes as it likes)."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return 1 << 30
+    return torch.cuda.device_count()
 
 
 def processes_wanted(cfg) -> int:
