@@ -53,6 +53,9 @@ def _run(rank: int, port: int, out: dict) -> None:
     del model, y, grads, results
     dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
+    # gloo's worker threads can abort a finalizing interpreter ("terminate called without an active exception",
+    # SIGABRT; pytorch/pytorch#179291; seen in CI after this test's results were in): skip finalization
+    os._exit(0)
 
 
 def test_forward_prefetch_sets_successors_and_keeps_results():
