@@ -2,8 +2,9 @@
 NeMo RL's async GRPO). Switched on by `actor_rollout_ref.hybrid_engine=False`; the default stays on-policy colocated.
 
 One torch.distributed job of two processes (gloo on CPU; on GPUs `cpu:gloo,cuda:nccl`): rank 0 trains, rank 1
-generates, on one host or on two (Ray places one process per node where this host lacks a second GPU: job.py). Batch k (trained at step k+1) is generated with the weights of step `v >= k - max_trajectory_age_steps`,
-so with the default age 1, batch k+1 is decoded while step k trains:
+generates, on one host or on two (Ray places one process per node where this host lacks a second GPU: job.py).
+Batch k (trained at step k+1) is generated with the weights of step `v >= k - max_trajectory_age_steps`, so with the
+default age 1, batch k+1 is decoded while step k trains:
 
     rollout:  gen b0 (v0) | gen b1 (v0)        | recv v1, gen b2 (v1) | recv v2, gen b3 (v2) ...
     trainer:              | train b0 -> v1     | train b1 -> v2       | train b2 -> v3 ...
