@@ -55,6 +55,13 @@ def check_async(cfg) -> None:
                           "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
 
 
+def partial_rollout_cap(cfg) -> int:
+    """New tokens per row per generation call with partial rollouts (`partial_rollout_max_new_tokens`, else half the
+    response length)."""
+    response_length = cfg.actor_rollout_ref.rollout.response_length
+    return cfg.async_training.partial_rollout_max_new_tokens or max(1, response_length // 2)
+
+
 def check_partial_rollout(cfg) -> None:
     from polyrl.errors import ConfigError
 

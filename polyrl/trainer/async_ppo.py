@@ -71,6 +71,7 @@ from polyrl.distributed.env import use_expandable_segments
 from polyrl.distributed.p2p import WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
+from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
 from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
@@ -183,9 +184,8 @@ class AsyncPPOTrainer(PPOTrainer):
             cfg.actor_rollout_ref.rollout.free_cache_engine = True
         super().__init__(cfg, dist=dist_env)
         self.max_age = cfg.async_training.max_trajectory_age_steps
-        a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
-        if a.partial_rollout:  # the age limit holds per generation call; a row spanning calls is older (docs)
-            spans = -(-r.response_length // (a.partial_rollout_max_new_tokens or max(1, r.response_length // 2)))
+        if cfg.async_training.partial_rollout:  # the age limit holds per call; a row spanning calls is older (docs)
+            spans = -(-cfg.actor_rollout_ref.rollout.response_length // partial_rollout_cap(cfg))
             print(f"polyrl: partial rollouts: a row may span up to {spans} generation calls, so trained rows can be "
                   f"older than async_training.max_trajectory_age_steps={self.max_age} (by about {spans - 1} weight "
                   f"version{'s' if spans > 2 else ''}; async/staleness/* logs it)")
@@ -292,9 +292,9 @@ class RolloutWorker:
         spec = tensor_spec(merged_state_dict(self.roll.model).items())
         self.receiver = WeightReceiver(TRAINER_RANK, spec, _bucket_bytes(cfg), self.roll.device)
         self.version = 0
-        a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
-        self.partial = PartialRollouts(r.n, r.response_length, a.partial_rollout_max_new_tokens
-                                       or max(1, r.response_length // 2)) if a.partial_rollout else None
+        r = cfg.actor_rollout_ref.rollout
+        self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg)) \
+            if cfg.async_training.partial_rollout else None
 
     def serve(self) -> None:
         hello = recv_object(TRAINER_RANK)
