@@ -138,7 +138,7 @@ class Scheduler:
                 c = min(seq.length - seq.num_cached, budget)
                 seqs.append(seq), chunks.append((seq.num_cached, c))
                 budget -= c
-        admit = not alone and self._may_admit()  # decided once: then fill every free seat
+        admit = bool(self.waiting) and not alone and self._may_admit()  # decided once: then fill every free seat
         while self.waiting and budget > 0 and admit:
             seq = self.waiting[0]
             if sum(s.n for s in self.running) + seq.n > self.max_num_seqs:  # an unforked prompt holds n seats
@@ -175,7 +175,14 @@ class Scheduler:
         if not self.running:
             return True
         free = self.max_num_seqs - sum(s.n for s in self.running)
-        return free >= min(self.admit_batch, sum(s.n for s in self.waiting))
+        if free >= self.admit_batch:
+            return True
+        need = 0  # all the waiting prompts fit: summed only until they do not
+        for seq in self.waiting:
+            need += seq.n
+            if need > free:
+                return False
+        return True
 
     def _fork(self, parent: Sequence, step: Step) -> list[Sequence]:
         if parent.n == 1:
