@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import shutil
 import sys
 import tempfile
 import time
@@ -121,8 +122,9 @@ def run_polyrl(args, work, model_dir, evaluate):
         m = trainer.step()
         sync(device)
         times.append(time.perf_counter() - t0)
-        print(f"polyrl step {step}: {times[-1]:.1f} s (gen {m.get('timing_s/gen', 0):.1f}, update "
-              f"{m.get('timing_s/update_actor', 0):.1f}), score {m['critic/score/mean']:.3f}", flush=True)
+        stages = ", ".join(f"{k[9:]} {1000 * v:.0f}" for k, v in m.items()
+                           if k.startswith("timing_s/") and k != "timing_s/step")
+        print(f"polyrl step {step}: {times[-1]:.3f} s (ms: {stages}), score {m['critic/score/mean']:.3f}", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, sum(times), evaluate(trainer.model)))
             print(f"polyrl eval step {step}: acc {100 * curve[-1][2]:.1f}%", flush=True)
@@ -242,6 +244,9 @@ def main(argv=None) -> int:
     results = {}
     if args.only in (None, "polyrl"):
         results["polyrl"] = summary("polyrl", *run_polyrl(args, work, model_dir, evaluate))
+        if args.out:  # the run's per-step metrics (timing_s/* per stage) beside the results
+            for f in (work / "polyrl_run").rglob("metrics.jsonl"):
+                shutil.copy(f, Path(args.out).with_suffix(".polyrl_metrics.jsonl"))
         print("polyrl:", fmt(results["polyrl"]), flush=True)
     if args.only in (None, "trl"):
         results["trl"] = summary("trl", *run_trl(args, work, model_dir, evaluate, train_rows))

@@ -363,13 +363,13 @@ class NativeEngine:
             slots = np.array([s.slot for s in step.seqs], dtype=np.int64)
             pos = np.array([c[0] for c in step.chunks], dtype=np.int64)
             if self.cuda:
-                Bp = self.graphs.padded(B) if self.graphs is not None else B
+                Bp = self.graphs.size_for(B) if self.graphs is not None else B
                 host = self._meta_host[k]
                 h = host.numpy()
                 h[0, :B], h[1, :B], h[2, :B], h[3, :B] = slots, pos, self._slots_of(slots, pos), pos + 1
                 h[0, B:Bp], h[1:, B:Bp] = self.max_num_seqs, 0  # padding rows: dummy slot, scratch block 0
                 self.dec_meta[:, :Bp].copy_(host[:, :Bp], non_blocking=True)
-                logits = self.graphs.run(B)[:B] if self.graphs is not None else self._decode_forward(B)
+                logits = self.graphs.run(Bp)[:B] if self.graphs is not None else self._decode_forward(B)
             else:
                 ids = self.tok_buf[torch.from_numpy(slots)]
                 meta = self._gather_decode_meta(slots, pos)
