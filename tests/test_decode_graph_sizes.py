@@ -33,3 +33,11 @@ def test_the_smallest_larger_graph_is_chosen():
     g = _graphs(captured=[64, 128, 256])
     assert g.size_for(20) == 64
     assert g.size_for(65) == 128
+
+
+def test_counts_start_again_in_each_call():
+    g = _graphs(captured=[256])
+    for _ in range(CAPTURE_AFTER - 1):
+        assert g.size_for(100) == 256
+    g.new_call()
+    assert g.size_for(100) == 256  # 1 ask in this call, not CAPTURE_AFTER in all

@@ -31,10 +31,12 @@ class DecodeGraphs:
     cycle (every RL step with `free_cache_engine=True`) pays only for the sizes the next rollout actually uses
     (measured on an H200: capturing all 17 sizes up front added 0.33 s to a 1.0 s rollout).
 
-    And only once it is used for a while: while a larger size is captured, a smaller one replays that graph (padding
-    rows are cheap) until it has been asked for `CAPTURE_AFTER` steps. A short rollout whose batch shrinks through many
-    sizes as rows stop (SmolLM2's 32-token answers on an H100: ~20 captures, 0.7 s of a 0.8 s rollout) then captures
-    one graph; a long tail at a size still gets its own graph after a few steps."""
+    And only where a call uses it for a while: while a larger size is captured, a smaller one replays that graph
+    (padding rows are cheap) until one `generate` call has asked for it `CAPTURE_AFTER` times (`new_call` resets the
+    counts). A short rollout whose batch shrinks through many sizes as rows stop (SmolLM2's 32-token answers on an
+    H100: ~20 captures, 0.7 s of a 0.8 s rollout) then captures one graph, in every call; a long tail at a size still
+    gets its own graph after a few steps. (Counted over calls instead, those sizes all reached the count together
+    some steps later and were captured in one 0.57 s rollout.)"""
 
     def __init__(self, forward: Callable[[int], torch.Tensor], batch_sizes: list[int]):
         self.forward = forward
@@ -44,6 +46,9 @@ class DecodeGraphs:
         self.asked: Counter[int] = Counter()
         self.pool = None  # one memory pool shared by every captured size
         self.capture_s = 0.0
+
+    def new_call(self) -> None:
+        self.asked.clear()
 
     def size_for(self, batch: int) -> int:
         """The graph size a step of `batch` rows runs at (the engine pads its inputs to it, then calls `run`)."""

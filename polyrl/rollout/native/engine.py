@@ -459,6 +459,8 @@ class NativeEngine:
             from polyrl.rollout.native.cuda_graph import DecodeGraphs, default_batch_sizes
 
             self.graphs = DecodeGraphs(self._decode_forward, default_batch_sizes(self.max_num_seqs))
+        if self.graphs is not None:
+            self.graphs.new_call()
 
         seed = sampling.seed if sampling.seed is not None else self.seed + self.num_calls
         self.num_calls += 1
