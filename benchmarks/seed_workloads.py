@@ -281,8 +281,8 @@ def tune_fp8(bw: float) -> None:
 
 
 def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) -> None:
-    """Decode step time in four regimes of s1's run, from its bulk to its last sequence: 32 x 4k-token contexts, 8 x
-    16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so prefill is
+    """Decode step time in five regimes of s1's run, from its start to its last sequence: 64 x 8k-token contexts,
+    32 x 4k, 8 x 16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so prefill is
     not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
     that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
     long tail's occupancy shows. `kernels` adds a kernel-time table of each regime's whole run (prefill included)."""
@@ -293,7 +293,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
 
     hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
-    regimes = {"bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
+    regimes = {"wide": (64, 8192), "bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
     new, base = 256, 32
 
     def timed(eng, prompts, n):
