@@ -310,7 +310,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
             W, kv_tok = engine_bytes(eng)
             for regime, (seqs, prompt_len) in regimes.items():
                 prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
-                timed(eng, prompts, 8)  # warm-up: this batch size's graphs and kernels
+                timed(eng, prompts, 24)  # warm-up: kernels, and this size's graph (captured at 16 asks)
                 step = (timed(eng, prompts, new) - timed(eng, prompts, base)) / (new - base)
                 nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
                 splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,
