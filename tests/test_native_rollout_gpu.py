@@ -80,6 +80,26 @@ def test_bf16_graphs_equal_eager_and_logprobs_close_to_hf():
     assert gap <= 1e-2
 
 
+def test_shrinking_batch_replays_larger_graphs_with_eager_tokens():
+    """Rows end at spread lengths, so the batch passes through sizes that replay a larger captured graph (padded)
+    before they have been asked for often enough to get their own (cuda_graph.CAPTURE_AFTER): same greedy tokens."""
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+    from polyrl.rollout.native.cuda_graph import CAPTURE_AFTER
+
+    m = _tiny("llama")
+    prompts = _prompts(24, 3, 40)
+    lengths = [1 + (7 * i) % 60 for i in range(24)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max(lengths), forced_lengths=lengths)
+    eng = NativeEngine.from_hf(m, num_kv_tokens=8192)
+    a = eng.generate(prompts, sp)
+    b = NativeEngine.from_hf(m, num_kv_tokens=8192, enforce_eager=True).generate(prompts, sp)
+    assert a.token_ids == b.token_ids and a.lengths == lengths
+    captured = set(eng.graphs.graphs)
+    assert min(captured) > 1 and len(captured) < len([s for s in eng.graphs.sizes if s <= 24])
+    assert any(n < CAPTURE_AFTER for n in eng.graphs.asked.values())  # some sizes ran on a larger graph only
+
+
 def test_release_resume_offload_keeps_outputs():
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
