@@ -282,14 +282,15 @@ def tune_fp8(bw: float) -> None:
 
 def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) -> None:
     """Decode step time in five regimes of s1's run, from its start to its last sequence: 64 x 8k-token contexts,
-    32 x 4k, 8 x 16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so prefill is
-    not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
+    32 x 4k, 8 x 16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so
+    prefill is not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
     that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
     long tail's occupancy shows. `kernels` adds a kernel-time table of each regime's whole run (prefill included)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
     from polyrl.rollout.native import paged_decode as v1
     from polyrl.rollout.native import paged_decode_v2 as v2
+    from polyrl.rollout.native.cuda_graph import CAPTURE_AFTER
 
     hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
@@ -310,7 +311,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
             W, kv_tok = engine_bytes(eng)
             for regime, (seqs, prompt_len) in regimes.items():
                 prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
-                timed(eng, prompts, 24)  # warm-up: kernels, and this size's graph (captured at 16 asks)
+                timed(eng, prompts, CAPTURE_AFTER + 8)  # warm-up: kernels, and this size's graph
                 step = (timed(eng, prompts, new) - timed(eng, prompts, base)) / (new - base)
                 nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
                 splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,

@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
 
 
 # SPLITS is a runtime argument that Triton must not specialise: it follows the batch size (few rows, many splits), and
-# as a constexpr each new value compiled both kernels again inside the rollouts where an RL run's lengths first spread
-# out (the likely cause of SmolLM2-135M's slow steps 6-10 on an H100, 0.8 s against 0.2 s; not yet re-measured).
+# as a constexpr each new value would compile both kernels again mid-rollout. (SmolLM2-135M's slow steps 6-10 on an
+# H100, once suspected of this, turned out to be CUDA-graph captures of new batch sizes: cuda_graph.py.)
 # MULTI = SPLITS > 1 stays a constexpr: the one-split variant writes the final output in the activation dtype.
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_kernel(
