@@ -6,6 +6,7 @@
 #   bash benchmarks/oom_session.sh defaults      # H100 or H200: grpo_step with only model/data/batch/length keys
 #   bash benchmarks/oom_session.sh tuned         # the same device: the best hand-tuned settings, same call shape
 #   bash benchmarks/oom_session.sh defaults_7b   # 2x H200: the 7B shape, defaults, torchrun
+#   bash benchmarks/oom_session.sh tuned_7b      # 2x H200: the same shape, the best hand-tuned 7B row's settings
 #   bash benchmarks/oom_session.sh flow          # H100: Qwen-Image 20B LoRA CFG 512^2, auto memory, latent reward (needs diffusers)
 # Rows go to $OUT/rows.md (paste into BENCHMARKS.md), JSON and logs beside them.
 set -uo pipefail
@@ -39,6 +40,11 @@ case "${1:?part}" in
     run defaults_7b timeout 580 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --shape 7b \
       --skip-trl --lengths 1024 --prompts 32 --steps 3 --defaults --rows-out "$OUT/rows.md" \
       --json-out "$OUT/defaults_7b.json" ;;
+  tuned_7b)  # the 2026-11-21 7B row (7,124 tok/s/GPU): gradient checkpointing, compile, 16k token budget
+    run tuned_7b timeout 580 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --shape 7b \
+      --skip-trl --lengths 1024 --prompts 32 --steps 3 --max-token-len 16384 --rows-out "$OUT/rows.md" \
+      --json-out "$OUT/tuned_7b.json" --extra actor_rollout_ref.model.enable_gradient_checkpointing=True \
+      actor_rollout_ref.actor.use_torch_compile=True ;;
   flow)  # --latent-reward: the H200 reference (0.965 img/GPU/s, 106 GiB peak) is the DiT-only recipe, no TE/VAE/OCR
     run flow timeout 580 python3 benchmarks/flow_grpo.py --compile --micro 4 --rollout-micro 16 --auto-memory \
       --latent-reward --steps 2 --record --rows-out "$OUT/rows.md" ;;
