@@ -15,6 +15,8 @@ optimizer step; it prints each mode's sampling time, mismatch and the re-quantis
     python benchmarks/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
     python benchmarks/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
                                                                  # and each precision's top kernels
+    python benchmarks/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
+        # GPU: the activation quantiser fused by inductor vs the Triton launch; and FP8 on the ODE steps only
 
 `--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling). On an H200
 (2026-11-24) the trainer's compiled FP8 sampling took 24.0 s for 16 images against 12.9 s for compiled bf16, while
@@ -34,6 +36,7 @@ from polyrl.algorithms import sde as sde_lib
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 from polyrl.rollout import fp8_dit, sde_sampler
+from polyrl.rollout.native import fp8_linear
 from polyrl.trainer.flow_config import FlowModelConfig
 
 NOISE_LEVEL, WINDOW = 1.2, [3, 4]  # a=1.2; a window of 2 inside [0, 5): the noisiest useful steps
@@ -76,8 +79,9 @@ def build(tiny: bool, device: str, dtype: torch.dtype, lora_rank: int, lora_scal
     return policy
 
 
-def sample(policy, batch: int, fp8: fp8_dit.FP8Sampling | None, steps: int = 10):
-    """(trajectory, seconds) of one batch; the noise depends only on the sample index."""
+def sample(policy, batch: int, fp8: fp8_dit.FP8Sampling | None, steps: int = 10, trained_steps: bool = True):
+    """(trajectory, seconds) of one batch; the noise depends only on the sample index. `trained_steps=False`: the
+    window's steps leave FP8 (the trainer's default)."""
     prompts = [f"prompt {i % 4}" for i in range(batch)]
     gens = sde_sampler.sample_generators(0, 0, list(range(batch)))
     noise = torch.cat([policy.noise(1, g) for g in gens])
@@ -88,7 +92,8 @@ def sample(policy, batch: int, fp8: fp8_dit.FP8Sampling | None, steps: int = 10)
     t0 = time.perf_counter()
     with torch.no_grad(), fp8_dit.rollout_precision(fp8):
         traj = sde_sampler.sample(lambda x, s: policy.velocity(x, s, prompts), noise, sigmas, sde_type="sde",
-                                  noise_level=NOISE_LEVEL, train_steps=WINDOW, generators=gens)  # fmt: skip
+                                  noise_level=NOISE_LEVEL, train_steps=WINDOW, generators=gens,
+                                  step_precision=fp8_dit.step_precision(fp8, trained_steps))  # fmt: skip
     sync()
     return traj, prompts, time.perf_counter() - t0
 
@@ -138,6 +143,11 @@ def main() -> None:
     ap.add_argument("--lora-modes", action="store_true", help="also: LoRA merged into the base and re-quantised")
     ap.add_argument("--compile", action="store_true", help="compile the blocks as the trainer does")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one batch per precision")
+    ap.add_argument("--compiled-quantisers", default=fp8_linear.COMPILED_QUANTISER,
+                    help="with --compile, how blocks quantise a GEMM's input, comma-separated to compare: inductor "
+                         "(tensor ops fused by inductor), triton (the hand-written launch)")
+    ap.add_argument("--trained-steps-bf16", action="store_true",
+                    help="also time FP8 on the ODE steps only (the trained steps in bf16: the trainer's default)")
     ap.add_argument("--lora-scale", type=float, default=0.5,
                     help="std x sqrt(rank) of the random LoRA B (A is peft's gaussian init): the adapter's size")
     args = ap.parse_args()
@@ -148,19 +158,27 @@ def main() -> None:
     if args.compile:
         policy.compile_blocks()
     times = {}
-    for name, ctx in (("bf16" if on_gpu else "fp32", None), ("fp8", fp8)):
-        sample(policy, args.batch, ctx)  # warm-up (and compile)
-        runs = [sample(policy, args.batch, ctx) for _ in range(args.repeats)]
+    quantisers = args.compiled_quantisers.split(",") if args.compile else [fp8_linear.COMPILED_QUANTISER]
+    runs_of = [("bf16" if on_gpu else "fp32", None, True, quantisers[0])]
+    for q in quantisers:
+        suffix = f"_{q}" if len(quantisers) > 1 else ""
+        runs_of.append((f"fp8{suffix}", fp8, True, q))
+        if args.trained_steps_bf16:
+            runs_of.append((f"fp8_ode_steps{suffix}", fp8, False, q))
+    for name, ctx, trained_steps, quantiser in runs_of:
+        fp8_linear.COMPILED_QUANTISER = quantiser
+        sample(policy, args.batch, ctx, trained_steps=trained_steps)  # warm-up (and compile)
+        runs = [sample(policy, args.batch, ctx, trained_steps=trained_steps) for _ in range(args.repeats)]
         times[name] = sum(r[2] for r in runs) / len(runs)
-        if name == "fp8":
+        if name.startswith("fp8") and trained_steps:
             traj, prompts = runs[-1][0], runs[-1][1]
         if args.profile:
-            top_kernels(lambda: sample(policy, args.batch, ctx), name, on_gpu)
+            top_kernels(lambda: sample(policy, args.batch, ctx, trained_steps=trained_steps), name, on_gpu)
     base = times["bf16" if on_gpu else "fp32"]
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (FP8 emulated: no speedup expected)",
-              "compiled": args.compile,
-              "quantised_linears": len(fp8.linears), "batch": args.batch, "sampling_s": times,
-              "fp8_speedup": base / times["fp8"], "lora_on_top": mismatch(policy, traj, prompts)}  # fmt: skip
+              "compiled": args.compile, "quantised_linears": len(fp8.linears), "batch": args.batch,
+              "sampling_s": times, "speedup": {k: base / t for k, t in times.items()},
+              "lora_on_top": mismatch(policy, traj, prompts)}  # fmt: skip
     if args.lora_modes:
         merged = merged_copy(policy)
         t0 = time.perf_counter()

@@ -80,10 +80,11 @@ def test_lora_runs_in_the_model_dtype_over_the_fp8_base():
     assert not fp8.stale  # the base is frozen: one e4m3 copy for the whole run
 
 
-def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False):
+def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False, trained_steps=True):
     cfg = FlowConfig()
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps, ro.quantization = 4, 4, quantization
+    ro.fp8_trained_steps = trained_steps
     ro.algo.sde_window_size, ro.algo.sde_window_range = 2, [0, 2]
     cfg.data.train_batch_size, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 2, 2, 8
     actor.diffusion_loss.clip_ratio, actor.use_kl_loss, actor.kl_loss_coef = 1e-3, kl, 0.01
@@ -123,6 +124,25 @@ def test_fp8_rollout_gap_is_measured_and_corrected_by_the_llm_function(monkeypat
     assert abs(m["rollout_corr/rollout_is_mean"] - 1) < 0.05
     # pi_old is recomputed in the trained precision with the update's batch shapes: on-policy ratios are 1
     assert m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_default_fp8_sampling_keeps_the_trained_steps_in_the_model_dtype():
+    """FP8 on the ODE steps only: the trained steps' rollout log-probs are the trained precision's (a recompute gives
+    the same numbers), so the step runs no old-log-prob pass, while the ODE steps' FP8 still moves the images."""
+    trainer = _trainer("fp8", trained_steps=False)
+    modes = []
+    velocity = trainer.policy.velocity
+    trainer.policy.velocity = lambda *a, **k: modes.append(trainer.fp8.active) or velocity(*a, **k)
+    rollout = trainer.generate(trainer.train_prompts[:2])
+    assert rollout.traj.step_indices == [0, 1] and modes == [False, False, True, True]  # FP8 on steps 2, 3 only
+    trainer.policy.velocity = velocity
+    trainer._correct_rollout(rollout)  # pi_old in the model dtype, the update's batch shapes
+    torch.testing.assert_close(rollout.old_log_probs_KB, rollout.traj.log_probs_KB, rtol=0, atol=0)
+    plain = _trainer(None).generate(trainer.train_prompts[:2])
+    assert (plain.traj.final_B - rollout.traj.final_B).abs().max() > 1e-4  # the FP8 ODE steps moved the images
+    torch.testing.assert_close(plain.traj.latents_KB[0], rollout.traj.latents_KB[0])  # step 0 starts from the noise
+    m = _trainer("fp8", trained_steps=False).step()
+    assert "timing_s/old_log_prob" not in m and m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_is_weights_reach_the_flow_grpo_loss():

@@ -151,6 +151,7 @@ def test_one_step_runs_text_encoder_dit_vae_and_ocr_each_step_with_fp8_sampling(
     torch.manual_seed(0)
     cfg = _config(4.0, True, False)
     cfg.actor_rollout_ref.rollout.quantization = "fp8"
+    cfg.actor_rollout_ref.rollout.fp8_trained_steps = True  # every step in FP8: the gap is measured and corrected
     cfg.algorithm.rollout_correction.rollout_is = "token"
     cfg.actor_rollout_ref.actor.skip_zero_adv = False  # random weights draw no text: OCR scores 0, train them anyway
     p = cfg.actor_rollout_ref.rollout.pipeline
@@ -197,7 +198,8 @@ def test_polyrl_flow_train_runs_fp8_sampling_and_ocr_on_a_local_pipeline(pipe_di
                           "actor_rollout_ref.rollout.pipeline.num_inference_steps=3",
                           "actor_rollout_ref.rollout.algo.sde_window_range=[0,2]",
                           "actor_rollout_ref.rollout.algo.sde_window_size=1", "actor_rollout_ref.model.lora_rank=4",
-                          "actor_rollout_ref.rollout.quantization=fp8", "algorithm.rollout_correction.rollout_is=token",
+                          "actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.fp8_trained_steps=True",
+                          "algorithm.rollout_correction.rollout_is=token",
                           "trainer.total_training_steps=1", "trainer.test_freq=0", "trainer.logger=[file]",
                           "trainer.progress_bar=False", f"trainer.run_dir={run}",
                           f"trainer.default_local_dir={run / 'ckpt'}"])  # fmt: skip

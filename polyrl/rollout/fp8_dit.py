@@ -32,6 +32,14 @@ would save the adapters' bf16 side GEMMs in sampling (r64 adds ~4% to each adapt
 same script times both, and the mode is a one-function change if merging wins there. Full fine-tuning changes the
 base every step: `sampling()` re-quantises the trainable weights first (`stale`).
 
+Which steps: by default only the deterministic (ODE) steps of a rollout sample in FP8; the trained (SDE) steps run in
+the model dtype (`actor_rollout_ref.rollout.fp8_trained_steps=False`). Their log-probs are then the trained
+precision's, so pi_old needs no recompute (the forwards it would cost are the ones FP8 saves on 2 of 10 steps) and the
+PPO ratio starts at 1. The ODE steps only move the states the window starts from and the image the reward sees:
+FlowGRPO's gradient never flows through them, so the estimate stays on-policy for what is trained.
+`fp8_trained_steps=True` samples every step in FP8 and recomputes pi_old in the model dtype (`timing_s/old_log_prob`),
+which is what measures the mismatch KL and feeds the shared rollout correction.
+
 Memory: the e4m3 copies add one byte per block weight next to the bf16 weights the update needs (19 GiB for
 Qwen-Image's 20.4B).
 """
@@ -111,6 +119,15 @@ class FP8Sampling:
         finally:
             self.active = False
 
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[None]:
+        """The model dtype's GEMMs for the forwards inside, within `sampling()` (a trained step's forward)."""
+        was, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = was
+
 
 def _fp8_or_plain_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A selected linear's forward: the e4m3 GEMM while its FP8Sampling is active, the plain one otherwise.
@@ -141,3 +158,11 @@ def build(value: str | None, transformer: nn.Module, world_size: int = 1) -> FP8
 def rollout_precision(fp8: FP8Sampling | None):
     """The context the rollout forwards run in: FP8 GEMMs when configured, else nothing."""
     return fp8.sampling() if fp8 is not None else contextlib.nullcontext()
+
+
+def step_precision(fp8: FP8Sampling | None, trained_steps: bool):
+    """`sde_sampler.sample`'s per-step context inside `rollout_precision`: the trained (SDE) steps leave FP8 unless
+    `trained_steps` (`rollout.fp8_trained_steps`; module docstring); None when every step keeps the rollout's."""
+    if fp8 is None or trained_steps:
+        return None
+    return lambda trained: fp8.plain() if trained else contextlib.nullcontext()

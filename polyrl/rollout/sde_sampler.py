@@ -11,7 +11,9 @@ whichever chunk, rank or process count generates it: 1 and N processes then trai
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +72,13 @@ def sample(
     train_steps: list[int],
     generator: torch.Generator | None = None,
     generators: list[torch.Generator] | None = None,
+    step_precision: Callable[[bool], AbstractContextManager] | None = None,
 ) -> Trajectory:
     """Integrate `noise` along `sigmas`; steps in `train_steps` are SDE steps whose (x, x_next, log-prob) are kept.
 
-    SDE noise comes from `generators` (one per sample) when given, else from `generator` for the whole batch."""
+    SDE noise comes from `generators` (one per sample) when given, else from `generator` for the whole batch.
+    `step_precision(trained)`: the context a step's velocity forward runs in (FP8 sampling runs the ODE steps in FP8
+    and, by default, the trained steps in the model dtype: polyrl/rollout/fp8_dit.py)."""
     sde_lib.check_step_type(sde_type)
     sigma_max = float(sigmas[1])
     x = noise
@@ -81,7 +86,8 @@ def sample(
     train_set = set(train_steps)
     for i in range(len(sigmas) - 1):
         sigma = sigmas[i].expand(x.shape[0]).to(x.device)
-        v = velocity_fn(x, sigma)
+        with step_precision(i in train_set) if step_precision else contextlib.nullcontext():
+            v = velocity_fn(x, sigma)
         level = noise_level if i in train_set else 0.0
         if generators is not None and level > 0:
             out = _step_per_sample_noise(sde_type, x, v, sigmas[i], sigmas[i + 1], level, sigma_max, generators)

@@ -188,9 +188,12 @@ class FlowRolloutConfig:
     which keeps no activations, runs faster on a larger one. Other batch shapes pick other GPU kernels, so the
     ratio then starts near 1 rather than exactly at 1: watch actor/ratio_mean against the tiny clip_ratio."""
     quantization: str | None = None
-    """fp8: the sampling forwards run the transformer blocks' GEMMs in e4m3 (CPU: emulated), the trained forwards
-    stay in the model dtype; turns on the old-log-prob recompute that measures the gap (rollout_corr/*). Pair with
-    algorithm.rollout_correction (polyrl/rollout/fp8_dit.py)."""
+    """fp8: the sampling forwards of the deterministic (ODE) steps run the transformer blocks' GEMMs in e4m3 (CPU:
+    emulated); the trained steps and the update stay in the model dtype (polyrl/rollout/fp8_dit.py)."""
+    fp8_trained_steps: bool = False
+    """With quantization=fp8: sample the trained (SDE) steps in FP8 too, and recompute their old log-probs in the
+    model dtype, which measures the gap (rollout_corr/*, training/rollout_probs_diff_*); pair with
+    algorithm.rollout_correction. False: those steps sample in the model dtype and need no recompute."""
 
 
 @dataclass

@@ -14,9 +14,11 @@ mini-batch, so N processes compute the 1-process step up to float summation orde
 
 Deviations from the papers/upstream, on purpose:
 - old log-probs are the rollout's (flow_grpo); verl-omni recomputes them with the actor (~20% of a step). Rollout and
-  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested). With FP8 sampling
-  (`rollout.quantization=fp8`) or `algorithm.rollout_correction` set they are recomputed (`timing_s/old_log_prob`)
-  and the LLM's rollout correction weighs each (sample, trained step) by pi_old / pi_rollout.
+  training use the same micro-batch shapes, so on-policy ratios are exactly 1 (tested). FP8 sampling
+  (`rollout.quantization=fp8`) runs the ODE steps in FP8 and the trained steps in the model dtype, so their log-probs
+  stay pi_old. With FP8 trained steps too (`rollout.fp8_trained_steps`) or `algorithm.rollout_correction` set they are
+  recomputed (`timing_s/old_log_prob`) and the LLM's rollout correction weighs each (sample, trained step) by
+  pi_old / pi_rollout.
 - one SDE window per batch (flow_grpo); verl-omni draws one per sample. The last grid step is always ODE.
 - samples in zero-std groups (advantage exactly 0) are skipped in the update: their loss gradient is 0 anyway.
 - no EMA of the weights (flow_grpo's SD3 eval uses one).
@@ -255,7 +257,8 @@ class FlowGRPOTrainer(TrainerCore):
             return self.policy.velocity(x, sigma_B, prompts)
 
         return sde_sampler.sample(velocity, noise, sigmas, sde_type=ro.algo.sde_type, noise_level=noise_level,
-                              train_steps=train_steps, generators=generators)  # fmt: skip
+                                  train_steps=train_steps, generators=generators,
+                                  step_precision=fp8_dit.step_precision(self.fp8, ro.fp8_trained_steps))  # fmt: skip
 
     def score(self, rollout: FlowSamples) -> torch.Tensor:
         if self.async_scorer is not None:
@@ -330,9 +333,10 @@ class FlowGRPOTrainer(TrainerCore):
         return metrics
 
     def _needs_old_log_probs(self) -> bool:
-        """pi_old differs from the sampler's policy (FP8 GEMMs), or a correction needs both: recompute it, as the
-        LLM trainer's old_log_prob pass does for rollout correction."""
-        return self.fp8 is not None or self.cfg.algorithm.rollout_correction.enabled
+        """pi_old differs from the sampler's policy (FP8 GEMMs on the trained steps), or a correction needs both:
+        recompute it, as the LLM trainer's old_log_prob pass does for rollout correction."""
+        fp8_trained = self.fp8 is not None and self.cfg.actor_rollout_ref.rollout.fp8_trained_steps
+        return fp8_trained or self.cfg.algorithm.rollout_correction.enabled
 
     @torch.no_grad()
     def _correct_rollout(self, rollout: FlowSamples) -> None:

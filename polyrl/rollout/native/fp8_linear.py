@@ -34,6 +34,9 @@ from polyrl.rollout.native.attention import FP8, quantize_fp8_rows
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 MIN_FP8_ELEMENTS = 1 << 24  # measured crossover on an H100 (module docstring)
 W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
+# Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
+# fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
+COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantiser compares them
 
 
 class FP8Linear(nn.Module):
@@ -83,7 +86,10 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
     from polyrl.rollout.native.fused import quantize_fp8_rows_triton
 
-    xq, xs = quantize_fp8_rows_triton(x_MK)
+    if torch.compiler.is_compiling() and COMPILED_QUANTISER == "inductor":
+        xq, xs = quantize_fp8_rows(x_MK)
+    else:
+        xq, xs = quantize_fp8_rows_triton(x_MK)
     return torch._scaled_mm(xq, w_NK.t(), scale_a=xs[:, None], scale_b=w_scale_N[None, :], bias=bias,
                             out_dtype=out_dtype)
 
