@@ -163,7 +163,7 @@ def main() -> None:
     for q in quantisers:
         suffix = f"_{q}" if len(quantisers) > 1 else ""
         runs_of.append((f"fp8{suffix}", fp8, True, q))
-        if args.trained_steps_bf16:
+        if args.trained_steps_bf16 and q == quantisers[0]:
             runs_of.append((f"fp8_ode_steps{suffix}", fp8, False, q))
     for name, ctx, trained_steps, quantiser in runs_of:
         fp8_linear.COMPILED_QUANTISER = quantiser

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 23 on the GPU machine, one part per device call (each under ~9 min). Carry `.whl_flow` (the wheels the GPU
+# image lacks: diffusers, rapidocr and their small deps; benchmarks/NOTES_flow.md says how to download them):
+#   bash benchmarks/flow_session.sh stage      # any 1 GPU: the FP8 rollout stage alone, compiled: bf16, FP8 with the
+#                                              # inductor-fused or Triton quantiser, FP8 on the ODE steps only
+#   bash benchmarks/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling
+#   bash benchmarks/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
+#   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
+# Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_flow/*.whl \
+  > "$OUT/pip.log" 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/gpu.txt"
+FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps 3 --record --rows-out $OUT/rows.md"
+run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
+  local name=$1; shift
+  "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name (exit $?)"; grep -v "Warn\|warn(" "$OUT/$name.log" | tail -25
+}
+case "${1:?part}" in
+  stage)
+    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 \
+      --compiled-quantisers inductor,triton --trained-steps-bf16 ;;
+  bf16)
+    run same_work_bf16 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward \
+      --note "same work, OCR in a CPU worker process (async)" ;;
+  fp8)
+    run same_work_fp8 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --offload-text-encoder \
+      --note "same work, async OCR, FP8 on the ODE steps, text encoder offloaded" ;;
+  fp8_all)
+    run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
+      --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;
+  *) echo "unknown part $1"; exit 2 ;;
+esac
