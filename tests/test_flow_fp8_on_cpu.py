@@ -80,8 +80,46 @@ def test_lora_runs_in_the_model_dtype_over_the_fp8_base():
     assert not fp8.stale  # the base is frozen: one e4m3 copy for the whole run
 
 
-def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False, trained_steps=True):
+def test_lora_merges_into_the_fp8_copy_when_asked_and_follows_the_adapter():
+    """merge_lora (the ODE steps' mode): one e4m3 GEMM of W + scaling B A while sampling, peft's own forward
+    otherwise, and a new copy after the adapter trains."""
     cfg = FlowConfig()
+    cfg.actor_rollout_ref.model.lora_rank = 4
+    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
+    lora = next(m for m in policy.transformer.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    with torch.no_grad():
+        lora.lora_B["default"].weight.normal_(std=0.5)  # B is zero at init, which would hide the adapter
+    x = torch.randn(3, lora.base_layer.in_features)
+    exact = lora(x)
+    fp8 = fp8_dit.FP8Sampling(policy.transformer, merge_lora=True)
+    assert fp8.merged == len([m for m in fp8.linears if m._fp8_lora is not None]) > 0 and fp8.stale
+    torch.testing.assert_close(lora(x), exact, rtol=0, atol=0)  # outside sampling: peft's forward, plain base
+
+    def qdq(t):
+        q, s = quantize_fp8_rows(t)
+        return q.float() * s[..., None]
+
+    a, b, scale = lora.lora_A["default"].weight, lora.lora_B["default"].weight, lora.scaling["default"]
+    base = lora.base_layer
+    with fp8.sampling():
+        got = lora(x)
+    want = qdq(x) @ qdq(base.weight + scale * b @ a).t() + base.bias
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - exact).abs().max() > 0  # the e4m3 GEMM, not peft's
+    with torch.no_grad():
+        b.mul_(-1.0)
+    with fp8.sampling():
+        flipped = lora(x)
+    want = qdq(x) @ qdq(base.weight + scale * b @ a).t() + base.bias
+    torch.testing.assert_close(flipped, want, rtol=1e-5, atol=1e-5)  # re-merged after the adapter changed
+    lora.enable_adapters(False)
+    with fp8.sampling():
+        torch.testing.assert_close(lora(x), base(x), rtol=0, atol=0)  # adapters off: the plain base, not the merge
+
+
+def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False, trained_steps=True, lora_rank=0):
+    cfg = FlowConfig()
+    cfg.actor_rollout_ref.model.lora_rank = lora_rank
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps, ro.quantization = 4, 4, quantization
     ro.fp8_trained_steps = trained_steps
@@ -129,7 +167,8 @@ def test_fp8_rollout_gap_is_measured_and_corrected_by_the_llm_function(monkeypat
 def test_default_fp8_sampling_keeps_the_trained_steps_in_the_model_dtype():
     """FP8 on the ODE steps only: the trained steps' rollout log-probs are the trained precision's (a recompute gives
     the same numbers), so the step runs no old-log-prob pass, while the ODE steps' FP8 still moves the images."""
-    trainer = _trainer("fp8", trained_steps=False)
+    trainer = _trainer("fp8", trained_steps=False, lora_rank=4)
+    assert trainer.fp8.merged > 0  # the adapters ride in the ODE steps' e4m3 copies
     modes = []
     velocity = trainer.policy.velocity
     trainer.policy.velocity = lambda *a, **k: modes.append(trainer.fp8.active) or velocity(*a, **k)
@@ -138,10 +177,10 @@ def test_default_fp8_sampling_keeps_the_trained_steps_in_the_model_dtype():
     trainer.policy.velocity = velocity
     trainer._correct_rollout(rollout)  # pi_old in the model dtype, the update's batch shapes
     torch.testing.assert_close(rollout.old_log_probs_KB, rollout.traj.log_probs_KB, rtol=0, atol=0)
-    plain = _trainer(None).generate(trainer.train_prompts[:2])
+    plain = _trainer(None, lora_rank=4).generate(trainer.train_prompts[:2])
     assert (plain.traj.final_B - rollout.traj.final_B).abs().max() > 1e-4  # the FP8 ODE steps moved the images
     torch.testing.assert_close(plain.traj.latents_KB[0], rollout.traj.latents_KB[0])  # step 0 starts from the noise
-    m = _trainer("fp8", trained_steps=False).step()
+    m = _trainer("fp8", trained_steps=False, lora_rank=4).step()
     assert "timing_s/old_log_prob" not in m and m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 
 

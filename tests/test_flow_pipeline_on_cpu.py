@@ -209,7 +209,8 @@ def test_polyrl_flow_train_runs_fp8_sampling_and_ocr_on_a_local_pipeline(pipe_di
         assert key in row, key
 
 
-def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch):
+@pytest.mark.parametrize("merge_lora", [False, True])
+def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch, merge_lora):
     """FP8 sampling inside compiled blocks: every block reuses the same graph for each mode (FP8 on, FP8 off), so a
     60-block DiT does not recompile per block and fall back to eager past dynamo's recompile limit (the H200 run of
     2026-11-24 did: `recompile_limit (8)` on the FP8 blocks). Counted with dynamo's eager backend on CPU."""
@@ -224,7 +225,8 @@ def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     policy = load_pipeline_policy(pipe_dir, height=32, width=32, max_sequence_length=32)
     policy.add_lora(4, 8, FlowConfig().actor_rollout_ref.model.target_modules)
-    fp8 = FP8Sampling(policy.transformer)
+    fp8 = FP8Sampling(policy.transformer, merge_lora=merge_lora)
+    assert (fp8.merged > 0) == merge_lora
     torch._dynamo.reset()
     counters.clear()
     policy.compile_blocks()

@@ -20,17 +20,17 @@ bytes per element of HBM traffic while the GEMM saves 2N multiply-adds per eleme
 N ~ 500 on an H200; 1024 leaves a margin (all of Qwen-Image's block GEMMs are 3072 wide or more). On CPU every block
 linear is emulated so that tests cover them all.
 
-LoRA: peft's `lora.Linear` calls its `base_layer` (the FP8 GEMM here) and adds B(A x) in the model dtype on top. The
-frozen base never changes, so its e4m3 copy is made once and nothing is re-quantised after an optimizer step. The
-other choice merges the adapters into the base and re-quantises after every optimizer step, rounding the learned
-update together with the base. `benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random
-Qwen-Image, LoRA r8, 10 steps, window 2, CFG 4): with a small adapter both modes differ from the fp32 policy alike
-(max |log-ratio| per step 2.0e-5 on top, 1.0e-5 merged), with a large one the merged mode's error is 3.5x larger
-(1.5e-4 vs 5.4e-4; KL 4.1e-5 vs 6.5e-5): adapters on top keep the mismatch independent of how far training has moved
-them. Re-quantising costs little (1.7 ms per step there; ~20-40 ms of HBM traffic for 20B on an H200) and merging
-would save the adapters' bf16 side GEMMs in sampling (r64 adds ~4% to each adapted GEMM's FLOPs); the GPU run of the
-same script times both, and the mode is a one-function change if merging wins there. Full fine-tuning changes the
-base every step: `sampling()` re-quantises the trainable weights first (`stale`).
+LoRA: two ways to meet an adapter. On top (`FP8Sampling(merge_lora=False)`, the mode when the trained steps sample
+in FP8): peft's `lora.Linear` calls its `base_layer` (the FP8 GEMM here) and adds B(A x) in the model dtype. The frozen
+base never changes, so its e4m3 copy is made once. Merged (`merge_lora=True`, the ODE steps of the default mode): the
+copy holds W + scaling * B A, re-quantised before each rollout chunk (estimated 20-40 ms of HBM traffic for 20B on an H200), and the
+adapter's forward is that one GEMM. Merging removes the adapters' side GEMMs and the extra read and write of the
+output (by their bytes, an estimated ~20% of a bf16 block's time at 512^2, more next to FP8 GEMMs) but rounds the learned update
+together with the base: `benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA
+r8, 10 steps, window 2, CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged
+with a small adapter (`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only
+steps whose log-probs nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8.
+Full fine-tuning changes the base every step: `sampling()` re-quantises first (`stale`).
 
 Which steps: by default only the deterministic (ODE) steps of a rollout sample in FP8; the trained (SDE) steps run in
 the model dtype (`actor_rollout_ref.rollout.fp8_trained_steps=False`). Their log-probs are then the trained
@@ -83,30 +83,45 @@ def block_linears(transformer: nn.Module) -> list[nn.Linear]:
 
 
 class FP8Sampling:
-    """e4m3 copies of the selected block linears and the switch that routes their forwards through them."""
+    """e4m3 copies of the selected block linears and the switch that routes their forwards through them.
 
-    def __init__(self, transformer: nn.Module):
+    `merge_lora`: a linear under a LoRA adapter gets the e4m3 copy of W + scaling * B A instead, and its adapter's
+    forward runs that one GEMM while sampling (module docstring: the ODE steps of the default mode)."""
+
+    def __init__(self, transformer: nn.Module, merge_lora: bool = False):
         self.linears = block_linears(transformer)
         if not self.linears:
             raise ConfigError(f"{_KEY}=fp8 found no linear layer worth quantising in the transformer blocks; "
                               "leave it unset for this model.")  # fmt: skip
         self.active = False
+        adapters = _lora_layers(transformer) if merge_lora else {}
+        self.merged = 0
         for lin in self.linears:  # one shared forward and switch: compiled blocks then share one graph per mode
-            lin._fp8_sampling = self
-            lin.forward = types.MethodType(_fp8_or_plain_forward, lin)
+            wrapper = adapters.get(id(lin))
+            target = lin if wrapper is None else wrapper
+            target._fp8_sampling = self
+            target.forward = types.MethodType(_fp8_or_plain_forward if wrapper is None else _merged_or_lora_forward,
+                                              target)  # fmt: skip
+            lin.__dict__["_fp8_lora"] = wrapper  # not a registered submodule (it is the linear's parent)
+            self.merged += wrapper is not None
         self.refresh()
 
     @property
     def stale(self) -> bool:
-        """True when a quantised weight is trained (full fine-tuning): its copy must be redone before sampling."""
-        return any(lin.weight.requires_grad for lin in self.linears)
+        """True when a quantised weight is trained (full fine-tuning), or its copy holds a trained LoRA adapter
+        (merged): the copy must be redone before sampling."""
+        return any(lin.weight.requires_grad or (lin._fp8_lora is not None and _trains(lin._fp8_lora))
+                   for lin in self.linears)  # fmt: skip
 
     @torch.no_grad()
     def refresh(self) -> None:
         """The e4m3 copies, kept on each linear as plain attributes: not buffers, so state dicts and `.to(dtype)`
         never see them."""
         for lin in self.linears:
-            lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(lin.weight.detach())
+            w = lin.weight.detach()
+            if lin._fp8_lora is not None:
+                w = _merged_weight(lin._fp8_lora, w)
+            lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(w)
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -140,6 +155,34 @@ def _fp8_or_plain_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return fp8_matmul(x, lin.fp8_weight, lin.fp8_scale, lin.bias, lin.weight.dtype)
 
 
+def _merged_or_lora_forward(lora: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A LoRA layer's forward over a merged e4m3 copy: while sampling (adapters on), the one FP8 GEMM of
+    W + scaling * B A; otherwise peft's own forward over the plain base GEMM."""
+    base = lora.base_layer
+    if lora._fp8_sampling.active and not lora.disable_adapters and not lora.merged:
+        return fp8_matmul(x, base.fp8_weight, base.fp8_scale, base.bias, base.weight.dtype)
+    return type(lora).forward(lora, x, *args, **kwargs)
+
+
+def _lora_layers(transformer: nn.Module) -> dict[int, nn.Module]:
+    """id(base linear) -> the peft LoRA layer wrapping it."""
+    return {id(m.base_layer): m for m in transformer.modules()
+            if hasattr(m, "lora_A") and isinstance(getattr(m, "base_layer", None), nn.Linear)}  # fmt: skip
+
+
+def _trains(lora: nn.Module) -> bool:
+    return any(p.requires_grad for p in lora.parameters())
+
+
+def _merged_weight(lora: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """W + sum over the active adapters of scaling * B A, in W's dtype (one addmm per adapter)."""
+    for name in lora.active_adapters:
+        if name in lora.lora_A:
+            a, b = lora.lora_A[name].weight, lora.lora_B[name].weight
+            w = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=lora.scaling[name])
+    return w
+
+
 def check_quantization(value: str | None, world_size: int) -> None:
     """Refuse values the DiT rollout cannot honour, with the key and the fix."""
     if value not in QUANTIZATIONS:
@@ -149,10 +192,12 @@ def check_quantization(value: str | None, world_size: int) -> None:
                           "them); leave it unset with trainer.n_gpus_per_node > 1.")  # fmt: skip
 
 
-def build(value: str | None, transformer: nn.Module, world_size: int = 1) -> FP8Sampling | None:
-    """The FP8 sampler state for `rollout.quantization`, or None when the key is unset."""
+def build(value: str | None, transformer: nn.Module, world_size: int = 1,
+          trained_steps: bool = False) -> FP8Sampling | None:
+    """The FP8 sampler state for `rollout.quantization`, or None when the key is unset. With FP8 on the ODE steps
+    only (`trained_steps` False) LoRA adapters are merged into the e4m3 copies (module docstring)."""
     check_quantization(value, world_size)
-    return FP8Sampling(transformer) if value == "fp8" else None
+    return FP8Sampling(transformer, merge_lora=not trained_steps) if value == "fp8" else None
 
 
 def rollout_precision(fp8: FP8Sampling | None):

@@ -160,8 +160,8 @@ class FlowGRPOTrainer(TrainerCore):
         self.timer.hooks.append(self.profiler)
         self.async_scorer = async_scorer
         # FP8 GEMMs for the sampling forwards only (polyrl/rollout/fp8_dit.py); before compile and sharding
-        self.fp8 = fp8_dit.build(cfg.actor_rollout_ref.rollout.quantization, policy.transformer,
-                                 self.dist.world_size)  # fmt: skip
+        ro = cfg.actor_rollout_ref.rollout
+        self.fp8 = fp8_dit.build(ro.quantization, policy.transformer, self.dist.world_size, ro.fp8_trained_steps)
         if actor.use_kl_loss:  # before sharding: full fine-tuning's reference is then a plain frozen copy per rank
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
