@@ -28,8 +28,8 @@ case "${1:?part}" in
     run same_work_bf16 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward \
       --note "same work, OCR in a CPU worker process (async)" ;;
   fp8)
-    run same_work_fp8 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --offload-text-encoder \
-      --note "same work, async OCR, FP8 on the ODE steps, text encoder offloaded" ;;
+    run same_work_fp8 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 \
+      --note "same work, async OCR, FP8 on the ODE steps (LoRA merged), copies released for the update" ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;

@@ -87,3 +87,31 @@ def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused(monkeypatch):
     finally:
         if started_here:
             ray.shutdown()
+
+
+PID = """
+import os
+import time
+def score(images, prompts, metadata):
+    time.sleep(0.3)
+    return [float(os.getpid())] * len(prompts)
+"""
+
+
+def test_a_chunk_is_split_among_the_workers_and_keeps_its_order(tmp_path):
+    f = tmp_path / "pid_reward.py"
+    f.write_text(PID)
+    scorer = AsyncRewardScorer(image_rewards.build_reward, ({}, str(f), "score"), num_workers=2)
+    try:
+        seen = set()
+        for _ in range(20):  # until both spawned workers have imported and built their fn
+            scorer.submit(0, torch.zeros(4, 1, 2, 2), ["p"] * 4, [{}] * 4)
+            seen |= set(scorer.collect(4).tolist())
+            if len(seen) == 2:
+                break
+        scorer.submit(0, torch.zeros(4, 1, 2, 2), ["p"] * 4, [{}] * 4)
+        scores = scorer.collect(4).tolist()
+        assert scores[0] == scores[1] and scores[2] == scores[3]  # two pieces of 2, in submission order
+        assert scores[0] != scores[2]  # scored by the two workers at once
+    finally:
+        scorer.close()

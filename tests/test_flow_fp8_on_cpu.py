@@ -62,10 +62,14 @@ def test_trained_weights_are_requantised_before_sampling_and_a_frozen_base_is_no
         before = model(x)
     with torch.no_grad():
         model.transformer_blocks[0][0].weight.mul_(2.0)
+    fp8.release()  # what the trainer does after each rollout: the copies are dropped, then made again
+    assert model.transformer_blocks[0][0].fp8_weight is None
     with fp8.sampling():
         assert not torch.allclose(model(x), before)
     model.requires_grad_(False)
     assert not fp8.stale
+    fp8.release()  # a frozen base keeps its copy
+    assert model.transformer_blocks[0][0].fp8_weight is not None
 
 
 def test_lora_runs_in_the_model_dtype_over_the_fp8_base():
@@ -108,6 +112,7 @@ def test_lora_merges_into_the_fp8_copy_when_asked_and_follows_the_adapter():
     assert (got - exact).abs().max() > 0  # the e4m3 GEMM, not peft's
     with torch.no_grad():
         b.mul_(-1.0)
+    fp8.release()
     with fp8.sampling():
         flipped = lora(x)
     want = qdq(x) @ qdq(base.weight + scale * b @ a).t() + base.bias

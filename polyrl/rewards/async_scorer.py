@@ -17,6 +17,7 @@ built with `device="cuda"` lands on the reward GPU, never on a trainer's.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_lib
 from collections.abc import Callable
 
@@ -68,8 +69,13 @@ class AsyncRewardScorer:
         self.pending = 0
 
     def submit(self, offset: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
-        self.inbox.put((offset, _portable(images), list(prompts), list(metadata)))
-        self.pending += 1
+        """Queue a chunk, split in one piece per worker so they score it together (the last chunk of a rollout has
+        no generation left to hide behind)."""
+        size = -(-len(prompts) // len(self.procs))
+        for lo in range(0, len(prompts), size):
+            self.inbox.put((offset + lo, _portable(images[lo : lo + size]), list(prompts[lo : lo + size]),
+                            list(metadata[lo : lo + size])))  # fmt: skip
+            self.pending += 1
 
     def collect(self, batch: int) -> torch.Tensor:
         """Scores for offsets 0..batch-1 once every submitted chunk is scored."""
@@ -140,6 +146,11 @@ class RayRewardScorer:
         self.remote.close()
 
 
+def reward_workers(num_workers: int | None) -> int:
+    """`reward.num_workers`, or when null a quarter of this machine's cores, 1 to 4 (the trainer keeps the rest)."""
+    return num_workers or max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
     """The scorer `reward_cfg` (FlowConfig.reward) asks for: a Ray actor on the reward resource pool, a process pool
     (`async_reward`), or None (scored in the trainer). `factory(*args)` builds the reward fn in the worker."""
@@ -150,5 +161,5 @@ def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
         gpus = reward_gpus_per_rank(pool.n_gpus_per_node, "reward.reward_model.n_gpus_per_node")
         return RayRewardScorer(factory, args, num_gpus=gpus)
     if reward_cfg.async_reward:
-        return AsyncRewardScorer(factory, args, reward_cfg.num_workers)
+        return AsyncRewardScorer(factory, args, reward_workers(reward_cfg.num_workers))
     return None

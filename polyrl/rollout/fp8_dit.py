@@ -30,7 +30,8 @@ together with the base: `benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on 
 r8, 10 steps, window 2, CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged
 with a small adapter (`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only
 steps whose log-probs nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8.
-Full fine-tuning changes the base every step: `sampling()` re-quantises first (`stale`).
+Full fine-tuning changes the base every step. In both cases (`stale`) the trainer drops the copies after each rollout
+(`release`: the update gets their 19 GiB back) and `sampling()` makes them again before the next one.
 
 Which steps: by default only the deterministic (ODE) steps of a rollout sample in FP8; the trained (SDE) steps run in
 the model dtype (`actor_rollout_ref.rollout.fp8_trained_steps=False`). Their log-probs are then the trained
@@ -41,7 +42,8 @@ FlowGRPO's gradient never flows through them, so the estimate stays on-policy fo
 which is what measures the mismatch KL and feeds the shared rollout correction.
 
 Memory: the e4m3 copies add one byte per block weight next to the bf16 weights the update needs (19 GiB for
-Qwen-Image's 20.4B).
+Qwen-Image's 20.4B) while sampling. Copies that training makes stale are released for the update, so its peak is the
+bf16 run's; a frozen base's copy (adapters on top) stays for the whole run.
 """
 
 from __future__ import annotations
@@ -122,11 +124,21 @@ class FP8Sampling:
             if lin._fp8_lora is not None:
                 w = _merged_weight(lin._fp8_lora, w)
             lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(w)
+        self.fresh = True
+
+    def release(self) -> None:
+        """After a rollout: drop copies that training will make stale anyway (trained weights or merged adapters), so
+        the update has their memory (19 GiB for Qwen-Image); the next `sampling()` makes them again."""
+        if self.stale:
+            for lin in self.linears:
+                lin.fp8_weight = lin.fp8_scale = None
+            self.fresh = False
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
-        """FP8 GEMMs for the forwards inside (re-quantising trained weights first)."""
-        if self.stale:
+        """FP8 GEMMs for the forwards inside (making the copies first after a `release`). Trained weights are
+        re-quantised only there: the trainer releases after every rollout, so a copy never outlives an update."""
+        if not self.fresh:
             self.refresh()
         self.active = True
         try:

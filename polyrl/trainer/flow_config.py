@@ -255,8 +255,9 @@ class FlowRewardConfig:
     """Custom reward by path (joins reward_fns with weight 1 when set)."""
     async_reward: bool = False
     """Score each rollout chunk in a separate process while the next chunk is generated."""
-    num_workers: int = 1
-    """Reward worker processes when async_reward is on."""
+    num_workers: int | None = None
+    """Reward worker processes when async_reward is on (each chunk is split among them); null: a quarter of the
+    machine's cores, 1 to 4."""
     reward_model: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     """Where scoring runs when it has GPUs of its own."""
 

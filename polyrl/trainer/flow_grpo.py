@@ -241,6 +241,8 @@ class FlowGRPOTrainer(TrainerCore):
             if self.async_scorer is not None:  # score this chunk in the worker while the next one is generated
                 self.async_scorer.submit(lo, self.policy.decode(parts[-1].final_B).cpu(), chunk_prompts,
                                          metadata[lo : lo + chunk])  # fmt: skip
+        if self.fp8 is not None:  # copies the update will make stale: their memory goes to the update
+            self.fp8.release()
         traj = sde_sampler.Trajectory(
             latents_KB=torch.cat([p.latents_KB for p in parts], dim=1),
             next_latents_KB=torch.cat([p.next_latents_KB for p in parts], dim=1),
