@@ -247,6 +247,9 @@ def work_words(args, result: dict) -> str:
     return words
 
 
+GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
@@ -425,7 +428,8 @@ def main() -> None:
                  f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
                  f"{', compiled blocks (update dynamic, rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
-                 f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s, "
+                 f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s"
+                 f"{''.join(f', {k[9:]} {v:.2f}s' for k, v in timing.items() if k[9:] in GEN_PARTS)}, "
                  f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
                  f"{'; ' + args.note if args.note else ''}")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",

@@ -5,6 +5,7 @@
 #                                              # inductor-fused or Triton quantiser, FP8 on the ODE steps only
 #   bash benchmarks/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling
 #   bash benchmarks/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
+#   bash benchmarks/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 # Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
 set -uo pipefail
@@ -29,6 +30,11 @@ case "${1:?part}" in
       --note "same work, OCR in a CPU worker process (async)" ;;
   fp8)
     run same_work_fp8 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 \
+      --note "same work, async OCR, FP8 on the ODE steps (LoRA merged), copies released for the update" ;;
+  pair)  # bf16 then FP8 in one call: the same machine for both
+    run same_work_bf16 timeout 285 python3 benchmarks/flow_grpo.py $FAST --async-reward \
+      --note "same work, OCR in a CPU worker process (async); same call as the FP8 row"
+    run same_work_fp8 timeout 285 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 \
       --note "same work, async OCR, FP8 on the ODE steps (LoRA merged), copies released for the update" ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \

@@ -126,6 +126,11 @@ class FP8Sampling:
             lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(w)
         self.fresh = True
 
+    def prepare(self) -> None:
+        """Make the copies if `release` dropped them."""
+        if not self.fresh:
+            self.refresh()
+
     def release(self) -> None:
         """After a rollout: drop copies that training will make stale anyway (trained weights or merged adapters), so
         the update has their memory (19 GiB for Qwen-Image); the next `sampling()` makes them again."""
@@ -138,8 +143,7 @@ class FP8Sampling:
     def sampling(self) -> Iterator[None]:
         """FP8 GEMMs for the forwards inside (making the copies first after a `release`). Trained weights are
         re-quantised only there: the trainer releases after every rollout, so a copy never outlives an update."""
-        if not self.fresh:
-            self.refresh()
+        self.prepare()
         self.active = True
         try:
             yield

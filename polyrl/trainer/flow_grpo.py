@@ -231,6 +231,11 @@ class FlowGRPOTrainer(TrainerCore):
                                         timestep_fraction=ro.algo.timestep_fraction, generator=self._noise_gen)  # fmt: skip
         if not self.cfg.actor_rollout_ref.model.cache_prompt_embeds:  # encoded here, reused by this step's update
             self.policy.clear_prompt_cache()
+        with self.timer.stage("encode_prompts"):
+            self.policy.cache_prompts(prompts)
+        if self.fp8 is not None:
+            with self.timer.stage("fp8_quantise"):  # the e4m3 copies (again, after an update made them stale)
+                self.fp8.prepare()
         parts = []
         for lo in range(0, len(prompts), chunk):
             chunk_prompts = prompts[lo : lo + chunk]
@@ -239,8 +244,9 @@ class FlowGRPOTrainer(TrainerCore):
             with fp8_dit.rollout_precision(self.fp8):
                 parts.append(self._sample(noise, chunk_prompts, sigmas, train_steps, ro.algo.noise_level, gens))
             if self.async_scorer is not None:  # score this chunk in the worker while the next one is generated
-                self.async_scorer.submit(lo, self.policy.decode(parts[-1].final_B).cpu(), chunk_prompts,
-                                         metadata[lo : lo + chunk])  # fmt: skip
+                with self.timer.stage("decode"):
+                    images = self.policy.decode(parts[-1].final_B).cpu()
+                self.async_scorer.submit(lo, images, chunk_prompts, metadata[lo : lo + chunk])
         if self.fp8 is not None:  # copies the update will make stale: their memory goes to the update
             self.fp8.release()
         traj = sde_sampler.Trajectory(
