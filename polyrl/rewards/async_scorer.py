@@ -17,7 +17,6 @@ built with `device="cuda"` lands on the reward GPU, never on a trainer's.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue as queue_lib
 from collections.abc import Callable
 
@@ -146,11 +145,6 @@ class RayRewardScorer:
         self.remote.close()
 
 
-def reward_workers(num_workers: int | None) -> int:
-    """`reward.num_workers`, or when null a quarter of this machine's cores, 1 to 4 (the trainer keeps the rest)."""
-    return num_workers or max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
 def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
     """The scorer `reward_cfg` (FlowConfig.reward) asks for: a Ray actor on the reward resource pool, a process pool
     (`async_reward`), or None (scored in the trainer). `factory(*args)` builds the reward fn in the worker."""
@@ -161,5 +155,5 @@ def build_scorer(reward_cfg, factory: Callable, args: tuple = ()):
         gpus = reward_gpus_per_rank(pool.n_gpus_per_node, "reward.reward_model.n_gpus_per_node")
         return RayRewardScorer(factory, args, num_gpus=gpus)
     if reward_cfg.async_reward:
-        return AsyncRewardScorer(factory, args, reward_workers(reward_cfg.num_workers))
+        return AsyncRewardScorer(factory, args, reward_cfg.num_workers)
     return None
