@@ -21,17 +21,18 @@ N ~ 500 on an H200; 1024 leaves a margin (all of Qwen-Image's block GEMMs are 30
 linear is emulated so that tests cover them all.
 
 LoRA: two ways to meet an adapter. On top (`FP8Sampling(merge_lora=False)`, the mode when the trained steps sample
-in FP8): peft's `lora.Linear` calls its `base_layer` (the FP8 GEMM here) and adds B(A x) in the model dtype. The frozen
-base never changes, so its e4m3 copy is made once. Merged (`merge_lora=True`, the ODE steps of the default mode): the
-copy holds W + scaling * B A, re-quantised before each rollout chunk (estimated 20-40 ms of HBM traffic for 20B on an H200), and the
-adapter's forward is that one GEMM. Merging removes the adapters' side GEMMs and the extra read and write of the
-output (by their bytes, an estimated ~20% of a bf16 block's time at 512^2, more next to FP8 GEMMs) but rounds the learned update
-together with the base: `benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA
-r8, 10 steps, window 2, CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged
-with a small adapter (`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only
-steps whose log-probs nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8.
-Full fine-tuning changes the base every step. In both cases (`stale`) the trainer drops the copies after each rollout
-(`release`: the update gets their 19 GiB back) and `sampling()` makes them again before the next one.
+in FP8): peft's `lora.Linear` calls its `base_layer` (the FP8 GEMM here) and adds B(A x) in the model dtype. The
+frozen base never changes, so its e4m3 copy is made once. Merged (`merge_lora=True`, the ODE steps of the default
+mode): the copy holds W + scaling * B A, made again before each rollout (0.25 s for Qwen-Image's 20.4B on an H200,
+`timing_s/fp8_quantise`), and the adapter's forward is that one GEMM. Merging removes the adapters' side GEMMs and the
+extra read and write of the output, but rounds the learned update together with the base:
+`benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA r8, 10 steps, window 2,
+CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged with a small adapter
+(`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only steps whose log-probs
+nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8. On an H200 (compiled,
+16 images) FP8 on the ODE steps with merged adapters sampled in 8.15 s, every step FP8 with adapters on top 8.54 s,
+bf16 10.55 s. Full fine-tuning changes the base every step. In both cases (`stale`) the trainer drops the copies
+after each rollout (`release`: the update gets their 19 GiB back) and `sampling()` makes them again before the next.
 
 Which steps: by default only the deterministic (ODE) steps of a rollout sample in FP8; the trained (SDE) steps run in
 the model dtype (`actor_rollout_ref.rollout.fp8_trained_steps=False`). Their log-probs are then the trained
