@@ -57,6 +57,18 @@ def test_auto_choices_follow_free_memory(monkeypatch):
                                                                            "free_cache", "seats"}
 
 
+def test_long_sequences_train_without_checkpointing_when_one_whole_sequence_fits():
+    """Seed 002's shape (28,672-token context, 2 H200s, 64 rollout rows per GPU): one sequence per micro-batch is
+    already a large GEMM batch, so checkpointing (a re-run of every layer) stays off while one fits; it goes on
+    when not even one does."""
+    args = dict(total=int(140 * GiB), max_seq_len=28672, num_rollout_rows=64, world_size=2)
+    long = _choose(129.6, **args)
+    assert long["checkpointing"].value is False, long["checkpointing"].reason
+    assert 28672 <= long["update_tokens"].value <= memory.MAX_UPDATE_TOKENS
+    assert _choose(40, **args)["checkpointing"].value is True  # not even one whole sequence fits without it
+    assert _choose(74)["checkpointing"].value is False  # short sequences: unchanged
+
+
 SMOLLM2_135M = memory.ModelShape(hidden=576, intermediate=1536, num_layers=30, vocab=49152,
                                  kv_bytes_per_token=30 * 2 * 3 * 64 * 2, num_params=134_515_008,
                                  num_trainable=134_515_008, param_bytes=4)

@@ -162,7 +162,9 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
     floor = max_seq_len  # one whole sequence must fit a micro-batch
     if checkpointing is None:
         fast = spare / update_bytes_per_token(shape, checkpointing=False, compiled=compile_layers)
-        want = update_tokens or max(MIN_FAST_TOKENS, 2 * max_seq_len)
+        # enough tokens per micro-batch to keep the GEMMs efficient, and one whole sequence: at long context a single
+        # sequence already is a large micro-batch, and checkpointing would re-run every layer (~1/3 more compute)
+        want = update_tokens or max(MIN_FAST_TOKENS, max_seq_len)
         checkpointing = fast < want
         out["checkpointing"] = Choice(
             "actor_rollout_ref.model.enable_gradient_checkpointing", checkpointing,
