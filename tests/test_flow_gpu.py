@@ -6,20 +6,26 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def test_compiled_blocks_match_eager_with_and_without_grad():
+def _policy(head_dim: int, heads: int, text_dim: int, rope: tuple[int, int, int], targets: list[str]):
+    """A 2-block random Qwen-Image transformer (bf16, CUDA) with LoRA r8 as a CFG FlowPolicy over random embeddings."""
     from diffusers import QwenImageTransformer2DModel
 
     from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = QwenImageTransformer2DModel(num_layers=2, attention_head_dim=64, num_attention_heads=4,
-                                            joint_attention_dim=64, axes_dims_rope=(16, 24, 24)).to(torch.bfloat16)
-    table = {p: (torch.randn(12, 64) * 0.5, torch.ones(12, dtype=torch.long)) for p in ["a", "b", " "]}
+        model = QwenImageTransformer2DModel(num_layers=2, attention_head_dim=head_dim, num_attention_heads=heads,
+                                            joint_attention_dim=text_dim, axes_dims_rope=rope).to(torch.bfloat16)
+    table = {p: (torch.randn(12, text_dim) * 0.5, torch.ones(12, dtype=torch.long)) for p in ["a", "b", " "]}
     policy = FlowPolicy(model, encode_fn=lambda ps: [table[p] for p in ps], decode_fn=lambda z: z,
                         sigmas_fn=lambda n: torch.linspace(1, 0, n + 1), latent=LatentShape(8, 8, 64),
                         true_cfg_scale=4.0, device="cuda")  # fmt: skip
-    policy.add_lora(8, 16, ["to_q", "to_k", "to_v"])
+    policy.add_lora(8, 16, targets)
+    return policy
+
+
+def test_compiled_blocks_match_eager_with_and_without_grad():
+    policy = _policy(64, 4, 64, (16, 24, 24), ["to_q", "to_k", "to_v"])
     x = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
     sigma = torch.full((4,), 0.7, device="cuda")
     prompts = ["a", "b", "a", "b"]
@@ -48,20 +54,11 @@ def test_compiled_fp8_sampling_with_merged_lora_matches_eager():
     """FP8 on the ODE steps as the trainer runs it: LoRA merged into the e4m3 copies, blocks compiled (the input
     quantised by inductor-fused tensor ops, `_scaled_mm`), against the eager FP8 path (the Triton quantiser) and
     within e4m3's error of bf16; released copies come back the same."""
-    from diffusers import QwenImageTransformer2DModel
-
-    from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
     from polyrl.rollout.fp8_dit import FP8Sampling
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # 1024-wide linears: gemm_pays() puts them on the FP8 path
-        model = QwenImageTransformer2DModel(num_layers=2, attention_head_dim=128, num_attention_heads=8,
-                                            joint_attention_dim=1024, axes_dims_rope=(16, 56, 56)).to(torch.bfloat16)
-    table = {p: (torch.randn(12, 1024) * 0.5, torch.ones(12, dtype=torch.long)) for p in ["a", "b", " "]}
-    policy = FlowPolicy(model, encode_fn=lambda ps: [table[p] for p in ps], decode_fn=lambda z: z,
-                        sigmas_fn=lambda n: torch.linspace(1, 0, n + 1), latent=LatentShape(8, 8, 64),
-                        true_cfg_scale=4.0, device="cuda")  # fmt: skip
-    policy.add_lora(8, 16, ["to_q", "to_k", "to_v", "img_mlp.net.0.proj"])
+    # 1024-wide linears: gemm_pays() puts them on the FP8 path
+    policy = _policy(128, 8, 1024, (16, 56, 56), ["to_q", "to_k", "to_v", "img_mlp.net.0.proj"])
+    model = policy.transformer
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
