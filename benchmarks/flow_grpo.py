@@ -424,6 +424,8 @@ def main() -> None:
         "ratio_mean": rows[-1].get("actor/ratio_mean"), "pg_clipfrac": rows[-1].get("actor/pg_clipfrac"),
         "grad_norm": rows[-1].get("actor/grad_norm"),
         **{k: sum(r[k] for r in rows) / len(rows) for k in MISMATCH_KEYS if k in rows[-1]},
+        "steps_s": [{k[9:]: round(r[k], 2) for k in ("timing_s/gen", "timing_s/update_actor", "timing_s/step")}
+                    for r in rows],  # each timed step: a compile or retry inside one shows here
         "oom_retries": trainer.oom.num_retries, "grad_ckpt": cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         "micro": actor.ppo_micro_batch_size_per_gpu, "rollout_micro": ro.log_prob_micro_batch_size_per_gpu,
     }  # fmt: skip
