@@ -257,8 +257,8 @@ class FlowRewardConfig:
     """Score each rollout chunk in a separate process while the next chunk is generated."""
     num_workers: int = 1
     """Reward worker processes when async_reward is on; each chunk is split among them. rapidocr's OCR of 16 512^2
-    images took 1.1 s with 1 worker and 1.5-1.9 s with 4 on the H200 machine's 16 cores (onnxruntime already
-    threads each call), so 1 stays the default."""
+    images took 1.1 s with 1 worker and 1.5-1.9 s with 4 on H200 machines with 16 cores (other machines, so not a
+    clean comparison; onnxruntime already threads each call): 1 stays the default."""
     reward_model: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     """Where scoring runs when it has GPUs of its own."""
 
