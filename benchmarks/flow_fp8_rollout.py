@@ -28,9 +28,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _record
 
 from polyrl.algorithms import sde as sde_lib
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
@@ -143,6 +147,7 @@ def main() -> None:
     ap.add_argument("--lora-modes", action="store_true", help="also: LoRA merged into the base and re-quantised")
     ap.add_argument("--compile", action="store_true", help="compile the blocks as the trainer does")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one batch per precision")
+    ap.add_argument("--rows-out", help="append the BENCHMARKS.md row here (a run on another machine)")
     ap.add_argument("--compiled-quantisers", default=fp8_linear.COMPILED_QUANTISER,
                     help="with --compile, how blocks quantise a GEMM's input, comma-separated to compare: inductor "
                          "(tensor ops fused by inductor), triton (the hand-written launch)")
@@ -193,6 +198,17 @@ def main() -> None:
         result["lora_merged_requantised"] = mismatch(policy, runs[-1][0], runs[-1][1])
         result["requantise_s_per_optimizer_step"] = requant_s
     print(json.dumps(result, indent=1))
+    if on_gpu:
+        from _record import append_row
+
+        mm = result["lora_on_top"]
+        append_row(result["device"], "flow_fp8_rollout.py (the FP8 rollout stage alone, issue 23)",
+                   f"Qwen-Image DiT 20.4B bf16 random, LoRA r64, 512^2, 10 steps, window {WINDOW}, CFG 4, "
+                   f"{args.batch} images per call, {'compiled' if args.compile else 'eager'}, {args.repeats} timed "
+                   f"calls each; sampling s: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items())
+                   + f"; every-step FP8 vs bf16 recompute: KL {mm['rollout_corr/kl']:.1e}, max |log-ratio| "
+                   f"{mm['abs_log_ratio_max']:.1e}",
+                   f"best FP8 {max(result['speedup'].values()):.2f}x bf16", path=args.rows_out)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
 }
 case "${1:?part}" in
   stage)
-    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 \
+    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.md \
       --compiled-quantisers inductor,triton --trained-steps-bf16 ;;
   bf16)
     run same_work_bf16 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward \
