@@ -189,6 +189,15 @@ def test_default_fp8_sampling_keeps_the_trained_steps_in_the_model_dtype():
     assert "timing_s/old_log_prob" not in m and m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_rollout_correction_still_recomputes_with_bf16_trained_steps():
+    """FP8 on the ODE steps only, but rollout correction asked for: pi_old is recomputed and the shared function
+    runs; the trained steps sampled in the model dtype, so the gap it measures is nil."""
+    m = _trainer("fp8", rollout_is="token", trained_steps=False).step()
+    assert "timing_s/old_log_prob" in m and "rollout_corr/kl" in m
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.0, abs=1e-6)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_is_weights_reach_the_flow_grpo_loss():
     """TIS at 0.5 caps every weight (all ~1) at 0.5: the same batch's policy loss halves."""
     plain = _trainer("fp8").step()
