@@ -254,8 +254,9 @@ def one_per_text_bucket(policy, prompts: list[tuple[str, dict]]) -> list[tuple[s
     compile then landed inside the 2026-11-26 rows' timing. Generating one chunk per bucket after the warm-up step
     compiles them all first."""
     seen: dict[int, tuple[str, dict]] = {}
+    negative = [policy.negative_prompt] if policy.true_cfg_scale > 1 else []
+    policy.cache_prompts([p for p, _ in prompts])  # one text-encoder call (an offloaded encoder moves once)
     for item in prompts:
-        negative = [policy.negative_prompt] if policy.true_cfg_scale > 1 else []
         width = policy.prompt_batch([item[0], *negative])[0].shape[1]  # [B, T, D] embeds first
         seen.setdefault(width, item)
     return list(seen.values())
