@@ -122,12 +122,12 @@ def test_lora_merges_into_the_fp8_copy_when_asked_and_follows_the_adapter():
         torch.testing.assert_close(lora(x), base(x), rtol=0, atol=0)  # adapters off: the plain base, not the merge
 
 
-def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False, trained_steps=True, lora_rank=0):
+def _trainer(quantization, rollout_is=None, threshold=2.0, kl=False, trained_steps=None, lora_rank=0):
     cfg = FlowConfig()
     cfg.actor_rollout_ref.model.lora_rank = lora_rank
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps, ro.quantization = 4, 4, quantization
-    ro.fp8_trained_steps = trained_steps
+    ro.fp8_trained_steps = quantization == "fp8" if trained_steps is None else trained_steps
     ro.algo.sde_window_size, ro.algo.sde_window_range = 2, [0, 2]
     cfg.data.train_batch_size, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 2, 2, 8
     actor.diffusion_loss.clip_ratio, actor.use_kl_loss, actor.kl_loss_coef = 1e-3, kl, 0.01
@@ -211,6 +211,8 @@ def test_bad_quantization_and_bypass_mode_are_refused():
         _trainer("int8")
     with pytest.raises(ConfigError, match="n_gpus_per_node"):
         fp8_dit.check_quantization("fp8", world_size=2)
+    with pytest.raises(ConfigError, match="fp8_trained_steps=True only applies to FP8 sampling"):
+        _trainer(None, trained_steps=True)  # a key that would otherwise be accepted and ignored
     cfg = FlowConfig()
     cfg.algorithm.rollout_correction.bypass_mode = True
     with pytest.raises(ConfigError, match="bypass_mode"):

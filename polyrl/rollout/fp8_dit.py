@@ -200,8 +200,11 @@ def _merged_weight(lora: nn.Module, w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def check_quantization(value: str | None, world_size: int) -> None:
+def check_quantization(value: str | None, world_size: int, trained_steps: bool = False) -> None:
     """Refuse values the DiT rollout cannot honour, with the key and the fix."""
+    if trained_steps and value != "fp8":
+        raise ConfigError("actor_rollout_ref.rollout.fp8_trained_steps=True only applies to FP8 sampling; set "
+                          f"{_KEY}=fp8 or drop the key.")  # fmt: skip
     if value not in QUANTIZATIONS:
         raise ConfigError(f"{_KEY}={value!r} is not supported for diffusion models; use fp8 or leave it unset.")
     if value == "fp8" and world_size > 1:
@@ -213,7 +216,7 @@ def build(value: str | None, transformer: nn.Module, world_size: int = 1,
           trained_steps: bool = False) -> FP8Sampling | None:
     """The FP8 sampler state for `rollout.quantization`, or None when the key is unset. With FP8 on the ODE steps
     only (`trained_steps` False) LoRA adapters are merged into the e4m3 copies (module docstring)."""
-    check_quantization(value, world_size)
+    check_quantization(value, world_size, trained_steps)
     return FP8Sampling(transformer, merge_lora=not trained_steps) if value == "fp8" else None
 
 
