@@ -18,9 +18,10 @@ optimizer step; it prints each mode's sampling time, mismatch and the re-quantis
     python benchmarks/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
         # GPU: the activation quantiser fused by inductor vs the Triton launch; and FP8 on the ODE steps only
 
-`--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling). On an H200
-(2026-11-24) the trainer's compiled FP8 sampling took 24.0 s for 16 images against 12.9 s for compiled bf16, while
-eager FP8 was 1.18x faster than eager bf16; `--profile` prints the kernels of one timed batch per precision to say why.
+`--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling); `--profile`
+prints the kernels of one timed batch per precision. On an H200 (2026-11-26, compiled, 16 images) bf16 took 10.55 s,
+every step FP8 8.54 s, FP8 on the ODE steps with merged LoRA 8.15 s (the 24.0 s of a 2026-11-24 trainer run came
+from its text-encoder offload, not from FP8: benchmarks/NOTES_flow.md).
 """
 
 from __future__ import annotations
