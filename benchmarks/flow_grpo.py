@@ -50,6 +50,7 @@ import argparse
 import hashlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,6 +59,8 @@ from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 PEER_IMG_PER_GPU_S = 0.305  # VeRL-Omni run_qwen_image_ocr_lora.sh, 4xH800
+# VeRL-Omni full-model non-CFG on Qwen-Image OCR (seed 000): 4 H200s, fp32 optimizer state, 250 s per step
+PEER_FULL = {"name": "VeRL-Omni full FT no-CFG 4xH200", "img_per_gpu_s": 0.510, "step_s": 250.0}
 PEAK_TFLOPS = 790.0
 
 
@@ -238,6 +241,8 @@ def work_words(args, result: dict) -> str:
                  f"prompt tokens), VAE decode to 512^2, rapidocr OCR"
                  f"{f' + VLM-judge-sized model on {args.judge_gpu}' if args.judge_gpu else ''} "
                  f"{'in a worker process' if args.async_reward else 'in the step'}, all samples trained")  # fmt: skip
+        if args.brightness_term:
+            words += f" (+ {args.brightness_term} x brightness in the reward: nonzero advantages and gradients)"
     if args.fp8 and not args.fp8_trained_steps:
         words += "; FP8 GEMMs on the 8 ODE steps, the trained steps sample in bf16 (no old-log-prob recompute)"
     elif args.fp8:
@@ -260,6 +265,84 @@ def one_per_text_bucket(policy, prompts: list[tuple[str, dict]]) -> list[tuple[s
         width = policy.prompt_batch([item[0], *negative])[0].shape[1]  # [B, T, D] embeds first
         seen.setdefault(width, item)
     return list(seen.values())
+
+
+def brightness(images, prompts, metadata):
+    """Mean pixel value of each image: varies within a group even for random weights (--brightness-term)."""
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+
+
+def ocr_reward(brightness_term: float = 0.0):
+    """The OCR reward (+ `brightness_term` x brightness). A factory: the async reward workers build it too."""
+    from polyrl.rewards import image_rewards
+
+    weights = {"ocr": 1.0, **({"brightness": brightness_term} if brightness_term else {})}
+    return image_rewards.build_reward(weights, extra={"brightness": brightness})
+
+
+# ------------------------------------------------------------------ checkpoint resume check (issue 24)
+
+CHECK_KEYS = ("critic/rewards/mean", "critic/advantages/max", "actor/pg_loss", "actor/grad_norm", "actor/ratio_mean",
+              "actor/pg_clipfrac", "actor/num_trained_samples")
+
+
+@torch.no_grad()
+def fingerprint(trainer) -> dict[str, list[float]]:
+    """Collective. Sum and sum of squares (fp64, over all ranks) of the trainable weights and of each AdamW state
+    tensor: equal fingerprints mean the same state, up to a coincidence that no checkpoint bug would produce."""
+    sums: dict[str, torch.Tensor] = {}
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    for p in params:
+        tensors = {"weights": p, **{k: v for k, v in trainer.optimizer.state.get(p, {}).items() if v.ndim > 0}}
+        for key, t in tensors.items():
+            local = (t.to_local() if hasattr(t, "to_local") else t).double()
+            acc = sums.setdefault(key, torch.zeros(2, dtype=torch.float64, device=local.device))
+            acc += torch.stack([local.sum(), local.square().sum()])
+    out = {}
+    for key, acc in sorted(sums.items()):
+        if trainer.dist.is_distributed:
+            torch.distributed.all_reduce(acc)
+        out[key] = acc.tolist()
+    return out
+
+
+def save_check(trainer, folder: str, dist) -> None:
+    """After the timed steps: save (timed), fingerprint the saved state, run the next step uninterrupted and write
+    what it measured to folder/uninterrupted.json for `resume_check`."""
+    saved = fingerprint(trainer)
+    t0 = time.perf_counter()
+    path = trainer.save_checkpoint()
+    save_s = time.perf_counter() - t0
+    row = trainer.step()
+    record = {"step": trainer.global_step, "saved": saved, "after": fingerprint(trainer), "save_s": save_s,
+              "checkpoint": str(path), "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
+    if dist.is_rank0:
+        Path(folder, "uninterrupted.json").write_text(json.dumps(record, indent=1))
+        print(f"saved {path} in {save_s:.1f}s; step {trainer.global_step} uninterrupted: {record['metrics']}", flush=True)
+
+
+def resume_check(trainer, folder: str, dist) -> None:
+    """The trainer resumed `save_check`'s checkpoint in its constructor: check the loaded state against the saved
+    fingerprint, run the same step, compare with the uninterrupted run and print a verdict (rank 0)."""
+    want = json.loads(Path(folder, "uninterrupted.json").read_text())
+    loaded = fingerprint(trainer)
+    row = trainer.step()
+    got = {"step": trainer.global_step, "loaded": loaded, "after": fingerprint(trainer),
+           "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
+    dist.close()
+    if not dist.is_rank0:
+        return
+    rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-30)  # noqa: E731
+    verdict = {
+        "same_step": got["step"] == want["step"],
+        "state_loaded_bitwise": loaded == want["saved"],  # fp64 sums of the very same bits
+        "metrics_max_rel_diff": max((rel(got["metrics"][k], want["metrics"][k]) for k in CHECK_KEYS
+                                     if got["metrics"][k] is not None), default=0.0),  # fmt: skip
+        "after_step_max_rel_diff": max(rel(a, b) for k in want["after"] for a, b in zip(got["after"][k], want["after"][k])),
+        "rewards_equal": got["metrics"]["critic/rewards/mean"] == want["metrics"]["critic/rewards/mean"],
+    }
+    Path(folder, "resumed.json").write_text(json.dumps({**got, "verdict": verdict}, indent=1))
+    print("resume check:", json.dumps(verdict), flush=True)
 
 
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
@@ -296,6 +379,15 @@ def main() -> None:
                          "FP8 ODE-step mode no longer needs it: its copies are released for the update)")
     ap.add_argument("--judge-gpu", help="also run a VLM-judge-sized model (benchmarks/flow_reward_judge.py) on this "
                                         "device for each image: in the async worker with --async-reward, else in the step")
+    ap.add_argument("--reward-workers", type=int, default=1,
+                    help="reward.num_workers: OCR worker processes with --async-reward (a chunk is split across them)")
+    ap.add_argument("--brightness-term", type=float, default=0.0,
+                    help="add this weight x mean pixel brightness to the OCR reward: random weights draw no text, so "
+                         "OCR alone gives every group zero advantages and zero gradients; this gives real ones")
+    ap.add_argument("--save-check", metavar="DIR",
+                    help="after the timed steps: save a checkpoint under DIR, run one more step, write DIR/uninterrupted.json")
+    ap.add_argument("--resume-check", metavar="DIR",
+                    help="resume --save-check's checkpoint (no warm-up), run that step, compare with DIR/uninterrupted.json")
     ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
     ap.add_argument("--note", default="", help="with --record: words added to the row's config column")
@@ -315,7 +407,9 @@ def main() -> None:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build directly in bf16 on the GPU: fp32 would need 82 GB
+    # build directly on the GPU: bf16 for LoRA; fp32 for full fine-tuning (verl's recipe: fp32 weights, gradients and
+    # AdamW state, sharded by FSDP2, with bf16 compute through mixed_precision.param_dtype; 82 GB per rank until sharded)
+    torch.set_default_dtype(torch.float32 if args.full else dtype)
     with torch.device(device):
         transformer = QwenImageTransformer2DModel(**kw)
     torch.set_default_dtype(prev)
@@ -336,13 +430,18 @@ def main() -> None:
     actor.optim.lr = 3e-4 if not args.full else 3e-5
     actor.diffusion_loss.clip_ratio = 1e-5
     actor.fsdp_config.reshard_after_forward = not args.keep_gathered
+    if args.full and on_gpu:
+        actor.fsdp_config.mixed_precision = {"param_dtype": "bfloat16"}
+    # never resume a stale checkpoint by accident: only --resume-check resumes, from its own folder
+    cfg.trainer.default_local_dir = args.save_check or args.resume_check
+    cfg.trainer.resume_mode = "auto" if args.resume_check else "disable"
     cfg.trainer.progress_bar = False
     ro.pipeline.height = ro.pipeline.width = size
     if args.fp8:
         ro.quantization, ro.fp8_trained_steps = "fp8", args.fp8_trained_steps
         if args.fp8_trained_steps:
             cfg.algorithm.rollout_correction.rollout_is = "token"  # TIS at 2.0, the LLM side's default threshold
-    cfg.reward.async_reward = args.async_reward
+    cfg.reward.async_reward, cfg.reward.num_workers = args.async_reward, args.reward_workers
     if args.latent_reward:
         policy, reward_fn, prompts, text_tokens = latent_setup(transformer, ro, size, text_dim, text_len, device)
         cfg.actor_rollout_ref.model.cache_prompt_embeds = True
@@ -360,7 +459,7 @@ def main() -> None:
         policy = FlowPolicy(transformer, encode_fn=encode_fn, decode_fn=parts.decode_fn, sigmas_fn=parts.sigmas_fn,
                             latent=parts.latent, true_cfg_scale=ro.pipeline.true_cfg_scale, device=device,
                             adapter=parts.adapter)  # fmt: skip
-        reward_fn = image_rewards.build_reward({"ocr": 1.0})
+        reward_fn = ocr_reward(args.brightness_term)
         if args.judge_gpu and not args.async_reward:
             from benchmarks.flow_reward_judge import judge_reward
 
@@ -385,15 +484,19 @@ def main() -> None:
 
     scorer = None
     if args.async_reward:
-        from polyrl.rewards import image_rewards
         from polyrl.rewards.async_scorer import build_scorer
 
         from benchmarks.flow_reward_judge import judge_reward
 
         scorer = (build_scorer(cfg.reward, latent_reward_fn) if args.latent_reward else
                   build_scorer(cfg.reward, judge_reward, (args.judge_gpu, args.tiny)) if args.judge_gpu else
-                  build_scorer(cfg.reward, image_rewards.build_reward, ({"ocr": 1.0},)))  # fmt: skip
+                  build_scorer(cfg.reward, ocr_reward, (args.brightness_term,)))  # fmt: skip
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, prompts, prompts[:2], dist=dist, async_scorer=scorer)
+    if args.resume_check:
+        resume_check(trainer, args.resume_check, dist)
+        if scorer is not None:
+            scorer.close()
+        return
     trainer.step()  # warm-up (allocator, kernels)
     for prompt in one_per_text_bucket(policy, prompts):  # every static rollout shape compiled before timing
         trainer.score(trainer.generate([prompt]))
@@ -404,9 +507,11 @@ def main() -> None:
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU
     img_s = images / timing["timing_s/step"]  # the slowest rank's step time (merged metrics)
-    if scorer is not None:
-        scorer.close()
     cfg_mult = 1 if args.no_cfg else 2
+    full_peer = args.full and args.no_cfg  # the seed's full-model recipe, else its LoRA CFG one
+    peer = PEER_FULL["img_per_gpu_s"] if full_peer else PEER_IMG_PER_GPU_S
+    peer_words = (f"{PEER_FULL['name']}: {peer} ({PEER_FULL['step_s']:.0f} s/step)" if full_peer else
+                  f"VeRL-Omni 4xH800: {peer}")
     fwd = forward_tflop(transformer, grid * grid, round(text_tokens))
     trained = 3 if args.full else 2  # forward + input-grad backward (+ weight-grad backward when full FT)
     dit_tflop = fwd * cfg_mult * (ro.pipeline.num_inference_steps + ro.algo.sde_window_size * trained)
@@ -417,7 +522,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "processes": dist.world_size,
         "params_B": num_params / 1e9, "build_s": build_s, "images_per_step": images,
-        "img_per_gpu_s": img_s, "peer_img_per_gpu_s": PEER_IMG_PER_GPU_S, "limit_img_per_gpu_s": limit,
+        "img_per_gpu_s": img_s, "peer_img_per_gpu_s": peer, "limit_img_per_gpu_s": limit,
         "tflop_per_image": tflop_per_image, "dit_tflop_per_image": dit_tflop, "text_encoder_tflop_per_image": te_per_image,
         "vae_tflop_per_image": vae_tflop, "text_tokens_mean": text_tokens, "achieved_tflops": img_s * tflop_per_image,
         "work": "latent reward" if args.latent_reward else "text encoder + DiT + VAE + OCR",
@@ -430,31 +535,41 @@ def main() -> None:
                     for r in rows],  # each timed step: a compile or retry inside one shows here
         "oom_retries": trainer.oom.num_retries, "grad_ckpt": cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         "micro": actor.ppo_micro_batch_size_per_gpu, "rollout_micro": ro.log_prob_micro_batch_size_per_gpu,
+        "max_memory_gb_per_rank": dist.all_gather_object(round(torch.cuda.max_memory_allocated() / 1e9, 1)
+                                                         if on_gpu else 0.0),
+        "fsdp": {"reshard_after_forward": actor.fsdp_config.reshard_after_forward,
+                 "mixed_precision": actor.fsdp_config.mixed_precision} if dist.is_distributed else None,
     }  # fmt: skip
-    dist.close()
-    if not dist.is_rank0:
-        return
-    print(json.dumps(result, indent=1))
-    if args.record and not args.tiny:
+    if dist.is_rank0:
+        print(json.dumps(result, indent=1), flush=True)
+    if args.record and not args.tiny and dist.is_rank0:  # before the checkpoint check: the row survives its failure
         from benchmarks._record import append_row
 
         procs = f"{dist.world_size} process(es)" + (" (FSDP2, blocks kept gathered)" if args.keep_gathered else
                                                      " (FSDP2)" if dist.is_distributed else "")
-        shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B bf16 random, 512^2, 10 steps, window 2, "
+        if args.full and on_gpu:
+            procs += ", fp32 weights + grads + AdamW" + (" sharded" if dist.is_distributed else "") + ", bf16 compute"
+        shape = (f"Qwen-Image DiT {num_params / 1e9:.1f}B {'fp32' if args.full else 'bf16'} random, 512^2, 10 steps, window 2, "
                  f"{'no CFG' if args.no_cfg else 'CFG 4'}, {'full FT' if args.full else 'LoRA r64'}, group 16, {procs}, "
                  f"{images} img/step/GPU, micro {actor.ppo_micro_batch_size_per_gpu}"
                  f"{f' (rollout {ro.log_prob_micro_batch_size_per_gpu})' if ro.log_prob_micro_batch_size_per_gpu else ''}, "
                  f"{'grad ckpt' if cfg.actor_rollout_ref.model.enable_gradient_checkpointing else 'no ckpt'}"
                  f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
                  f"{', compiled blocks (update dynamic, rollout static shapes)' if args.compile else ''}"
-                 f"{', TF32 LoRA matmuls' if args.tf32 else ''}; gen {timing['timing_s/gen']:.1f}s, "
+                 f"{', TF32 LoRA matmuls' if args.tf32 else ''}; step {timing['timing_s/step']:.1f}s, "
+                 f"peak {max(result['max_memory_gb_per_rank']):.1f} GB/GPU, gen {timing['timing_s/gen']:.1f}s, "
                  f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s"
                  f"{''.join(f', {k[9:]} {v:.2f}s' for k, v in timing.items() if k[9:] in GEN_PARTS)}, "
                  f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
                  f"{'; ' + args.note if args.note else ''}")  # fmt: skip
         append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
-                   f"VeRL-Omni 4xH800: {PEER_IMG_PER_GPU_S}", f"{limit:.2f}", f"{img_s / PEER_IMG_PER_GPU_S:.2f}",
+                   peer_words, f"{limit:.2f}", f"{img_s / peer:.2f}",
                    f"{img_s / limit:.2f}", path=args.rows_out)  # fmt: skip
+    if args.save_check:
+        save_check(trainer, args.save_check, dist)
+    if scorer is not None:
+        scorer.close()
+    dist.close()
 
 
 if __name__ == "__main__":

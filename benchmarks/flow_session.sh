@@ -15,7 +15,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/gpu.txt"
-FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps 3 --record --rows-out $OUT/rows.md"
+# REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them)
+FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps 3 --record --rows-out $OUT/rows.md \
+  --reward-workers ${REWARD_WORKERS:-1}"
 run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
   local name=$1; shift
   "$@" > "$OUT/$name.log" 2>&1

@@ -52,3 +52,25 @@ def test_lora_masters_are_fp32_and_the_module_computes_in_bf16(tmp_path):
     for a, b in had:
         got, want = fresh.optimizer.state[a], trainer.optimizer.state[b]
         assert got["exp_avg"].dtype == torch.float32 and torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+
+def test_param_dtype_lower_than_the_weights_is_the_gpu_compute_dtype_and_wider_is_refused():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from polyrl.distributed.dit_fsdp import compute_dtype
+    from polyrl.errors import ConfigError
+
+    fp32, bf16 = tiny.build_transformer(seed=0), tiny.build_transformer(seed=0).to(torch.bfloat16)
+    ask = lambda dtype: SimpleNamespace(mixed_precision={"param_dtype": dtype} if dtype else {})  # noqa: E731
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compute_dtype(fp32, ask(None), cuda) == torch.float32
+    assert compute_dtype(fp32, ask("bf16"), cuda) == torch.bfloat16  # verl's full fine-tuning recipe
+    assert compute_dtype(fp32, ask("bf16"), cpu) == torch.float32  # the CPU computes in the weights' dtype
+    assert compute_dtype(bf16, ask("bfloat16"), cuda) == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"mixed_precision.param_dtype=fp32 is not a lower precision than the "
+                                          r"transformer's bfloat16 weights; set actor_rollout_ref.model.dtype=float32"):
+        compute_dtype(bf16, ask("fp32"), cuda)
+    with pytest.raises(ConfigError, match="param_dtype=fp16 is not a lower precision"):
+        compute_dtype(bf16, ask("fp16"), cuda)

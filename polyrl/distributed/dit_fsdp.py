@@ -3,11 +3,13 @@ gathered for checkpoints. In a single process every function here is a no-op or 
 
 - Ranks start from rank 0's weights (broadcast before sharding): FSDP2 shards each rank's *own* copy, and a LoRA
   init draws from each rank's RNG.
-- Compute runs in the weights' dtype, as in one process (FSDP2 `param_dtype` = the dtype most weights have; LoRA
-  adapters kept in fp32 on a bf16 base then compute in bf16 too); on GPU the gradient reduction runs in
-  `fsdp_config.mixed_precision.reduce_dtype` (fp32 by default). An explicit `param_dtype` that differs from the
-  weights is refused: the model code would see fp32 activations against bf16 weights (the LLM actor's autocast has
-  no counterpart here).
+- Compute runs in `compute_dtype`: the dtype most weights have (LoRA adapters kept in fp32 on a bf16 base then
+  compute in bf16 too), or, on GPU, a lower `fsdp_config.mixed_precision.param_dtype` (verl's full fine-tuning
+  recipe: fp32 weights, gradients and AdamW state, sharded, with bf16 forwards and backwards). FSDP2 casts each
+  block's weights to it when it gathers them; the DiT's root unit owns the weights outside the blocks too and casts
+  the forward's floating inputs, so every matmul sees one dtype. On GPU the gradient reduction runs in
+  `fsdp_config.mixed_precision.reduce_dtype` (fp32 by default). A `param_dtype` wider than the weights is refused.
+  One process does the same with fp32 masters (polyrl.learner.master_weights).
 - Checkpoints hold the trainable weights and their AdamW state as *full* tensors, gathered one tensor at a time to
   rank 0, which writes them with the single-process `CheckpointManager` (atomic). The files are the same at any
   process count, so a checkpoint loads at any other count. Cost: rank 0's host memory holds the whole trainable
@@ -35,6 +37,28 @@ def weight_dtype(module: torch.nn.Module) -> torch.dtype:
     return counts.most_common(1)[0][0]
 
 
+_WIDTH = {torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
+
+
+def compute_dtype(module: torch.nn.Module, fsdp_cfg, device: torch.device) -> torch.dtype:
+    """The dtype the DiT's forwards and backwards run in: `fsdp_config.mixed_precision.param_dtype` on GPU when set
+    (it may be lower than the weights: fp32 masters, bf16 compute), else the dtype most weights have. The CPU
+    computes in the weights' dtype, as the LLM actor does."""
+    dtype = weight_dtype(module)
+    asked = (fsdp_cfg.mixed_precision or {}).get("param_dtype")
+    if asked is None:
+        return dtype
+    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+    want = to_dtype(asked, key)
+    if want != dtype and _WIDTH.get(want, 0) >= _WIDTH.get(dtype, 0):
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"{key}={asked} is not a lower precision than the transformer's {name} weights; set "
+            "actor_rollout_ref.model.dtype=float32 to keep fp32 weights and compute in it, or leave param_dtype unset."
+        )
+    return want if torch.device(device).type == "cuda" else dtype
+
+
 def shard_transformer(module: torch.nn.Module, env: DistEnv, fsdp_cfg) -> None:
     """FSDP2 per transformer block (polyrl.distributed.parallelize), in place, after syncing rank 0's weights."""
     if not env.is_distributed:
@@ -43,15 +67,7 @@ def shard_transformer(module: torch.nn.Module, env: DistEnv, fsdp_cfg) -> None:
 
     from polyrl.distributed.parallelize import parallelize
 
-    dtype = weight_dtype(module)
-    name = str(dtype).removeprefix("torch.")
-    asked = (fsdp_cfg.mixed_precision or {}).get("param_dtype")
-    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
-    if asked is not None and to_dtype(asked, key) != dtype:
-        raise ConfigError(
-            f"{key}={asked} differs from the transformer's {name} weights; the flow trainer computes in the weights' "
-            "dtype, so set actor_rollout_ref.model.dtype instead and leave param_dtype unset."
-        )
+    name = str(compute_dtype(module, fsdp_cfg, env.device)).removeprefix("torch.")
     if fsdp_cfg.cpu_offload and env.device.type != "cuda":
         raise ConfigError(
             "actor_rollout_ref.actor.fsdp_config.param_offload/optimizer_offload/offload_policy move GPU memory to the "

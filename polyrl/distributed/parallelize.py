@@ -10,8 +10,10 @@ matmuls gain nothing from bf16), `forward_prefetch` (explicit prefetch of the ne
 (`param_offload`, `optimizer_offload` or `offload_policy`: FSDP2 keeps parameters, gradients and hence optimizer
 state on the CPU, all three together) and `fsdp_size` (the mesh, built by `DistEnv`).
 
-Blocks and root of a diffusers DiT (the FlowGRPO trainer): its `*transformer_blocks` lists, and the transformer itself;
-the patch/text/time embeddings and output projection outside the blocks are replicated like an LM's embeddings.
+Blocks and root of a diffusers DiT (the FlowGRPO trainer): its `*transformer_blocks` lists, and the transformer itself.
+A DiT reads every weight inside its own forward, so the root unit shards the patch/text/time embeddings and output
+projection too, and casts the forward's floating inputs (latents, embeddings, timesteps) to `param_dtype`: with fp32
+weights and bf16 compute, every module then sees bf16 weights and bf16 inputs.
 
 Which module is the FSDP root of a causal LM: the *decoder* (`model.get_decoder()`), not the whole causal LM,
 because the actor's forward path runs the decoder and then reads `lm_head.weight` directly for chunked log-probs (no
@@ -41,7 +43,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[1])
 
 
-def mixed_precision_policy(cfg, device: torch.device):
+def mixed_precision_policy(cfg, device: torch.device, cast_inputs: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if device.type != "cuda":
@@ -49,10 +51,11 @@ def mixed_precision_policy(cfg, device: torch.device):
     mp = cfg.mixed_precision or {}
     param = to_dtype(mp.get("param_dtype", cfg.dtype), "fsdp_config.mixed_precision.param_dtype")
     reduce = to_dtype(mp.get("reduce_dtype", "float32"), "fsdp_config.mixed_precision.reduce_dtype")
-    # cast_forward_inputs=False: autocast (the actor's) decides activation dtypes, as in one process; FSDP casting
-    # block inputs (e.g. fp32 RoPE cos/sin) to bf16 in forward but not in a checkpointed recompute breaks
-    # gradient checkpointing ("recomputed values have different metadata")
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False)
+    # blocks: cast_forward_inputs=False: autocast (the actor's) decides activation dtypes, as in one process; FSDP
+    # casting block inputs (e.g. fp32 RoPE cos/sin) to bf16 in forward but not in a checkpointed recompute breaks
+    # gradient checkpointing ("recomputed values have different metadata"). A DiT's root casts (`cast_inputs`): its
+    # forward is never recomputed, only the blocks inside it.
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=cast_inputs)
 
 
 def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
@@ -68,10 +71,14 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
         # the last block's weights are needed again first in backward: keeping them saves one all-gather
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **kw)
-    decoder = _fsdp_root(model)
-    fully_shard(decoder, reshard_after_forward=cfg.reshard_after_forward,
-                ignored_params={p for p in decoder.parameters() if id(p) not in block_params}, **kw)
-    _all_reduce_grads_of(replicated)
+    root = _fsdp_root(model)
+    if _is_dit(model):  # the root owns the rest (module docstring)
+        fully_shard(root, reshard_after_forward=cfg.reshard_after_forward,
+                    **{**kw, "mp_policy": mixed_precision_policy(cfg, device, cast_inputs=True)})
+    else:
+        fully_shard(root, reshard_after_forward=cfg.reshard_after_forward,
+                    ignored_params={p for p in root.parameters() if id(p) not in block_params}, **kw)
+        _all_reduce_grads_of(replicated)
     if cfg.forward_prefetch:
         prefetch_forward(blocks)
     return model
@@ -83,6 +90,14 @@ def prefetch_forward(blocks: list[nn.Module]) -> None:
     Costs one more block's full weights in memory during forward."""
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
+
+
+def _is_dit(model: nn.Module) -> bool:
+    """A diffusers transformer (blocks in `*transformer_blocks` lists), not a causal LM."""
+    base = _base(model)
+    return not hasattr(base, "get_decoder") and any(
+        isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1].endswith("transformer_blocks")
+        for name, mod in base.named_modules())
 
 
 def _base(model: nn.Module) -> nn.Module:

@@ -166,20 +166,22 @@ class FlowGRPOTrainer(TrainerCore):
             policy.make_reference()
         if actor.use_torch_compile or actor.fsdp_config.use_torch_compile:  # per block, before FSDP2 wraps them
             policy.compile_blocks()
+        compute = dit_fsdp.compute_dtype(policy.transformer, actor.fsdp_config, policy.device)
+        if compute != policy.dtype:  # fp32 weights computed in bf16 (mixed_precision.param_dtype)
+            policy.compute_in(compute)
         dit_fsdp.shard_transformer(policy.transformer, self.dist, actor.fsdp_config)
-        # fp32 trainable weights (LoRA) over a bf16/fp16 base: compute them in the base's dtype and keep fp32
-        # masters in the optimizer; an fp32 LoRA matmul would cast every activation to fp32 (FSDP2 does the same
-        # thing with several processes through its param_dtype)
+        # fp32 trainable weights over a lower compute dtype (LoRA on a bf16 base, or fp32 full fine-tuning with
+        # mixed_precision.param_dtype=bf16 on GPU): the module computes in it and the optimizer steps fp32 masters;
+        # an fp32 LoRA matmul would cast every activation to fp32 (FSDP2 does the same with several processes)
         self.master = None
-        if not self.dist.is_distributed and _mixed_precision_trainables(policy.transformer):
-            self.master = MasterWeights(policy.transformer, compute_dtype=weight_dtype(policy.transformer))
+        if not self.dist.is_distributed and _wider_trainables(policy.transformer, compute):
+            self.master = MasterWeights(policy.transformer, compute_dtype=compute)
         # sharded (DTensor) and replicated parameters in separate groups: foreach AdamW refuses a mix
         params = self.master.master if self.master else param_groups(policy.transformer)
         if params and isinstance(params[0], dict):
             params = [g for g in params if g["params"]]
-        # fp32 optimizer state even for bf16 weights is what full fine-tuning needs; AdamW keeps state in the
-        # parameter dtype, so low-precision weights are trained through fp32 master copies only when the
-        # model is loaded in fp32 (the default here).
+        # AdamW keeps its state in the dtype of what it steps: fp32 for fp32 weights (the default model.dtype) and
+        # for masters; a model loaded in bf16 and fully fine-tuned has bf16 state.
         self.optimizer = torch.optim.AdamW(params, lr=actor.optim.lr, weight_decay=actor.optim.weight_decay,
                                            betas=tuple(actor.optim.betas))  # fmt: skip
         self.lr_scheduler = make_scheduler(self.optimizer, total_steps=self.total_steps,
@@ -572,9 +574,9 @@ def check_correction(cfg: FlowConfig) -> None:
                           "uses the rollout's log-probs as old log-probs; set rollout_is or rollout_rs instead.")
 
 
-def _mixed_precision_trainables(module: torch.nn.Module) -> bool:
-    """True when the trainable weights are fp32 and the frozen base is in a lower precision (LoRA on a bf16 DiT)."""
+def _wider_trainables(module: torch.nn.Module, compute: torch.dtype) -> bool:
+    """True when the trainable weights are fp32 and the module computes in a lower precision: fp32 LoRA on a bf16
+    DiT, or fp32 full fine-tuning with `fsdp_config.mixed_precision.param_dtype=bf16` on GPU."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    frozen = [p for p in module.parameters() if not p.requires_grad]
-    return bool(trainable and frozen) and all(p.dtype == torch.float32 for p in trainable) and \
-        weight_dtype(module) in (torch.bfloat16, torch.float16)
+    return bool(trainable) and compute in (torch.bfloat16, torch.float16) and \
+        all(p.dtype == torch.float32 for p in trainable)

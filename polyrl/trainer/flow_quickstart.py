@@ -97,16 +97,17 @@ def _bar(total: int, desc: str):
     return progress_bar(total, desc=desc)  # on a terminal only: a log file gets no carriage-return redraws
 
 
-def make_policy(cfg: FlowConfig, transformer, encoder) -> FlowPolicy:
+def make_policy(cfg: FlowConfig, transformer, encoder, device: str | torch.device = "cpu") -> FlowPolicy:
     p = cfg.actor_rollout_ref.rollout.pipeline
     policy = FlowPolicy(
-        transformer,
+        transformer.to(device),
         encode_fn=lambda prompts: [encoder(q) for q in prompts],
         decode_fn=lambda latents: tiny.to_unit(tiny.unpack(latents.float(), p.height, p.width)),
         sigmas_fn=lambda n: timestep_grid(n, p.shift),
         latent=LatentShape(p.height // tiny.PATCH, p.width // tiny.PATCH, tiny.PATCH * tiny.PATCH),
         true_cfg_scale=p.true_cfg_scale,
         negative_prompt=p.negative_prompt,
+        device=device,
     )
     m = cfg.actor_rollout_ref.model
     if m.lora_rank > 0:

@@ -59,6 +59,14 @@ class FlowPolicy:
         self._ref_copy: torch.nn.Module | None = None
         self.is_lora = False
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Feed the transformer `dtype` inputs: its weights compute in `dtype` while fp32 copies are trained
+        (`fsdp_config.mixed_precision.param_dtype`; FlowGRPOTrainer)."""
+        self.dtype = self.adapter.dtype = dtype
+        self._cache.clear()
+        if self._ref_copy is not None:  # full fine-tuning's frozen reference computes in it too
+            self._ref_copy.to(dtype)
+
     # ------------------------------------------------------------------ prompts
 
     def cache_prompts(self, prompts: list[str]) -> None:

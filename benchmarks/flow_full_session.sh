@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 24 on a 4x H200 host (`nvidia-h200-x4`, needs_h200: fp32 weights, gradients and AdamW state of the 20.4B DiT
+# are 82 GB per GPU over 4). Carry `.whl_flow` (diffusers, rapidocr; benchmarks/NOTES_flow.md). Two device calls on
+# one warm machine (the checkpoint lives on it between them):
+#   bash benchmarks/flow_full_session.sh run               # the 4-GPU full-FT run: warm-up, timed steps, checkpoint,
+#                                                          # one more step
+#   bash benchmarks/flow_full_session.sh resume_and_check  # a new job resumes the checkpoint and runs that step again;
+#                                                          # then the GPU tests (2 GPUs: fp32 state + bf16 compute; 1
+#                                                          # GPU: the compiled FP8 sampling test)
+# Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names the commit.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_flow/*.whl \
+  > "$OUT/pip.log" 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c | tee -a "$OUT/gpu.txt"
+# the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes where it fits: host memory, else the disk
+CK=/dev/shm/flow_full_ck
+[ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 260 ] || CK=/tmp/flow_full_ck
+df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
+ARGS="--full --no-cfg --prompts 2 --micro 2 --rollout-micro 16 --auto-memory --compile --async-reward \
+  --reward-workers 4 --brightness-term 0.01 --steps 2"
+run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
+  local name=$1; shift
+  "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name (exit $?)"; grep -v "Warn\|warn(\|_register_pre_backward_hook" "$OUT/$name.log" | tail -${TAIL:-20}
+}
+case "${1:?part}" in
+  run)
+    rm -rf "$CK"; mkdir -p "$CK"
+    TAIL=40 run full4 timeout 540 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
+      --save-check "$CK" --record --rows-out "$OUT/rows.md" \
+      --note "issue 24: fp32 sharded state, bf16 compute; checkpoint to $CK after the timed steps"
+    cp "$CK/uninterrupted.json" "$OUT/" 2>/dev/null; du -sh "$CK" | tee -a "$OUT/disk.txt"; free -g | head -2 ;;
+  resume_and_check)
+    TAIL=12 run resume4 timeout 400 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
+      --resume-check "$CK"
+    cp "$CK/resumed.json" "$OUT/" 2>/dev/null
+    rm -rf "$CK"
+    TAIL=6 run gpu_test_fsdp env CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_flow_fsdp_gpu.py &
+    TAIL=6 run gpu_test_flow env CUDA_VISIBLE_DEVICES=2 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_flow_gpu.py &
+    wait ;;
+  *) echo "unknown part $1"; exit 2 ;;
+esac
