@@ -19,14 +19,20 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c 
 CK=/dev/shm/flow_full_ck
 [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 260 ] || CK=/tmp/flow_full_ck
 df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
-ARGS="--full --no-cfg --prompts 2 --micro 2 --rollout-micro 16 --auto-memory --compile --async-reward \
-  --reward-workers 4 --brightness-term 0.01 --steps 2"
+# micro 16 with gradient checkpointing, rollout chunks of 32: FSDP2 gathers the weights (and reduce-scatters fp32
+# gradients) once per forward/backward, so fewer, larger passes move fewer bytes; the 2026-11-26 run with micro 2, no
+# checkpointing and rollout 16 spent 80 s of a 109 s step in the update (~55 GB/s of collectives)
+ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} --compile --async-reward \
+  --reward-workers ${REWARD_WORKERS:-8} --brightness-term 0.01 --steps 2"
 run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
   local name=$1; shift
   "$@" > "$OUT/$name.log" 2>&1
   echo "== $name (exit $?)"; grep -v "Warn\|warn(\|_register_pre_backward_hook" "$OUT/$name.log" | tail -${TAIL:-20}
 }
 case "${1:?part}" in
+  speed)  # the timed run alone, no checkpoint
+    TAIL=40 run full4_speed timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
+      --record --rows-out "$OUT/rows.md" --note "issue 24: fp32 sharded state, bf16 compute" ;;
   run)
     rm -rf "$CK"; mkdir -p "$CK"
     TAIL=40 run full4 timeout 540 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \

@@ -498,8 +498,10 @@ def main() -> None:
             scorer.close()
         return
     trainer.step()  # warm-up (allocator, kernels)
-    for prompt in one_per_text_bucket(policy, prompts):  # every static rollout shape compiled before timing
-        trainer.score(trainer.generate([prompt]))
+    # every static rollout shape compiled before timing: one rollout chunk (as many prompts as a chunk holds) per bucket
+    per_chunk = min(args.prompts, max(1, (ro.log_prob_micro_batch_size_per_gpu or args.micro) // ro.n))
+    for prompt in one_per_text_bucket(policy, prompts):
+        trainer.score(trainer.generate([prompt] * per_chunk))
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rows = [trainer.step() for _ in range(args.steps)]
