@@ -30,7 +30,9 @@ run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
   echo "== $name (exit $?)"; grep -v "Warn\|warn(\|_register_pre_backward_hook" "$OUT/$name.log" | tail -${TAIL:-20}
 }
 case "${1:?part}" in
-  speed)  # the timed run alone, no checkpoint
+  speed)  # the timed run alone, no checkpoint; the interconnect first
+    nvidia-smi topo -m | head -6 | tee "$OUT/topo.txt"
+    timeout 60 torchrun --standalone --nproc_per_node=4 benchmarks/nccl_bw.py 2>&1 | grep GPUs | tee "$OUT/nccl_bw.txt"
     TAIL=40 run full4_speed timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
       --record --rows-out "$OUT/rows.md" --note "issue 24: fp32 sharded state, bf16 compute" ;;
   run)
