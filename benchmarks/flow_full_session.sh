@@ -22,8 +22,8 @@ df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
 # micro 16 with gradient checkpointing, rollout chunks of 32: FSDP2 gathers the weights (and reduce-scatters fp32
 # gradients) once per forward/backward, so fewer, larger passes move fewer bytes; the 2026-11-26 run with micro 2, no
 # checkpointing and rollout 16 spent 80 s of a 109 s step in the update (~55 GB/s of collectives)
-ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} --compile --async-reward \
-  --reward-workers ${REWARD_WORKERS:-8} --brightness-term 0.01 --steps 2"
+ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} ${COMPILE---compile} --async-reward \
+  --reward-workers ${REWARD_WORKERS:-8} --brightness-term 0.01 --steps ${STEPS:-2}"
 run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
   local name=$1; shift
   "$@" > "$OUT/$name.log" 2>&1
