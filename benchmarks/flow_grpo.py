@@ -564,7 +564,7 @@ def main() -> None:
                  f"{''.join(f', {k[9:]} {v:.2f}s' for k, v in timing.items() if k[9:] in GEN_PARTS)}, "
                  f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
                  f"{'; ' + args.note if args.note else ''}")  # fmt: skip
-        append_row(result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
+        append_row((f"{dist.world_size}x " if dist.is_distributed else "") + result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    peer_words, f"{limit:.2f}", f"{img_s / peer:.2f}",
                    f"{img_s / limit:.2f}", path=args.rows_out)  # fmt: skip
     if args.save_check:
