@@ -240,3 +240,14 @@ def test_compiled_fp8_blocks_share_one_graph_per_mode(pipe_dir, monkeypatch, mer
     assert len(policy.transformer.transformer_blocks) == 2
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # FP8 on, FP8 off: not one per block
     assert not counters["graph_break"], dict(counters["graph_break"])  # each block one whole graph
+
+
+def test_compiled_blocks_leave_room_for_every_graph_a_run_needs():
+    """Past dynamo's default 8 graphs per code object a block ran eagerly in the recompute of a compiled forward, and
+    gradient checkpointing failed (compile_blocks' comment)."""
+    from polyrl.models.diffusion import pipeline, tiny
+    from polyrl.trainer import flow_quickstart
+
+    policy = flow_quickstart.make_policy(FlowConfig(), tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
+    policy.compile_blocks()
+    assert torch._dynamo.config.recompile_limit >= pipeline.RECOMPILE_LIMIT >= 2 * 2 * 2 * 4

@@ -165,14 +165,23 @@ class FlowPolicy:
         change. Measured on an H200 (Qwen-Image 20B, LoRA r64, CFG 4, 16 images): the update runs ~27% faster
         compiled; the rollout, in chunks of 8 images, takes 15.3 s eager, 12.0 s with static-shape graphs and 22.3 s
         with a dynamic-shape one; in chunks of 16, 11.4 s static and 13.1 s with `dynamic=None` (static until a shape
-        changes). Hence the two modes. A handful of batch shapes (rollout chunk, its remainder, validation) stays well inside
-        dynamo's recompile limit. Call after `add_lora` so the adapters are inside the compiled blocks."""
+        changes). Hence the two modes. Call after `add_lora` so the adapters are inside the compiled blocks."""
         from polyrl.distributed.parallelize import transformer_blocks
 
+        # Every block and both modes run one code object, whose graphs dynamo counts together against
+        # `recompile_limit` (8): static batch shapes x text-length buckets x masked/unmasked prompts x grad mode pass
+        # it, after which dynamo runs the block eagerly, and a checkpointed block whose forward ran compiled but
+        # whose recompute ran eager fails ("Recomputed values ... have different metadata"; full fine-tuning on 4
+        # H200s, 2026-11-26, reproduced on CPU by `torchrun --nproc_per_node=2 benchmarks/flow_grpo.py --tiny --full
+        # --no-cfg --compile --micro 16 --rollout-micro 32 --steps 2`).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for block in transformer_blocks(self.transformer):
             eager = block.forward
             plain = torch.compile(eager, dynamic=False) if no_grad else eager  # one graph per batch shape
             block.forward = _grad_mode_switch(torch.compile(eager, dynamic=True), plain)
+
+
+RECOMPILE_LIMIT = 64  # graphs per block code object (compile_blocks)
 
 
 def _grad_mode_switch(compiled, no_grad):
