@@ -115,3 +115,30 @@ def test_a_chunk_is_split_among_the_workers_and_keeps_its_order(tmp_path):
         assert scores[0] != scores[2]  # scored by the two workers at once
     finally:
         scorer.close()
+
+
+THREADS = """
+import os
+def score(images, prompts, metadata):
+    return [float(os.environ["POLYRL_REWARD_THREADS"])] * len(prompts)
+"""
+
+
+def test_reward_workers_split_the_cores_of_the_host_among_them(tmp_path, monkeypatch):
+    """Each worker's engine gets cores // (workers x processes on the host); rapidocr's onnxruntime reads it."""
+    from polyrl.utils.device import cpu_share
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_share(8) == 2 and cpu_share() == 16 and cpu_share(100) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    f = tmp_path / "threads_reward.py"
+    f.write_text(THREADS)
+    scorer = AsyncRewardScorer(image_rewards.build_reward, ({}, str(f), "score"), num_workers=4)
+    try:
+        scorer.submit(0, torch.zeros(2, 1, 2, 2), ["p"] * 2, [{}] * 2)
+        assert scorer.collect(2).tolist() == [16.0, 16.0]  # 64 cores / 4 workers (the parent's affinity)
+    finally:
+        scorer.close()
+    monkeypatch.setenv("POLYRL_REWARD_THREADS", "3")
+    assert image_rewards.OCRReward().engine.cfg.EngineConfig.onnxruntime.intra_op_num_threads == 3

@@ -23,6 +23,9 @@ from collections.abc import Callable
 import torch
 
 from polyrl.errors import RewardError
+from polyrl.utils.device import cpu_share
+
+REWARD_THREADS = "POLYRL_REWARD_THREADS"
 
 
 def _portable(images: torch.Tensor):
@@ -36,8 +39,11 @@ def _score(fn, images, prompts, metadata) -> torch.Tensor:
     return torch.as_tensor(fn(torch.from_numpy(images), prompts, metadata), dtype=torch.float32).reshape(-1)
 
 
-def _worker(factory, args, inbox, outbox):
+def _worker(factory, args, inbox, outbox, threads: int):
+    import os
+
     torch.set_num_threads(1)
+    os.environ[REWARD_THREADS] = str(threads)  # the engine's thread budget (image_rewards.OCRReward reads it)
     try:
         fn = factory(*args)
     except Exception as e:  # report the failure instead of hanging the trainer
@@ -61,7 +67,10 @@ class AsyncRewardScorer:
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.timeout_s = timeout_s
-        self.procs = [ctx.Process(target=_worker, args=(factory, args, self.inbox, self.outbox), daemon=True)
+        # each worker's engine gets its share of the cores: rapidocr's onnxruntime otherwise starts a thread per core
+        # in every worker of every rank, and on 4 H200s (64 cores, 4 ranks x 8 workers) OCR then slowed generation
+        threads = cpu_share(num_workers)
+        self.procs = [ctx.Process(target=_worker, args=(factory, args, self.inbox, self.outbox, threads), daemon=True)
                       for _ in range(num_workers)]  # fmt: skip
         for p in self.procs:
             p.start()

@@ -71,16 +71,30 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return x.permute(0, 2, 3, 1).numpy()
 
 
+def ocr_threads() -> int:
+    """onnxruntime threads for one OCR engine: the async scorer's budget for its workers (POLYRL_REWARD_THREADS), else
+    this process's share of the host's cores (one engine per torchrun process scoring in its step)."""
+    import os
+
+    from polyrl.rewards.async_scorer import REWARD_THREADS
+    from polyrl.utils.device import cpu_share
+
+    return int(os.environ.get(REWARD_THREADS) or cpu_share())
+
+
 class OCRReward:
     """rapidocr (PP-OCR ONNX models shipped in the wheel) with Det.limit_type="max" (research/env-probe.md §4)."""
 
-    def __init__(self, limit_side_len: int = 736):
+    def __init__(self, limit_side_len: int = 736, threads: int | None = None):
         try:
             from rapidocr import RapidOCR
         except ImportError as e:
             raise RewardError("The ocr reward needs rapidocr and onnxruntime; run `pip install rapidocr onnxruntime`.") from e
+        self.threads = threads or ocr_threads()
         self.engine = RapidOCR(params={"Det.limit_type": "max", "Det.limit_side_len": limit_side_len,
-                                       "Global.log_level": "error"})  # fmt: skip
+                                       "Global.log_level": "error",
+                                       "EngineConfig.onnxruntime.intra_op_num_threads": self.threads,
+                                       "EngineConfig.onnxruntime.inter_op_num_threads": 1})  # fmt: skip
 
     def read(self, image_hw3: np.ndarray) -> str:
         r = self.engine(image_hw3)

@@ -23,3 +23,12 @@ def pick_device(name: str, key: str = "trainer.device") -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name} but no CUDA GPU is visible; use {key}=cpu or auto.")
     return torch.device(name)
+
+
+def cpu_share(parts: int = 1) -> int:
+    """This process's share of the host's usable cores when `parts` workers per process share them with the other
+    processes of this host (torchrun's LOCAL_WORLD_SIZE): at least 1."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (max(1, parts) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
