@@ -54,7 +54,7 @@ def test_lora_masters_are_fp32_and_the_module_computes_in_bf16(tmp_path):
         assert got["exp_avg"].dtype == torch.float32 and torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
 
 
-def test_param_dtype_lower_than_the_weights_is_the_gpu_compute_dtype_and_wider_is_refused():
+def test_fp32_weights_compute_in_bf16_on_gpu_by_default_and_a_wider_param_dtype_is_refused():
     from types import SimpleNamespace
 
     import pytest
@@ -63,9 +63,13 @@ def test_param_dtype_lower_than_the_weights_is_the_gpu_compute_dtype_and_wider_i
     from polyrl.errors import ConfigError
 
     fp32, bf16 = tiny.build_transformer(seed=0), tiny.build_transformer(seed=0).to(torch.bfloat16)
-    ask = lambda dtype: SimpleNamespace(mixed_precision={"param_dtype": dtype} if dtype else {})  # noqa: E731
+    ask = lambda dtype, compute="bfloat16": SimpleNamespace(  # noqa: E731
+        mixed_precision={"param_dtype": dtype} if dtype else {}, dtype=compute)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert compute_dtype(fp32, ask(None), cuda) == torch.float32
+    assert compute_dtype(fp32, ask(None), cuda) == torch.bfloat16  # fsdp_config.dtype's default, as verl's
+    assert compute_dtype(fp32, ask(None, compute="float32"), cuda) == torch.float32
+    assert compute_dtype(fp32, ask(None), cpu) == torch.float32
+    assert compute_dtype(bf16, ask(None, compute="float32"), cuda) == torch.bfloat16  # only fp32 weights default
     assert compute_dtype(fp32, ask("bf16"), cuda) == torch.bfloat16  # verl's full fine-tuning recipe
     assert compute_dtype(fp32, ask("bf16"), cpu) == torch.float32  # the CPU computes in the weights' dtype
     assert compute_dtype(bf16, ask("bfloat16"), cuda) == torch.bfloat16

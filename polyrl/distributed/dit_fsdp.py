@@ -4,8 +4,9 @@ gathered for checkpoints. In a single process every function here is a no-op or 
 - Ranks start from rank 0's weights (broadcast before sharding): FSDP2 shards each rank's *own* copy, and a LoRA
   init draws from each rank's RNG.
 - Compute runs in `compute_dtype`: the dtype most weights have (LoRA adapters kept in fp32 on a bf16 base then
-  compute in bf16 too), or, on GPU, a lower `fsdp_config.mixed_precision.param_dtype` (verl's full fine-tuning
-  recipe: fp32 weights, gradients and AdamW state, sharded, with bf16 forwards and backwards). FSDP2 casts each
+  compute in bf16 too), or, on GPU, a lower `fsdp_config.mixed_precision.param_dtype`, which fp32 weights default
+  to `fsdp_config.dtype` (bf16: verl's full fine-tuning recipe, fp32 weights, gradients and AdamW state, sharded,
+  with bf16 forwards and backwards). FSDP2 casts each
   block's weights to it when it gathers them; the DiT's root unit owns the weights outside the blocks too and casts
   the forward's floating inputs, so every matmul sees one dtype. On GPU the gradient reduction runs in
   `fsdp_config.mixed_precision.reduce_dtype` (fp32 by default). A `param_dtype` wider than the weights is refused.
@@ -41,14 +42,17 @@ _WIDTH = {torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
 
 
 def compute_dtype(module: torch.nn.Module, fsdp_cfg, device: torch.device) -> torch.dtype:
-    """The dtype the DiT's forwards and backwards run in: `fsdp_config.mixed_precision.param_dtype` on GPU when set
-    (it may be lower than the weights: fp32 masters, bf16 compute), else the dtype most weights have. The CPU
-    computes in the weights' dtype, as the LLM actor does."""
+    """The dtype the DiT's forwards and backwards run in on GPU: `fsdp_config.mixed_precision.param_dtype` when set
+    (it may be lower than the weights: fp32 masters, bf16 compute); else, for fp32 weights, `fsdp_config.dtype`
+    (bfloat16 by default: verl's mixed precision); else the weights' dtype. The CPU computes in the weights' dtype,
+    as the LLM actor does."""
     dtype = weight_dtype(module)
     asked = (fsdp_cfg.mixed_precision or {}).get("param_dtype")
+    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+    if asked is None and dtype == torch.float32:
+        asked, key = fsdp_cfg.dtype, "actor_rollout_ref.actor.fsdp_config.dtype"
     if asked is None:
         return dtype
-    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
     want = to_dtype(asked, key)
     if want != dtype and _WIDTH.get(want, 0) >= _WIDTH.get(dtype, 0):
         name = str(dtype).removeprefix("torch.")

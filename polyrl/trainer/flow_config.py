@@ -115,7 +115,9 @@ class FlowActorConfig:
     """torch.compile each transformer block, for the update and the rollout (fuses the DiT's modulation, norm,
     RoPE and LoRA elementwise work; GPU: on an H200 it took Qwen-Image's FlowGRPO step from 0.63 to 0.83 img/s)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 with several processes: reshard_after_forward, fsdp_size, CPU offload, mixed_precision.reduce_dtype."""
+    """FSDP2 with several processes: reshard_after_forward, fsdp_size, CPU offload, mixed_precision.reduce_dtype.
+    On GPU fp32 weights compute in `dtype` (bf16) or `mixed_precision.param_dtype`, trained as fp32 (sharded with
+    several processes, fp32 masters in one)."""
 
 
 @dataclass
