@@ -8,27 +8,16 @@
 #                                                          # then the GPU tests (2 GPUs: fp32 state + bf16 compute; 1
 #                                                          # GPU: the compiled FP8 sampling test)
 # Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names the commit.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_flow/*.whl \
-  > "$OUT/pip.log" 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c | tee -a "$OUT/gpu.txt"
-# the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes where it fits: host memory, else the disk
+source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
+# the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
 CK=/dev/shm/flow_full_ck
 [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 260 ] || CK=/tmp/flow_full_ck
 df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
 # micro 16 with gradient checkpointing, rollout chunks of 32: FSDP2 gathers the weights (and reduce-scatters fp32
 # gradients) once per forward/backward, so fewer, larger passes move fewer bytes; the 2026-11-26 run with micro 2, no
-# checkpointing and rollout 16 spent 80 s of a 109 s step in the update (~55 GB/s of collectives)
+# checkpointing and rollout 16 spent 80 s of a 109 s step in the update (32 passes; NOTES_flow.md)
 ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} ${COMPILE---compile} --async-reward \
   --reward-workers ${REWARD_WORKERS:-8} --brightness-term 0.01 --steps ${STEPS:-2}"
-run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
-  local name=$1; shift
-  "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name (exit $?)"; grep -v "Warn\|warn(\|_register_pre_backward_hook" "$OUT/$name.log" | tail -${TAIL:-20}
-}
 case "${1:?part}" in
   speed)  # the timed run alone, no checkpoint; the interconnect first
     nvidia-smi topo -m | head -6 | tee "$OUT/topo.txt"

@@ -8,21 +8,10 @@
 #   bash benchmarks/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 # Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_flow/*.whl \
-  > "$OUT/pip.log" 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them)
 FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps 3 --record --rows-out $OUT/rows.md \
   --reward-workers ${REWARD_WORKERS:-1}"
-run() {  # run NAME CMD...: the log in $OUT/NAME.log, its tail on screen
-  local name=$1; shift
-  "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name (exit $?)"; grep -v "Warn\|warn(" "$OUT/$name.log" | tail -25
-}
 case "${1:?part}" in
   stage)
     run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.md \
