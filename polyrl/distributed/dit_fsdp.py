@@ -5,12 +5,11 @@ gathered for checkpoints. In a single process every function here is a no-op or 
   init draws from each rank's RNG.
 - Compute runs in `compute_dtype`: the dtype most weights have (LoRA adapters kept in fp32 on a bf16 base then
   compute in bf16 too), or, on GPU, a lower `fsdp_config.mixed_precision.param_dtype`, which fp32 weights default
-  to `fsdp_config.dtype` (bf16: verl's full fine-tuning recipe, fp32 weights, gradients and AdamW state, sharded,
-  with bf16 forwards and backwards). FSDP2 casts each
-  block's weights to it when it gathers them; the DiT's root unit owns the weights outside the blocks too and casts
-  the forward's floating inputs, so every matmul sees one dtype. On GPU the gradient reduction runs in
-  `fsdp_config.mixed_precision.reduce_dtype` (fp32 by default). A `param_dtype` wider than the weights is refused.
-  One process does the same with fp32 masters (polyrl.learner.master_weights).
+  to `fsdp_config.dtype` (bf16: verl's mixed precision, fp32 weights, gradients and AdamW state, sharded, with bf16
+  forwards and backwards). FSDP2 casts each block's weights to it when it gathers them; the DiT's root unit owns the
+  weights outside the blocks too and casts the forward's floating inputs, so every matmul sees one dtype. On GPU the
+  gradient reduction runs in `fsdp_config.mixed_precision.reduce_dtype` (fp32 by default). A `param_dtype` wider
+  than the weights is refused. One process does the same with fp32 masters (polyrl.learner.master_weights).
 - Checkpoints hold the trainable weights and their AdamW state as *full* tensors, gathered one tensor at a time to
   rank 0, which writes them with the single-process `CheckpointManager` (atomic). The files are the same at any
   process count, so a checkpoint loads at any other count. Cost: rank 0's host memory holds the whole trainable
