@@ -78,3 +78,24 @@ def test_fp32_weights_compute_in_bf16_on_gpu_by_default_and_a_wider_param_dtype_
         compute_dtype(bf16, ask("fp32"), cuda)
     with pytest.raises(ConfigError, match="param_dtype=fp16 is not a lower precision"):
         compute_dtype(bf16, ask("fp16"), cuda)
+
+
+def test_training_state_that_cannot_fit_the_gpu_is_refused_before_the_first_rollout(monkeypatch):
+    import pytest
+
+    from polyrl.errors import ConfigError
+    from polyrl.learner import memory
+
+    weights = torch.nn.Parameter(torch.zeros(1000))  # fp32: gradients + 2 AdamW moments = 12,000 bytes
+    opt = torch.optim.AdamW([weights])
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)  # 2,000 cached bytes are free too
+    monkeypatch.setattr(memory, "device_memory", lambda device: (9000, 10**6))
+    with pytest.raises(ConfigError, match=r"keeps their gradients and two AdamW moments, 0.0 GiB on each of the 2 GPUs"
+                                          r".*train LoRA \(actor_rollout_ref.model.lora_rank=64\).*offload_policy=True"):
+        memory.check_training_state_fits(opt, cuda, 2)
+    memory.check_training_state_fits(opt, cuda, 2, offloaded=True)  # the state lives in host memory
+    memory.check_training_state_fits(opt, torch.device("cpu"))  # host memory: nothing to check
+    monkeypatch.setattr(memory, "device_memory", lambda device: (10000, 10**6))
+    memory.check_training_state_fits(opt, cuda, 2)  # 10,000 + 2,000 free: fits exactly

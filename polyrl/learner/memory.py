@@ -397,3 +397,27 @@ def optimizer_state_bytes(optimizer) -> int:
     local = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in local if t.device.type != "cpu")
+
+
+def check_training_state_fits(optimizer, device: torch.device, world_size: int = 1, *, offloaded: bool = False) -> None:
+    """Refuse, before the first rollout, a run whose gradients and two AdamW moments (3x the bytes of what the optimizer
+    steps, this process's shard) cannot fit in the GPU memory left after loading: full fine-tuning of a model too big
+    for its GPUs would otherwise run a whole rollout and then fail in the first update. Memory this process's
+    allocator holds but does not use counts as free. Nothing to check on CPU or with the state offloaded."""
+    from polyrl.errors import ConfigError
+
+    if device.type != "cuda" or offloaded:
+        return
+    params = [p.to_local() if hasattr(p, "to_local") else p for g in optimizer.param_groups for p in g["params"]]
+    need = 3 * sum(p.numel() * p.element_size() for p in params)
+    free, _ = device_memory(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need > free:
+        count = sum(p.numel() for g in optimizer.param_groups for p in g["params"]) / 1e9
+        gpus = f"each of the {world_size} GPUs" if world_size > 1 else "the GPU"
+        raise ConfigError(
+            f"Training {count:.1f}B parameters keeps their gradients and two AdamW moments, {need / GiB:.1f} GiB on "
+            f"{gpus}, and {free / GiB:.1f} GiB is free after loading; train LoRA (actor_rollout_ref.model.lora_rank=64), "
+            "shard over more GPUs (trainer.n_gpus_per_node), or keep that state in host memory "
+            "(actor_rollout_ref.actor.fsdp_config.offload_policy=True)."
+        )

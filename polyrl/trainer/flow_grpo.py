@@ -55,6 +55,7 @@ from polyrl.trainer.metrics import rollout_logprob_gap
 from polyrl.trainer.oom import Change, OOMGuard, StageContext
 from polyrl.learner.actor import make_scheduler
 from polyrl.learner.master_weights import MasterWeights
+from polyrl.learner.memory import check_training_state_fits
 from polyrl.utils.timing import StepTimer
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
@@ -184,6 +185,8 @@ class FlowGRPOTrainer(TrainerCore):
         # for masters; a model loaded in bf16 and fully fine-tuned has bf16 state.
         self.optimizer = torch.optim.AdamW(params, lr=actor.optim.lr, weight_decay=actor.optim.weight_decay,
                                            betas=tuple(actor.optim.betas))  # fmt: skip
+        check_training_state_fits(self.optimizer, policy.device, self.dist.world_size,
+                                  offloaded=actor.fsdp_config.cpu_offload)  # fmt: skip
         self.lr_scheduler = make_scheduler(self.optimizer, total_steps=self.total_steps,
                                            warmup_steps=actor.optim.lr_warmup_steps, kind="constant", min_lr_ratio=0.0,
                                            num_cycles=0.5)  # fmt: skip
