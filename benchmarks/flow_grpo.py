@@ -50,13 +50,14 @@ import argparse
 import hashlib
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
+
+from benchmarks.flow_resume_check import resume_check, save_check
 
 PEER_IMG_PER_GPU_S = 0.305  # VeRL-Omni run_qwen_image_ocr_lora.sh, 4xH800
 # VeRL-Omni full-model non-CFG on Qwen-Image OCR (seed 000): 4 H200s, fp32 optimizer state, 250 s per step
@@ -280,71 +281,6 @@ def ocr_reward(brightness_term: float = 0.0):
     return image_rewards.build_reward(weights, extra={"brightness": brightness})
 
 
-# ------------------------------------------------------------------ checkpoint resume check (issue 24)
-
-CHECK_KEYS = ("critic/rewards/mean", "critic/advantages/max", "actor/pg_loss", "actor/grad_norm", "actor/ratio_mean",
-              "actor/pg_clipfrac", "actor/num_trained_samples")
-
-
-@torch.no_grad()
-def fingerprint(trainer) -> dict[str, list[float]]:
-    """Collective. Sum and sum of squares (fp64, over all ranks) of the trainable weights and of each AdamW state
-    tensor: equal fingerprints mean the same state, up to a coincidence that no checkpoint bug would produce."""
-    sums: dict[str, torch.Tensor] = {}
-    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-    for p in params:
-        tensors = {"weights": p, **{k: v for k, v in trainer.optimizer.state.get(p, {}).items() if v.ndim > 0}}
-        for key, t in tensors.items():
-            local = (t.to_local() if hasattr(t, "to_local") else t).double()
-            acc = sums.setdefault(key, torch.zeros(2, dtype=torch.float64, device=local.device))
-            acc += torch.stack([local.sum(), local.square().sum()])
-    out = {}
-    for key, acc in sorted(sums.items()):
-        if trainer.dist.is_distributed:
-            torch.distributed.all_reduce(acc)
-        out[key] = acc.tolist()
-    return out
-
-
-def save_check(trainer, folder: str, dist) -> None:
-    """After the timed steps: save (timed), fingerprint the saved state, run the next step uninterrupted and write
-    what it measured to folder/uninterrupted.json for `resume_check`."""
-    saved = fingerprint(trainer)
-    t0 = time.perf_counter()
-    path = trainer.save_checkpoint()
-    save_s = time.perf_counter() - t0
-    row = trainer.step()
-    record = {"step": trainer.global_step, "saved": saved, "after": fingerprint(trainer), "save_s": save_s,
-              "checkpoint": str(path), "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
-    if dist.is_rank0:
-        Path(folder, "uninterrupted.json").write_text(json.dumps(record, indent=1))
-        print(f"saved {path} in {save_s:.1f}s; step {trainer.global_step} uninterrupted: {record['metrics']}", flush=True)
-
-
-def resume_check(trainer, folder: str, dist) -> None:
-    """The trainer resumed `save_check`'s checkpoint in its constructor: check the loaded state against the saved
-    fingerprint, run the same step, compare with the uninterrupted run and print a verdict (rank 0)."""
-    want = json.loads(Path(folder, "uninterrupted.json").read_text())
-    loaded = fingerprint(trainer)
-    row = trainer.step()
-    got = {"step": trainer.global_step, "loaded": loaded, "after": fingerprint(trainer),
-           "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
-    dist.close()
-    if not dist.is_rank0:
-        return
-    rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-30)  # noqa: E731
-    verdict = {
-        "same_step": got["step"] == want["step"],
-        "state_loaded_bitwise": loaded == want["saved"],  # fp64 sums of the very same bits
-        "metrics_max_rel_diff": max((rel(got["metrics"][k], want["metrics"][k]) for k in CHECK_KEYS
-                                     if got["metrics"][k] is not None), default=0.0),  # fmt: skip
-        "after_step_max_rel_diff": max(rel(a, b) for k in want["after"] for a, b in zip(got["after"][k], want["after"][k])),
-        "rewards_equal": got["metrics"]["critic/rewards/mean"] == want["metrics"]["critic/rewards/mean"],
-    }
-    Path(folder, "resumed.json").write_text(json.dumps({**got, "verdict": verdict}, indent=1))
-    print("resume check:", json.dumps(verdict), flush=True)
-
-
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
 
 
@@ -448,7 +384,6 @@ def main() -> None:
         te_tflop = vae_tflop = 0.0
     else:
         from polyrl.models.diffusion.adapters import FAMILIES
-        from polyrl.rewards import image_rewards
 
         pipe = build_pipeline(transformer, tiny=args.tiny, device=device, dtype=dtype)
         prompts = ocr_prompts(64)

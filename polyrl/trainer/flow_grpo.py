@@ -48,7 +48,6 @@ from polyrl.rollout import fp8_dit, sde_sampler
 from polyrl.algorithms import sde as sde_lib
 from polyrl.trainer.checks import check_flow_supported
 from polyrl.trainer.flow_config import FlowConfig
-from polyrl.distributed.dit_fsdp import weight_dtype
 from polyrl.models.diffusion.pipeline import FlowPolicy
 from polyrl.trainer.core import TrainerCore
 from polyrl.trainer.metrics import rollout_logprob_gap
