@@ -38,6 +38,8 @@ many FLOPs, so their "limit" column, 0.46, was wrong; the measured img/s were ri
     python benchmarks/flow_grpo.py --fp8            # FP8 GEMMs on the ODE steps, trained steps bf16 (issue 23)
     python benchmarks/flow_grpo.py --fp8 --fp8-trained-steps   # every step FP8 + old-log-prob recompute + TIS
     torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py   # data parallel: FSDP2, same work per GPU
+    torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py --full --no-cfg   # issue 24: full fine-tuning,
+        # fp32 weights/grads/AdamW sharded, bf16 compute; --save-check/--resume-check DIR (flow_full_session.sh)
 
 Under torchrun every rank builds the same random transformer on its GPU, the trainer shards it with FSDP2 per block,
 and `--prompts` stays per GPU (the global batch is `--prompts` x processes), so img/GPU/s compares directly with the
