@@ -99,3 +99,38 @@ def test_training_state_that_cannot_fit_the_gpu_is_refused_before_the_first_roll
     memory.check_training_state_fits(opt, torch.device("cpu"))  # host memory: nothing to check
     monkeypatch.setattr(memory, "device_memory", lambda device: (10000, 10**6))
     memory.check_training_state_fits(opt, cuda, 2)  # 10,000 + 2,000 free: fits exactly
+
+
+def test_full_fine_tuning_of_fp32_weights_with_bf16_compute_in_one_process(tmp_path, monkeypatch):
+    """What a GPU does by default (fsdp_config.dtype=bf16 over fp32 weights), forced on CPU: the module and the KL
+    reference compute in bf16, the optimizer steps fp32 masters of every weight, and the run trains."""
+    from polyrl.distributed import dit_fsdp
+
+    monkeypatch.setattr(dit_fsdp, "compute_dtype", lambda module, cfg, device: torch.bfloat16)
+    cfg = FlowConfig()
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    ro.n, ro.pipeline.num_inference_steps = 2, 3
+    ro.algo.sde_window_size, ro.algo.sde_window_range = 1, [0, 2]
+    cfg.data.train_batch_size, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 2, 2, 4
+    actor.optim.lr, actor.diffusion_loss.clip_ratio = 1e-3, 0.5
+    actor.use_kl_loss, actor.kl_loss_coef = True, 0.05
+    cfg.actor_rollout_ref.model.lora_rank = 0
+    t = cfg.trainer
+    t.total_training_steps, t.save_freq, t.test_freq, t.val_before_train = 2, 2, 0, False
+    t.run_dir, t.default_local_dir, t.progress_bar = str(tmp_path / "run"), str(tmp_path / "ck"), False
+    torch.manual_seed(0)
+    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
+    prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
+    reward = lambda images, prompts, metadata: images.float().mean(dim=(1, 2, 3))  # noqa: E731
+    trainer = FlowGRPOTrainer(cfg, policy, reward, prompts, prompts[:2])
+    mw = trainer.master
+    assert mw is not None and len(mw.master) == sum(1 for _ in policy.transformer.parameters())
+    assert all(m.dtype == torch.float32 for m in mw.master)
+    assert {p.dtype for p in policy.transformer.parameters()} == {torch.bfloat16} and policy.dtype == torch.bfloat16
+    assert {p.dtype for p in policy._ref_copy.parameters()} == {torch.bfloat16}
+    start = [m.detach().clone() for m in mw.master]
+    history = trainer.fit()
+    assert len(history["train"]) == 2 and all(torch.isfinite(torch.tensor(history["train"])))
+    assert max(float((m.detach() - s).abs().max()) for m, s in zip(mw.master, start)) > 1e-4
+    for p, m in zip(mw.compute, mw.master):  # the module holds the fp32 masters rounded to bf16
+        assert torch.equal(p, m.detach().to(torch.bfloat16))
