@@ -8,22 +8,30 @@ from polyrl.trainer.flow_config import FlowConfig
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 
-def _trainer(run_dir, steps, resume="disable"):
+def _trainer(run_dir, steps, resume="disable", lora=True):
+    """LoRA r4 in fp32 over a bf16 tiny DiT; `lora=False`: full fine-tuning of fp32 weights with a KL reference."""
     cfg = FlowConfig()
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     ro.n, ro.pipeline.num_inference_steps = 2, 3
     ro.algo.sde_window_size, ro.algo.sde_window_range = 1, [0, 2]
     cfg.data.train_batch_size, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 2, 2, 4
     actor.optim.lr, actor.diffusion_loss.clip_ratio = 1e-3, 0.5
-    cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha = 4, 8
+    if lora:
+        cfg.actor_rollout_ref.model.lora_rank, cfg.actor_rollout_ref.model.lora_alpha = 4, 8
+    else:
+        cfg.actor_rollout_ref.model.lora_rank = 0
+        actor.use_kl_loss, actor.kl_loss_coef = True, 0.05
     t = cfg.trainer
     t.total_training_steps, t.save_freq, t.test_freq, t.val_before_train = steps, steps, 0, False
     t.run_dir, t.default_local_dir, t.progress_bar = str(run_dir / "run"), str(run_dir / "checkpoints"), False
     t.resume_mode = resume
     torch.manual_seed(0)
-    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0).to(torch.bfloat16), tiny.CharPromptEncoder(seed=0))
-    for p in policy.trainable_parameters():  # what a real run does: LoRA in fp32 over the bf16 base
-        p.data = p.data.float()
+    transformer = tiny.build_transformer(seed=0)
+    policy = flow_quickstart.make_policy(cfg, transformer.to(torch.bfloat16) if lora else transformer,
+                                         tiny.CharPromptEncoder(seed=0))  # fmt: skip
+    if lora:
+        for p in policy.trainable_parameters():  # what a real run does: LoRA in fp32 over the bf16 base
+            p.data = p.data.float()
     prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
     reward = lambda images, prompts, metadata: images.float().mean(dim=(1, 2, 3))  # noqa: E731
     return FlowGRPOTrainer(cfg, policy, reward, prompts, prompts[:2])
@@ -107,22 +115,8 @@ def test_full_fine_tuning_of_fp32_weights_with_bf16_compute_in_one_process(tmp_p
     from polyrl.distributed import dit_fsdp
 
     monkeypatch.setattr(dit_fsdp, "compute_dtype", lambda module, cfg, device: torch.bfloat16)
-    cfg = FlowConfig()
-    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
-    ro.n, ro.pipeline.num_inference_steps = 2, 3
-    ro.algo.sde_window_size, ro.algo.sde_window_range = 1, [0, 2]
-    cfg.data.train_batch_size, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = 2, 2, 4
-    actor.optim.lr, actor.diffusion_loss.clip_ratio = 1e-3, 0.5
-    actor.use_kl_loss, actor.kl_loss_coef = True, 0.05
-    cfg.actor_rollout_ref.model.lora_rank = 0
-    t = cfg.trainer
-    t.total_training_steps, t.save_freq, t.test_freq, t.val_before_train = 2, 2, 0, False
-    t.run_dir, t.default_local_dir, t.progress_bar = str(tmp_path / "run"), str(tmp_path / "ck"), False
-    torch.manual_seed(0)
-    policy = flow_quickstart.make_policy(cfg, tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
-    prompts = [(tiny.prompt_for(d), {"digit": d}) for d in range(4)]
-    reward = lambda images, prompts, metadata: images.float().mean(dim=(1, 2, 3))  # noqa: E731
-    trainer = FlowGRPOTrainer(cfg, policy, reward, prompts, prompts[:2])
+    trainer = _trainer(tmp_path, steps=2, lora=False)
+    policy = trainer.policy
     mw = trainer.master
     assert mw is not None and len(mw.master) == sum(1 for _ in policy.transformer.parameters())
     assert all(m.dtype == torch.float32 for m in mw.master)
