@@ -336,6 +336,11 @@ def main() -> None:
     from polyrl.distributed import DistEnv
 
     dist = DistEnv.setup("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:  # where a long run's minutes go, on screen as they pass (rank 0)
+        if dist.is_rank0:
+            print(f"[{time.perf_counter() - started:6.0f} s] {what}", flush=True)
     device = dist.device if dist.is_distributed else ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     on_gpu = torch.device(device).type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -353,6 +358,7 @@ def main() -> None:
     torch.set_default_dtype(prev)
     num_params = sum(p.numel() for p in transformer.parameters())
     build_s = time.perf_counter() - t0
+    progress(f"DiT built ({num_params / 1e9:.1f}B parameters)")
     grid = size // 16  # VAE /8, packing /2
 
     cfg = FlowConfig()
@@ -429,19 +435,26 @@ def main() -> None:
                   build_scorer(cfg.reward, judge_reward, (args.judge_gpu, args.tiny)) if args.judge_gpu else
                   build_scorer(cfg.reward, ocr_reward, (args.brightness_term,)))  # fmt: skip
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, prompts, prompts[:2], dist=dist, async_scorer=scorer)
+    progress("trainer built")
     if args.resume_check:
         resume_check(trainer, args.resume_check, dist)
         if scorer is not None:
             scorer.close()
         return
     trainer.step()  # warm-up (allocator, kernels)
-    # every static rollout shape compiled before timing: one rollout chunk (as many prompts as a chunk holds) per bucket
-    per_chunk = min(args.prompts, max(1, (ro.log_prob_micro_batch_size_per_gpu or args.micro) // ro.n))
-    for prompt in one_per_text_bucket(policy, prompts):
-        trainer.score(trainer.generate([prompt] * per_chunk))
+    progress("warm-up step done")
+    if args.compile:  # every static rollout shape compiled before timing: one rollout chunk per text bucket
+        per_chunk = min(args.prompts, max(1, (ro.log_prob_micro_batch_size_per_gpu or args.micro) // ro.n))
+        for prompt in one_per_text_bucket(policy, prompts):
+            trainer.score(trainer.generate([prompt] * per_chunk))
+        progress("every text bucket compiled")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    rows = [trainer.step() for _ in range(args.steps)]
+    rows = []
+    for i in range(args.steps):
+        rows.append(trainer.step())
+        progress(f"timed step {i + 1}: " + ", ".join(f"{k[9:]} {rows[-1][k]:.1f} s" for k in
+                                                    ("timing_s/gen", "timing_s/update_actor", "timing_s/step")))
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU

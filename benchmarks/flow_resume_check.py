@@ -43,12 +43,14 @@ def save_check(trainer, folder: str, dist) -> None:
     t0 = time.perf_counter()
     path = trainer.save_checkpoint()
     save_s = time.perf_counter() - t0
+    if dist.is_rank0:
+        print(f"saved {path} in {save_s:.1f}s", flush=True)
     row = trainer.step()
     record = {"step": trainer.global_step, "saved": saved, "after": fingerprint(trainer), "save_s": save_s,
               "checkpoint": str(path), "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
     if dist.is_rank0:
         Path(folder, "uninterrupted.json").write_text(json.dumps(record, indent=1))
-        print(f"saved {path} in {save_s:.1f}s; step {trainer.global_step} uninterrupted: {record['metrics']}", flush=True)
+        print(f"step {trainer.global_step} uninterrupted: {record['metrics']}", flush=True)
 
 
 def resume_check(trainer, folder: str, dist) -> None:
