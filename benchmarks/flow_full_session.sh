@@ -26,11 +26,8 @@ case "${1:?part}" in
       --record --rows-out "$OUT/rows.md" --note "issue 24: fp32 sharded state, bf16 compute" ;;
   run)
     rm -rf "$CK"; mkdir -p "$CK"
-    # the host's memory grows ~8 GiB per 3 s as it is first used (KINDS.md): touch what the checkpoint will need while
-    # the model builds and compiles, so that the save writes into memory the machine already has (the 2026-11-26 save
-    # wrote 129 GB in ~150 s into fresh memory)
-    [ "$CK" = /dev/shm/flow_full_ck ] && ( t0=$(date +%s); dd if=/dev/zero of="$CK/.prefault" bs=64M count=3840 status=none; rm -f "$CK/.prefault"
-      echo "prefault 240 GiB of $CK in $(( $(date +%s) - t0 )) s" >> "$OUT/disk.txt" ) &
+    # no prefault of the host memory: a background 240 GiB prefault (2026-11-26) was still running when the save began
+    # 105 s into the run, and the two together ran the 512 GiB host out of memory
     date +"run starts %T" >> "$OUT/disk.txt"
     TAIL=40 run full4 timeout 575 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
       --save-check "$CK" --record --rows-out "$OUT/rows.md" \
