@@ -6,7 +6,7 @@
 #                                                          # one more step
 #   bash benchmarks/flow_full_session.sh resume_and_check  # a new job resumes the checkpoint and runs that step again;
 #                                                          # then the GPU tests (2 GPUs: fp32 state + bf16 compute; 1
-#                                                          # GPU: the compiled FP8 sampling test)
+#                                                          # GPU: the compiled FP8 sampling test; GPU_TESTS=0 skips them)
 # Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names the commit.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
@@ -39,6 +39,7 @@ case "${1:?part}" in
       --resume-check "$CK"
     cp "$CK/resumed.json" "$OUT/" 2>/dev/null
     rm -rf "$CK"
+    [ "${GPU_TESTS:-1}" = 1 ] || exit 0
     TAIL=6 run gpu_test_fsdp env CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
       tests/test_flow_fsdp_gpu.py &
     TAIL=6 run gpu_test_flow env CUDA_VISIBLE_DEVICES=2 timeout 150 python3 -m pytest -q -p no:cacheprovider \
