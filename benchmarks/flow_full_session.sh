@@ -10,6 +10,9 @@
 # Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names the commit.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
+# cuBLAS repeats its results bit for bit only with a fixed workspace, read when it starts: both jobs of the resume
+# check set it (the compared steps also switch to deterministic attention: flow_resume_check.deterministic_kernels)
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
 CK=/dev/shm/flow_full_ck
 [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 260 ] || CK=/tmp/flow_full_ck
 df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
