@@ -34,6 +34,9 @@ def fingerprint(trainer) -> dict[str, list[float]]:
         if trainer.dist.is_distributed:
             torch.distributed.all_reduce(acc)
         out[key] = acc.tolist()
+    # the scalars the update also reads: AdamW's step counts (its bias correction) and each group's learning rate
+    out["adam_steps"] = sorted({float(v["step"]) for v in trainer.optimizer.state.values() if "step" in v})
+    out["lr"] = [float(g["lr"]) for g in trainer.optimizer.param_groups]
     return out
 
 

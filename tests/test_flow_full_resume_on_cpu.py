@@ -26,7 +26,8 @@ def test_two_process_full_fine_tuning_resumes_its_checkpoint_exactly(tmp_path):
     first = json.loads((tmp_path / "uninterrupted.json").read_text())
     assert first["step"] == 3 and (tmp_path / "global_step_2" / "dcp" / ".metadata").is_file()
     assert first["metrics"]["actor/grad_norm"] > 0  # the brightness term gives real gradients to compare
-    assert set(first["saved"]) == {"weights", "exp_avg", "exp_avg_sq"}
+    assert set(first["saved"]) == {"weights", "exp_avg", "exp_avg_sq", "adam_steps", "lr"}
+    assert first["saved"]["adam_steps"] == [4.0]  # 2 steps (warm-up, timed) x 2 optimizer steps each
     out = _job("--resume-check", str(tmp_path))
     verdict = json.loads((tmp_path / "resumed.json").read_text())["verdict"]
     assert "resumed from" in out and verdict["same_step"] and verdict["state_loaded_bitwise"], verdict

@@ -82,17 +82,25 @@ def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra:
 def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
     """Load model + optimizer shards into this process's (sharded or plain) model; returns the `extra` dict."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
     state = _model_optim_state(model, optimizer)
     groups = [dict(g) for g in state["optimizer"]["param_groups"]]
     dcp.load({"model": state["model"]}, checkpoint_id=str(path / DCP_DIR))
-    # a parameter that never had a gradient (some LoRA adapters of a DiT's last block) has no saved optimizer state:
-    # it keeps the fresh zeros, which is what "no state" means to AdamW
+    # a parameter that never had a gradient (the DiT's last block's text-stream outputs, some LoRA adapters there) has
+    # no saved optimizer state...
     dcp.load({"optimizer": state["optimizer"]}, checkpoint_id=str(path / DCP_DIR),
              planner=DefaultLoadPlanner(allow_partial_load=True))
+    # ...but get_state_dict gave every parameter a state (a zero-gradient step: step 1, zero moments): drop the ones
+    # the checkpoint lacks, so that they stay stateless as in the run that saved it (the step count is AdamW's bias
+    # correction the day such a parameter gets a gradient)
+    stateful = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
+             for key in FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+             if key.startswith("optimizer.state.")}  # fmt: skip
+    for fqn in [fqn for fqn in state["optimizer"]["state"] if fqn not in stateful]:
+        del state["optimizer"]["state"][fqn]
     # per-parameter state is keyed by name, but the *grouping* depends on the process count (sharded and replicated
     # parameters are separate groups only when sharded): keep this process's groups, with the saved hyper-parameters
     # (all groups share them; the LR in them is where the schedule was)
