@@ -137,3 +137,20 @@ def test_engine_fp8_holds_about_twice_the_tokens_and_decodes_close_to_bf16():
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_weight_quantiser_matches_the_tensor_op_one():
+    """The one-launch weight quantiser (made at every weight update) against `quantize_fp8_rows`: scales to fp32
+    rounding, values equal but for rare e4m3 rounding ties (Triton's division is within 2 ulp, not IEEE)."""
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+    from polyrl.rollout.native.fp8_linear import quantize_weight_rows
+
+    torch.manual_seed(0)
+    for K in (3072, 12288, 1000):  # Qwen-Image's attention and MLP-down widths, and one that is not a power of 2
+        w = torch.randn(512, K, dtype=torch.bfloat16, device="cuda") * torch.rand(512, 1, device="cuda").bfloat16()
+        q, s = quantize_weight_rows(w)
+        q_ref, s_ref = quantize_fp8_rows(w)
+        torch.testing.assert_close(s, s_ref, rtol=2e-7, atol=0)
+        same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+        assert same > 0.999, (K, same)
+        torch.testing.assert_close(q.float() * s[:, None], q_ref.float() * s_ref[:, None], rtol=0.07, atol=1e-6)

@@ -3,8 +3,8 @@
 Sampling is ~68% of a Qwen-Image FlowGRPO step and compute-bound (benchmarks/NOTES_flow.md); Hopper runs e4m3 GEMMs
 at twice the bf16 rate. `FP8Sampling(transformer)` gives each selected `nn.Linear` of the transformer blocks a second
 path that reads an e4m3 copy of its weight (one fp32 scale per output row) and quantises its input per token at run
-time. The numbers come from the LLM engine's code, one implementation: `quantize_fp8_rows` makes the weight copy and
-`fp8_matmul` (polyrl/rollout/native/fp8_linear.py) runs `torch._scaled_mm` on CUDA and an fp32 emulation of the same
+time. The numbers come from the LLM engine's code, one implementation: `quantize_weight_rows` makes the weight copy
+and `fp8_matmul` (polyrl/rollout/native/fp8_linear.py) runs `torch._scaled_mm` on CUDA and an fp32 emulation of the same
 quantise-dequantise arithmetic on CPU (what CI and the quickstart run). The path is picked per call: FP8 inside
 `with fp8.sampling():` (the trainer's rollout chunks only), the plain GEMM outside it, so the update, the old-log-prob
 recompute, the KL reference and validation see the model's own weights. Parameter names and state dicts do not change
@@ -58,8 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyrl.errors import ConfigError
-from polyrl.rollout.native.attention import quantize_fp8_rows
-from polyrl.rollout.native.fp8_linear import MIN_FP8_ELEMENTS, fp8_matmul
+from polyrl.rollout.native.fp8_linear import MIN_FP8_ELEMENTS, fp8_matmul, quantize_weight_rows
 
 MIN_FP8_DIM = 1024  # compute-bound token GEMMs: both sides at least this (module docstring)
 QUANTIZATIONS = (None, "fp8")
@@ -124,7 +123,7 @@ class FP8Sampling:
             w = lin.weight.detach()
             if lin._fp8_lora is not None:
                 w = _merged_weight(lin._fp8_lora, w)
-            lin.fp8_weight, lin.fp8_scale = quantize_fp8_rows(w)
+            lin.fp8_weight, lin.fp8_scale = quantize_weight_rows(w)
         self.fresh = True
 
     def prepare(self) -> None:

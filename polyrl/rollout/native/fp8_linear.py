@@ -54,12 +54,25 @@ class FP8Linear(nn.Module):
 
     @torch.no_grad()
     def load_rows(self, lo: int, hi: int, w_rows: torch.Tensor) -> None:
-        q, s = quantize_fp8_rows(w_rows.to(self.weight.device))
+        q, s = quantize_weight_rows(w_rows.to(self.weight.device))
         self.weight.data[lo:hi].view(torch.uint8).copy_(q.view(torch.uint8))
         self.weight_scale.data[lo:hi].copy_(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's e4m3 rows and fp32 scales (`quantize_fp8_rows`), made at every weight update. On CUDA one Triton
+    launch reads the weight once and writes the bytes; the tensor-op version makes three fp32 copies of it, which took
+    0.25-0.42 s for Qwen-Image's 20.4B before each rollout (`timing_s/fp8_quantise`, H200, 2026-11-25/26). Triton
+    divides by the scale to within 2 fp32 ulp, not IEEE-rounded, so a value on an e4m3 rounding tie may land one step
+    off the tensor-op result (tests/test_fp8_rollout_gpu.py)."""
+    if w_NK.is_cuda and w_NK.dim() == 2:
+        from polyrl.rollout.native.fused import quantize_fp8_rows_triton
+
+        return quantize_fp8_rows_triton(w_NK)
+    return quantize_fp8_rows(w_NK)
 
 
 def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
