@@ -255,6 +255,14 @@ def work_words(args, result: dict) -> str:
     return words
 
 
+def reward_gpu_words(args, device: str, img_s: float) -> str:
+    """A judge on a GPU of its own (not the actor's): the row's number is per actor GPU; this gives it over all the
+    GPUs the step held too, as seed 000 counts its 4 actor + 1 reward GPUs (0.280 img/GPU/s over 5)."""
+    if not args.judge_gpu or torch.device(args.judge_gpu) == torch.device(device if device != "cuda" else "cuda:0"):
+        return ""
+    return f"; over actor + reward GPUs: {img_s / 2:.3f} img/GPU/s (1 actor GPU + 1 reward GPU)"
+
+
 def one_per_text_bucket(policy, prompts: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """One prompt per padded text length the run can meet. The compiled rollout has one static graph per batch shape
     (per precision with FP8), and the text length is padded to a multiple of 32 (`pad_prompts`): the OCR prompts
@@ -513,6 +521,7 @@ def main() -> None:
                  f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s"
                  f"{''.join(f', {k[9:]} {v:.2f}s' for k, v in timing.items() if k[9:] in GEN_PARTS)}, "
                  f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
+                 f"{reward_gpu_words(args, device, img_s)}"
                  f"{'; ' + args.note if args.note else ''}")  # fmt: skip
         append_row((f"{dist.world_size}x " if dist.is_distributed else "") + result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
                    peer_words, f"{limit:.2f}", f"{img_s / peer:.2f}",

@@ -7,6 +7,8 @@
 #   bash benchmarks/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
 #   bash benchmarks/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
+#   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
+#                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
 # Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them)
@@ -30,5 +32,10 @@ case "${1:?part}" in
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;
+  reward_gpu)  # seed 000's second row: 1 actor GPU + 1 reward GPU against sync on the actor GPU (NOTES_flow.md)
+    TAIL=3 run judge_async env CUDA_VISIBLE_DEVICES=0,1 timeout 280 python3 benchmarks/flow_grpo.py $FAST --async-reward \
+      --judge-gpu cuda:1 --note "async judge on a reward GPU of its own"
+    TAIL=3 run judge_sync env CUDA_VISIBLE_DEVICES=0 timeout 280 python3 benchmarks/flow_grpo.py $FAST --judge-gpu cuda:0 \
+      --offload-text-encoder --note "sync judge on the actor GPU (text encoder offloaded: the judge's 15.5 GiB)" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
