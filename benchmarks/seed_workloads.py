@@ -180,7 +180,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
                 f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; w8a16 at <= "
-                f"{fp8_linear.W8A16_MAX_ROWS} rows{gap}",
+                f"{fp8_linear.W8A16_MAX_ROWS} rows"
+                f"{'; FP8 GEMM inputs quantised by add_rmsnorm / silu_mul' if fp8_linear.FUSED_INPUT else ''}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
         del eng, out
@@ -194,13 +195,15 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
 
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None) -> None:
     """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS, FP8 W8A8 (row quantisation +
-    _scaled_mm) and, at <= 64 rows, FP8 W8A16 (w8a16.py) with its committed launch config and, at 8, 32 and 64 rows,
-    the best of a sweep; each with the share of copy bandwidth its weight bytes make. fp8_linear routes only
-    <= W8A16_MAX_ROWS rows to w8a16: raise it where these lines say w8a16 wins."""
+    _scaled_mm; and _scaled_mm alone, as when add_rmsnorm / silu_mul quantise its input) and, at <= 64 rows, FP8
+    W8A16 (w8a16.py) with its committed launch config and, at 8, 32 and 64 rows, the best of a sweep; each with the
+    share of copy bandwidth its weight bytes make. fp8_linear routes only <= W8A16_MAX_ROWS rows to w8a16: raise it
+    where these lines say w8a16 wins."""
     import triton.testing
 
     from polyrl.rollout.native import w8a16
-    from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+    from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise, fp8_matmul
 
     sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=ns) for bn in (16, 32, 64) for bk in (128, 256, 512)
              for ns in (3, 5)]
@@ -216,8 +219,12 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
                 t_mm = triton.testing.do_bench_cudagraph(
                     lambda: _scaled_mm_rowwise(x, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
+                rows = FP8Rows(*quantize_fp8_rows(x))  # quantised by the producer (POLYRL_FP8_FUSED_INPUT=1)
+                t_fed = triton.testing.do_bench_cudagraph(
+                    lambda: fp8_matmul(rows, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
                 line = (f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us ({2 * N * K / t_bf * 1e6 / bw:.0%}"
-                        f" BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x)")
+                        f" BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x), w8a8 fed by a fused producer {t_fed:.1f} us "
+                        f"({t_bf / t_fed:.2f}x)")
                 if M <= w8a16.MAX_ROWS:
                     run = lambda c: w8a16.w8a16_matmul(x, f8.weight, f8.weight_scale, None, torch.bfloat16, c)  # noqa: E731
                     t_16 = triton.testing.do_bench_cudagraph(lambda: run(None)) * 1e3

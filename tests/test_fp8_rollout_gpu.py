@@ -154,3 +154,28 @@ def test_weight_quantiser_matches_the_tensor_op_one():
         same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
         assert same > 0.999, (K, same)
         torch.testing.assert_close(q.float() * s[:, None], q_ref.float() * s_ref[:, None], rtol=0.07, atol=1e-6)
+
+
+def test_fused_producers_quantise_like_the_torch_quantiser():
+    """add_rmsnorm / silu_mul with fp8=True (the next FP8 GEMM's input quantised in the producer's pass; off unless
+    POLYRL_FP8_FUSED_INPUT=1) against `quantize_fp8_rows` of their bf16 output, and the GEMM fed those rows against
+    the one that quantises for itself."""
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+    from polyrl.rollout.native.fp8_linear import fp8_matmul
+    from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 1536, dtype=torch.bfloat16, device="cuda") * 3
+    r = torch.randn_like(x)
+    w = torch.rand(1536, device="cuda").bfloat16() + 0.5
+    gu = torch.randn(64, 2 * 8960, dtype=torch.bfloat16, device="cuda") * 2
+    for rows, plain in ((add_rmsnorm(x, r, w, 1e-6, fp8=True)[0], add_rmsnorm(x, r, w, 1e-6)[0]),
+                        (silu_mul(gu, fp8=True), silu_mul(gu))):
+        q_ref, s_ref = quantize_fp8_rows(plain)
+        torch.testing.assert_close(rows.scale, s_ref, rtol=2e-7, atol=0)
+        assert (rows.q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item() > 0.999
+    w8, ws = quantize_fp8_rows(torch.randn(2048, 1536, device="cuda").bfloat16() * 0.05)
+    rows = add_rmsnorm(x, r, w, 1e-6, fp8=True)[0]
+    h = add_rmsnorm(x, r, w, 1e-6)[0]
+    torch.testing.assert_close(fp8_matmul(rows, w8, ws, None, torch.bfloat16), fp8_matmul(h, w8, ws, None, torch.bfloat16),
+                               rtol=0.02, atol=0.02)

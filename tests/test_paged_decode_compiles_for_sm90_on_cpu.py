@@ -48,3 +48,18 @@ def test_combine_compiles_and_no_kernel_specialises_on_splits():
     for fn in (v1._paged_decode_kernel, v1._combine_kernel, v2._paged_decode_v2_kernel):
         splits = next(p for p in fn.params if p.name == "SPLITS")
         assert splits.do_not_specialize and not splits.is_constexpr, fn
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_producers_compile_with_and_without_fp8_output(fp8):
+    """add_rmsnorm / silu_mul, their bf16 output or (fp8) e4m3 rows and scales for the next FP8 GEMM."""
+    from polyrl.rollout.native import fused
+
+    out = "*fp8e4nv" if fp8 else "*bf16"
+    norm = dict(X="*bf16", R="*bf16", W="*bf16", Y=out, RO="*bf16", S="*fp32" if fp8 else out, eps="fp32")
+    consts = dict(N=1536, BLOCK=2048, HAS_RES=True, FP8=fp8)
+    sig = {**norm, **{k: "constexpr" for k in consts}}
+    assert compile(ASTSource(fn=fused._add_rmsnorm_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+    consts = dict(I=8960, BLOCK=16384 if fp8 else 1024, FP8=fp8)
+    sig = dict(GU="*bf16", Y=out, S="*fp32" if fp8 else out, **{k: "constexpr" for k in consts})
+    assert compile(ASTSource(fn=fused._silu_mul_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]

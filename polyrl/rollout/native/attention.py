@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,18 @@ def quantize_fp8_rows(x_THD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x_THD.float()
     scale_TH = x32.abs().amax(-1).clamp(min=1e-8) / FP8_MAX
     return (x32 / scale_TH[..., None]).to(FP8), scale_TH
+
+
+class FP8Rows(NamedTuple):
+    """An activation already in `quantize_fp8_rows`' form, made by the kernel that produced it (fused.py's
+    add_rmsnorm / silu_mul with fp8=True), for an FP8 GEMM that then skips its own quantisation launch."""
+
+    q: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def _write(cache, x_THD, slot_mapping_T, scale_cache) -> None:

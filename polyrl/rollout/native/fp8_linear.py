@@ -16,7 +16,9 @@ the quantisation launch (~4 us) and _scaled_mm's fixed cost outweigh the bytes s
   1.5B: gate_up 1536x17920 1.09-1.64x; qkv 0.53-0.64x, o 0.53-0.61x, down 8960x1536 0.43-0.64x;
   8B:   gate_up 1.50-1.73x, down 14336x4096 1.13-1.26x, qkv 4096x6144 1.17-1.44x; o 4096x4096 0.59-1.19x.
 So a layer runs in FP8 when its weight has more than 2^24 elements (`MIN_FP8_ELEMENTS`); the rest stay bf16.
-Fusing the activation quantisation into the producing kernels (add_rmsnorm, silu_mul) would move that line; not done.
+Fusing the activation quantisation into the producing kernels (add_rmsnorm, silu_mul) would move that line: the
+fused kernels can now hand an FP8 GEMM its input as `FP8Rows` (`takes_fp8_rows`, off unless
+POLYRL_FP8_FUSED_INPUT=1 until it is measured on a GPU; `seed_workloads.py --gemms` times that variant too).
 At 1-16 rows (the long tail of a batch, a few sequences left) the GEMM is a pass over the weight bytes, and
 `_scaled_mm` reached only half of HBM bandwidth there (cuBLASLt's 128-row tile, plus the quantisation launch); those
 steps run `w8a16.py`'s Triton kernel instead, which reads the e4m3 weight once and keeps the activation in bf16.
@@ -26,13 +28,18 @@ number rollout correction compares with the trainer's.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from polyrl.rollout.native.attention import FP8, quantize_fp8_rows
+from polyrl.rollout.native.attention import FP8, FP8Rows, quantize_fp8_rows
 
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 MIN_FP8_ELEMENTS = 1 << 24  # measured crossover on an H100 (module docstring)
+# the producing kernel (add_rmsnorm / silu_mul) quantises an FP8 GEMM's input in its own pass (`takes_fp8_rows`);
+# written and checked under Triton's interpreter, not yet timed on a GPU: off by default until it is
+FUSED_INPUT = os.environ.get("POLYRL_FP8_FUSED_INPUT", "0") == "1"
 W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
@@ -78,7 +85,14 @@ def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
     """x W^T (+ b) with W in e4m3 rows (`quantize_fp8_rows`) and x quantised per token here: `_scaled_mm` on CUDA,
-    the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout."""
+    the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout. x may come
+    quantised already (`FP8Rows`, [T, K], from a fused producer): then this is the GEMM alone."""
+    if isinstance(x, FP8Rows):
+        if x.q.is_cuda:
+            return torch._scaled_mm(x.q, w_NK.t(), scale_a=x.scale[:, None], scale_b=w_scale_N[None, :], bias=bias,
+                                    out_dtype=out_dtype)  # fmt: skip
+        y = ((x.q.float() * x.scale[:, None]) @ (w_NK.float() * w_scale_N[:, None]).t()).to(out_dtype)
+        return y if bias is None else y + bias
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.is_cuda and x2.shape[0] <= W8A16_MAX_ROWS:  # a decode step of few sequences: one pass over e4m3 bytes
@@ -94,6 +108,12 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
         if bias is not None:
             y = y + bias
     return y.reshape(*lead, -1)
+
+
+def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
+    """Whether the kernel producing this layer's input should hand it over as `FP8Rows`: an FP8 layer in the
+    `_scaled_mm` regime (w8a16 reads x unquantised at <= W8A16_MAX_ROWS rows), with FUSED_INPUT on."""
+    return FUSED_INPUT and isinstance(linear, FP8Linear) and rows > W8A16_MAX_ROWS
 
 
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):

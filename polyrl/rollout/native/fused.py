@@ -15,9 +15,25 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.rollout.native.attention import FP8 as E4M3
+from polyrl.rollout.native.attention import FP8Rows
+
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, RO, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+def _store_rows(Y, S, row, c, m, y, FP8: tl.constexpr):
+    # one row in the activation dtype, or (FP8) as e4m3 with its scale amax / 448: quantize_fp8_rows' numbers
+    if FP8:
+        yf = y.to(tl.float32)
+        sc = tl.maximum(tl.max(tl.abs(yf), 0), 1e-8) / 448.0
+        tl.store(S + row, sc)
+        tl.store(Y + c, (yf / sc).to(Y.dtype.element_ty), mask=m)
+    else:
+        tl.store(Y + c, y, mask=m)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, Y, RO, S, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                        FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -29,17 +45,19 @@ def _add_rmsnorm_kernel(X, R, W, Y, RO, eps, N: tl.constexpr, BLOCK: tl.constexp
     var = tl.sum(xf * xf, 0) / N
     y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + c, (y * w).to(Y.dtype.element_ty), mask=m)
+    _store_rows(Y + row * N, S, row, c, m, (y * w).to(X.dtype.element_ty), FP8)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Returns (norm(x + residual) * weight, x + residual); residual None: (norm(x) * weight, x)."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool = False):
+    """Returns (norm(x + residual) * weight, x + residual); residual None: (norm(x) * weight, x). fp8: the first comes
+    back as `FP8Rows` (the same values, quantised in the same pass) for an FP8 GEMM (`fp8_linear.takes_fp8_rows`)."""
     T, N = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(T, N, dtype=E4M3 if fp8 else x.dtype, device=x.device)
+    s = torch.empty(T, dtype=torch.float32, device=x.device) if fp8 else y
     res_out = torch.empty_like(x) if residual is not None else x
-    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, eps, N=N,
-                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, num_warps=4)
-    return y, res_out
+    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, s, eps, N=N,
+                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, FP8=fp8, num_warps=4)
+    return (FP8Rows(y, s) if fp8 else y), res_out
 
 
 @triton.jit
@@ -138,23 +156,27 @@ def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_ma
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, S, I: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
     g = tl.load(GU + row * 2 * I + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * I + I + c, mask=m, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * I + c, (a * u).to(Y.dtype.element_ty), mask=m)
+    dt = GU.dtype.element_ty
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    _store_rows(Y + row * I, S, row, c, m, (a * u).to(dt), FP8)
 
 
-def silu_mul(gate_up_TX: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up_TX: torch.Tensor, fp8: bool = False):
+    """silu(gate) * up; fp8: as `FP8Rows` (one program per row then, for the row's amax)."""
     T, two_i = gate_up_TX.shape
     inter = two_i // 2
-    y = torch.empty(T, inter, dtype=gate_up_TX.dtype, device=gate_up_TX.device)
-    BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, I=inter, BLOCK=BLOCK, num_warps=4)
-    return y
+    y = torch.empty(T, inter, dtype=E4M3 if fp8 else gate_up_TX.dtype, device=gate_up_TX.device)
+    s = torch.empty(T, dtype=torch.float32, device=gate_up_TX.device) if fp8 else y
+    BLOCK = triton.next_power_of_2(inter) if fp8 else 1024
+    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, s, I=inter, BLOCK=BLOCK, FP8=fp8,
+                                                      num_warps=8 if fp8 else 4)  # fmt: skip
+    return FP8Rows(y, s) if fp8 else y
 
 
 @triton.jit

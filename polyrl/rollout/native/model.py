@@ -192,14 +192,19 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, x, positions_T, meta):
+        from polyrl.rollout.native.fp8_linear import takes_fp8_rows
         from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
 
+        # FP8 GEMMs whose input the producing kernel quantises (the same choice for every layer: same shapes)
+        first, rows = self.layers[0], x.shape[0]
+        fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
+                                                                             first.mlp.down))  # fmt: skip
         residual = None
         for layer in self.layers:
-            h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps)
+            h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
-            h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps)
-            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h)))
+            h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
+            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h), fp8=fp8_down))
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
