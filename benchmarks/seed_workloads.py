@@ -12,8 +12,10 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
       prompts (our choice: the seed does not say), responses lognormal with mean ~1,060 and a tail to 3,840 (prompt +
       response <= 4,096). The seed gives no generation-only throughput (its 1,562 tok/s/GPU is the whole step).
   a   rollout.py's (a): Qwen2.5-1.5B, B=256 x 256 prompt tokens x 1,024 new tokens.
-Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); each with a `_v2` suffix
-runs the second paged-decode kernel (rollout.engine_kwargs.native.decode_kernel=v2).
+Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
+GEMM FP8, not only the large ones); each with a `_v2` suffix runs the second paged-decode kernel
+(rollout.engine_kwargs.native.decode_kernel=v2). POLYRL_FP8_FUSED_INPUT=1 makes add_rmsnorm / silu_mul quantise the
+FP8 GEMMs' inputs (the row says so).
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
 rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
 counted, but in our time): exact for these shapes, where all sequences run from the first step (max_num_seqs >= sequences).
@@ -49,7 +51,9 @@ ARCH = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
 }
 SEED_PEER = {"s1": "verl+vLLM (seed 002): 3,497 tok/s/GPU at 64 seqs/GPU", "s2": "NeMo RL (seed 001): no gen-only number",
              "a": "-"}
-CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8")}
+CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8"),
+           # every decode GEMM in FP8, not only those past fp8_linear's size line: the experiment for fused inputs
+           "fp8kv_w8all": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=0)}
 CONFIGS.update({f"{name}_v2": dict(kw, decode_kernel="v2") for name, kw in list(CONFIGS.items())})
 
 

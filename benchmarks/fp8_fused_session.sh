@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 16 on one H100, the FP8 GEMM inputs quantised by their producers (POLYRL_FP8_FUSED_INPUT, off by default until
+# this runs). Two device calls, each under ~9 min; rows to $OUT/rows.md, logs beside them:
+#   bash benchmarks/fp8_fused_session.sh check   # the FP8 GPU tests (incl. the fused producers and the one-launch
+#                                                # weight quantiser), then every decode GEMM bf16 / W8A8 / W8A8 fed
+#   bash benchmarks/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
+#   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+case "${1:?part}" in
+  check)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
+    timeout 330 python3 benchmarks/seed_workloads.py --gemms 2>&1 | grep "^gemm r1-distill" | tee "$OUT/gemms.txt" ;;
+  s1)
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
+    timeout 270 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{" | tee "$OUT/s1_plain.txt"
+    POLYRL_FP8_FUSED_INPUT=1 timeout 270 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{" | tee "$OUT/s1_fused.txt" ;;
+  s1_all)
+    POLYRL_FP8_FUSED_INPUT=1 timeout 540 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
+      --rows-out "$OUT/rows.md" --configs fp8kv_w8all 2>&1 | grep "^{" | tee "$OUT/s1_all.txt" ;;
+  *) echo "unknown part $1"; exit 2 ;;
+esac
