@@ -97,8 +97,8 @@ def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
     # the checkpoint lacks, so that they stay stateless as in the run that saved it (the step count is AdamW's bias
     # correction the day such a parameter gets a gradient)
     stateful = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
-             for key in FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
-             if key.startswith("optimizer.state.")}  # fmt: skip
+                for key in FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+                if key.startswith("optimizer.state.")}  # fmt: skip
     for fqn in [fqn for fqn in state["optimizer"]["state"] if fqn not in stateful]:
         del state["optimizer"]["state"][fqn]
     # per-parameter state is keyed by name, but the *grouping* depends on the process count (sharded and replicated
