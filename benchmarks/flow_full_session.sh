@@ -7,7 +7,10 @@
 #   bash benchmarks/flow_full_session.sh resume_and_check  # a new job resumes the checkpoint and runs that step again;
 #                                                          # then the GPU tests (2 GPUs: fp32 state + bf16 compute; 1
 #                                                          # GPU: the compiled FP8 sampling test; GPU_TESTS=0 skips them)
-# Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names the commit.
+# Or both parts in one call (2026-11-26: ~325 s with STEPS=1 GPU_TESTS=0; the warm-up step takes ~40 s, the save ~56 s,
+# the resumed job's load ~55 s). Eager blocks unless COMPILE=--compile: the compiled run had not finished its warm-up
+# after 575 s. Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names
+# the commit.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
 # cuBLAS repeats its results bit for bit only with a fixed workspace, read when it starts: both jobs of the resume
@@ -19,7 +22,7 @@ df -h /dev/shm /tmp | tee -a "$OUT/disk.txt"
 # micro 16 with gradient checkpointing, rollout chunks of 32: FSDP2 gathers the weights (and reduce-scatters fp32
 # gradients) once per forward/backward, so fewer, larger passes move fewer bytes; the 2026-11-26 run with micro 2, no
 # checkpointing and rollout 16 spent 80 s of a 109 s step in the update (32 passes; NOTES_flow.md)
-ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} ${COMPILE---compile} --async-reward \
+ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT_MICRO:-32} ${COMPILE:-} --async-reward \
   --reward-workers ${REWARD_WORKERS:-8} --brightness-term 0.01 --steps ${STEPS:-2}"
 case "${1:?part}" in
   speed)  # the timed run alone, no checkpoint; the interconnect first
