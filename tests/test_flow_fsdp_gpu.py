@@ -18,7 +18,9 @@ JOB = str(Path(__file__).with_name("flow_mixed_precision_job.py"))
 
 
 def _run(cmd: list[str], out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    # the repository first, then whatever the caller's path holds (the GPU machine's wheels, e.g. diffusers)
+    path = [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
