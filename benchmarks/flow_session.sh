@@ -11,8 +11,9 @@
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
 # Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
-# REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them)
-FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps 3 --record --rows-out $OUT/rows.md \
+# REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them); STEPS: timed
+# steps after the warm-up (3); RUN_S: reward_gpu's limit per run (280 s)
+FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps ${STEPS:-3} --record --rows-out $OUT/rows.md \
   --reward-workers ${REWARD_WORKERS:-1}"
 case "${1:?part}" in
   stage)
@@ -33,9 +34,9 @@ case "${1:?part}" in
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;
   reward_gpu)  # seed 000's second row: 1 actor GPU + 1 reward GPU against sync on the actor GPU (NOTES_flow.md)
-    TAIL=3 run judge_async env CUDA_VISIBLE_DEVICES=0,1 timeout 280 python3 benchmarks/flow_grpo.py $FAST --async-reward \
+    TAIL=3 run judge_async env CUDA_VISIBLE_DEVICES=0,1 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST --async-reward \
       --judge-gpu cuda:1 --note "async judge on a reward GPU of its own"
-    TAIL=3 run judge_sync env CUDA_VISIBLE_DEVICES=0 timeout 280 python3 benchmarks/flow_grpo.py $FAST --judge-gpu cuda:0 \
+    TAIL=3 run judge_sync env CUDA_VISIBLE_DEVICES=0 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST --judge-gpu cuda:0 \
       --offload-text-encoder --note "sync judge on the actor GPU (text encoder offloaded: the judge's 15.5 GiB)" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
