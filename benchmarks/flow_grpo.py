@@ -171,15 +171,15 @@ def build_pipeline(transformer, *, tiny: bool, device, dtype):
 
 
 def offloaded(encode_fn, text_encoder, device):
-    """`encode_fn` with the text encoder moved to `device` for the call and back to host memory after it."""
-    text_encoder.to("cpu")
+    """`encode_fn` with the text encoder in pinned host memory, brought to `device` for the call (one copy per tensor;
+    nothing is copied back: its weights are frozen)."""
+    from polyrl.utils.offload import FrozenOffload
+
+    off = FrozenOffload(text_encoder)
 
     def encode(prompts):
-        text_encoder.to(device)
-        try:
+        with off.on(device):
             return encode_fn(prompts)
-        finally:
-            text_encoder.to("cpu")
 
     return encode
 

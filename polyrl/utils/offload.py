@@ -1,0 +1,35 @@
+"""A frozen module kept in pinned host memory and brought to the GPU only while it runs (a text encoder that must
+make room for a reward model on the same GPU). Loading is one host-to-device copy per tensor from pinned memory;
+releasing copies nothing back (the weights never change), it only points the module at its host copies again."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class FrozenOffload:
+    def __init__(self, module: nn.Module):
+        self.tensors = [p for p in module.parameters()] + [b for b in module.buffers()]
+        pin = torch.cuda.is_available()
+        self.host = [t.detach().to("cpu", copy=True).pin_memory() if pin else t.detach().to("cpu", copy=True)
+                     for t in self.tensors]  # fmt: skip
+        self.release()
+
+    def load(self, device) -> None:
+        for t, h in zip(self.tensors, self.host):
+            t.data = h.to(device, non_blocking=True)
+
+    def release(self) -> None:
+        for t, h in zip(self.tensors, self.host):
+            t.data = h
+
+    @contextmanager
+    def on(self, device):
+        self.load(device)
+        try:
+            yield
+        finally:
+            self.release()
