@@ -14,8 +14,8 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
   a   rollout.py's (a): Qwen2.5-1.5B, B=256 x 256 prompt tokens x 1,024 new tokens.
 Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
 GEMM FP8, not only the large ones); each with a `_v2` suffix runs the second paged-decode kernel
-(rollout.engine_kwargs.native.decode_kernel=v2). POLYRL_FP8_FUSED_INPUT=1 makes add_rmsnorm / silu_mul quantise the
-FP8 GEMMs' inputs (the row says so).
+(rollout.engine_kwargs.native.decode_kernel=v2). add_rmsnorm / silu_mul quantise the FP8 GEMMs'
+inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which).
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
 rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
 counted, but in our time): exact for these shapes, where all sequences run from the first step (max_num_seqs >= sequences).
@@ -55,6 +55,16 @@ CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_
            # every decode GEMM in FP8, not only those past fp8_linear's size line: the experiment for fused inputs
            "fp8kv_w8all": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=0)}
 CONFIGS.update({f"{name}_v2": dict(kw, decode_kernel="v2") for name, kw in list(CONFIGS.items())})
+
+
+def _fp8_inputs(cname: str) -> str:
+    """Who quantises the FP8 GEMMs' inputs, for a row with FP8 weights (POLYRL_FP8_FUSED_INPUT)."""
+    from polyrl.rollout.native import fp8_linear
+
+    if "w8" not in cname:
+        return ""
+    return "; FP8 GEMM inputs quantised by add_rmsnorm / silu_mul" if fp8_linear.FUSED_INPUT else \
+        "; FP8 GEMM inputs quantised by each GEMM (POLYRL_FP8_FUSED_INPUT=0)"
 
 
 def build_hf(arch: str, max_pos: int):
@@ -185,7 +195,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
                 f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; w8a16 at <= "
                 f"{fp8_linear.W8A16_MAX_ROWS} rows"
-                f"{'; FP8 GEMM inputs quantised by add_rmsnorm / silu_mul' if fp8_linear.FUSED_INPUT else ''}{gap}",
+                f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
         del eng, out
@@ -223,7 +233,7 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
                 t_mm = triton.testing.do_bench_cudagraph(
                     lambda: _scaled_mm_rowwise(x, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
-                rows = FP8Rows(*quantize_fp8_rows(x))  # quantised by the producer (POLYRL_FP8_FUSED_INPUT=1)
+                rows = FP8Rows(*quantize_fp8_rows(x))  # quantised by the producer (the default)
                 t_fed = triton.testing.do_bench_cudagraph(
                     lambda: fp8_matmul(rows, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
                 line = (f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us ({2 * N * K / t_bf * 1e6 / bw:.0%}"
