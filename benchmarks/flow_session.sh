@@ -34,9 +34,10 @@ case "${1:?part}" in
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;
   reward_gpu)  # seed 000's second row: 1 actor GPU + 1 reward GPU against sync on the actor GPU (NOTES_flow.md)
-    TAIL=3 run judge_async env CUDA_VISIBLE_DEVICES=0,1 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST --async-reward \
-      --judge-gpu cuda:1 --note "async judge on a reward GPU of its own"
-    TAIL=3 run judge_sync env CUDA_VISIBLE_DEVICES=0 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST --judge-gpu cuda:0 \
-      --offload-text-encoder --note "sync judge on the actor GPU (text encoder offloaded: the judge's 15.5 GiB)" ;;
+    TAIL=3 run judge_async env CUDA_VISIBLE_DEVICES=0,1 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST \
+      --async-reward --judge-gpu cuda:1 --note "async judge on a reward GPU of its own"
+    TAIL=3 run judge_sync env CUDA_VISIBLE_DEVICES=0 timeout ${RUN_S:-280} python3 benchmarks/flow_grpo.py $FAST \
+      --judge-gpu cuda:0 --offload-text-encoder \
+      --note "sync judge on the actor GPU (text encoder offloaded to pinned host memory: the judge's 15.5 GiB)" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

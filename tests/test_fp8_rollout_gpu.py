@@ -157,9 +157,9 @@ def test_weight_quantiser_matches_the_tensor_op_one():
 
 
 def test_fused_producers_quantise_like_the_torch_quantiser():
-    """add_rmsnorm / silu_mul with fp8=True (the next FP8 GEMM's input quantised in the producer's pass; the default,
-    POLYRL_FP8_FUSED_INPUT=0 turns it off) against `quantize_fp8_rows` of their bf16 output, and the GEMM fed those rows against
-    the one that quantises for itself."""
+    """add_rmsnorm / silu_mul with fp8=True (the next FP8 GEMM's input quantised in the producer's pass; the
+    default, POLYRL_FP8_FUSED_INPUT=0 turns it off) against `quantize_fp8_rows` of their bf16 output, and the GEMM fed
+    those rows against the one that quantises for itself."""
     from polyrl.rollout.native.attention import quantize_fp8_rows
     from polyrl.rollout.native.fp8_linear import fp8_matmul
     from polyrl.rollout.native.fused import add_rmsnorm, silu_mul

@@ -12,10 +12,9 @@ from torch import nn
 
 class FrozenOffload:
     def __init__(self, module: nn.Module):
-        self.tensors = [p for p in module.parameters()] + [b for b in module.buffers()]
+        self.tensors = list(module.parameters()) + list(module.buffers())
         pin = torch.cuda.is_available()
-        self.host = [t.detach().to("cpu", copy=True).pin_memory() if pin else t.detach().to("cpu", copy=True)
-                     for t in self.tensors]  # fmt: skip
+        self.host = [torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t.detach()) for t in self.tensors]
         self.release()
 
     def load(self, device) -> None:
