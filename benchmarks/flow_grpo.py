@@ -321,8 +321,9 @@ def main() -> None:
                     help="reward.async_reward: OCR in a worker process while the next rollout chunk is generated")
     ap.add_argument("--offload-text-encoder", action="store_true",
                     help="keep the text encoder in host memory except while it encodes (VeRL-Omni's rollout sleeps, "
-                         "weights offloaded, while the actor trains); frees ~14 GiB but moves 15 GB each way every step (the "
-                         "FP8 ODE-step mode no longer needs it: its copies are released for the update)")
+                         "weights offloaded, while the actor trains); frees ~14 GiB; the 15 GB come from pinned host memory "
+                         "each step (~1 s on an H200), nothing goes back (the FP8 ODE-step mode no longer needs it: its "
+                         "copies are released for the update)")
     ap.add_argument("--judge-gpu", help="also run a VLM-judge-sized model (benchmarks/flow_reward_judge.py) on this "
                                         "device for each image: in the async worker with --async-reward, else in the step")
     ap.add_argument("--reward-workers", type=int, default=1,
