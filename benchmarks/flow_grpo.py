@@ -524,8 +524,8 @@ def main() -> None:
                  f"ratio_mean {result['ratio_mean']:.6f}; {work_words(args, result)}"
                  f"{reward_gpu_words(args, device, img_s)}"
                  f"{'; ' + args.note if args.note else ''}")  # fmt: skip
-        append_row((f"{dist.world_size}x " if dist.is_distributed else "") + result["device"], "flow_grpo img/GPU/s", shape, f"{img_s:.3f}",
-                   peer_words, f"{limit:.2f}", f"{img_s / peer:.2f}",
+        gpus = (f"{dist.world_size}x " if dist.is_distributed else "") + result["device"]
+        append_row(gpus, "flow_grpo img/GPU/s", shape, f"{img_s:.3f}", peer_words, f"{limit:.2f}", f"{img_s / peer:.2f}",
                    f"{img_s / limit:.2f}", path=args.rows_out)  # fmt: skip
     if args.save_check:
         save_check(trainer, args.save_check, dist)

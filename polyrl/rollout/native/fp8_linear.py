@@ -89,25 +89,15 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout. x may come
     quantised already (`FP8Rows`, [T, K], from a fused producer): then this is the GEMM alone."""
     if isinstance(x, FP8Rows):
-        if x.q.is_cuda:
-            return torch._scaled_mm(x.q, w_NK.t(), scale_a=x.scale[:, None], scale_b=w_scale_N[None, :], bias=bias,
-                                    out_dtype=out_dtype)  # fmt: skip
-        y = ((x.q.float() * x.scale[:, None]) @ (w_NK.float() * w_scale_N[:, None]).t()).to(out_dtype)
-        return y if bias is None else y + bias
+        return _rows_matmul(x.q, x.scale, w_NK, w_scale_N, bias, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.is_cuda and x2.shape[0] <= W8A16_MAX_ROWS:  # a decode step of few sequences: one pass over e4m3 bytes
         from polyrl.rollout.native.w8a16 import w8a16_matmul
 
         y = w8a16_matmul(x2, w_NK, w_scale_N, bias, out_dtype)
-    elif x2.is_cuda:
-        y = _scaled_mm_rowwise(x2, w_NK, w_scale_N, bias, out_dtype)
     else:
-        xq, xs = quantize_fp8_rows(x2)
-        w = w_NK.float() * w_scale_N[:, None]
-        y = ((xq.float() * xs[:, None]) @ w.t()).to(out_dtype)
-        if bias is not None:
-            y = y + bias
+        y = _scaled_mm_rowwise(x2, w_NK, w_scale_N, bias, out_dtype)
     return y.reshape(*lead, -1)
 
 
@@ -118,14 +108,24 @@ def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
 
 
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
-    from polyrl.rollout.native.fused import quantize_fp8_rows_triton
+    """x quantised per token, then the GEMM: the Triton quantiser on CUDA, tensor ops on CPU or inside torch.compile
+    (COMPILED_QUANTISER "inductor")."""
+    if x_MK.is_cuda and not (torch.compiler.is_compiling() and COMPILED_QUANTISER == "inductor"):
+        from polyrl.rollout.native.fused import quantize_fp8_rows_triton
 
-    if torch.compiler.is_compiling() and COMPILED_QUANTISER == "inductor":
-        xq, xs = quantize_fp8_rows(x_MK)
-    else:
         xq, xs = quantize_fp8_rows_triton(x_MK)
-    return torch._scaled_mm(xq, w_NK.t(), scale_a=xs[:, None], scale_b=w_scale_N[None, :], bias=bias,
-                            out_dtype=out_dtype)
+    else:
+        xq, xs = quantize_fp8_rows(x_MK)
+    return _rows_matmul(xq, xs, w_NK, w_scale_N, bias, out_dtype)
+
+
+def _rows_matmul(xq_MK, xs_M, w_NK, w_scale_N, bias, out_dtype):
+    """The GEMM of e4m3 rows with their scales: `_scaled_mm` on CUDA, the same numbers in fp32 elsewhere."""
+    if xq_MK.is_cuda:
+        return torch._scaled_mm(xq_MK, w_NK.t(), scale_a=xs_M[:, None], scale_b=w_scale_N[None, :], bias=bias,
+                                out_dtype=out_dtype)  # fmt: skip
+    y = ((xq_MK.float() * xs_M[:, None]) @ (w_NK.float() * w_scale_N[:, None]).t()).to(out_dtype)
+    return y if bias is None else y + bias
 
 
 def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None) -> None:
