@@ -5,6 +5,8 @@
 #                                                # weight quantiser), then every decode GEMM bf16 / W8A8 / W8A8 fed
 #   bash benchmarks/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
 #   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
+#   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
+#                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,5 +22,12 @@ case "${1:?part}" in
   s1_all)
     POLYRL_FP8_FUSED_INPUT=1 timeout 540 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
       --rows-out "$OUT/rows.md" --configs fp8kv_w8all 2>&1 | grep "^{" | tee "$OUT/s1_all.txt" ;;
+  probe)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
+    timeout 120 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 1,8,16,32,64,128 \
+      --gemm-sweep-rows 32 2>&1 | grep "^gemm\|^device\|Error" | tee "$OUT/gemms.txt"
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
+    timeout 240 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
+    timeout 200 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

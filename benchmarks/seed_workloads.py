@@ -207,54 +207,64 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     return results
 
 
-def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None) -> None:
+def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",
+                "llama3.1-8b"), sweep_rows=(8, 32, 64)) -> None:
     """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS, FP8 W8A8 (row quantisation +
     _scaled_mm; and _scaled_mm alone, as when add_rmsnorm / silu_mul quantise its input) and, at <= 64 rows, FP8
-    W8A16 (w8a16.py) with its committed launch config and, at 8, 32 and 64 rows, the best of a sweep; each with the
-    share of copy bandwidth its weight bytes make. fp8_linear routes only <= W8A16_MAX_ROWS rows to w8a16: raise it
-    where these lines say w8a16 wins."""
+    W8A16 (w8a16.py) with its committed launch config and, at `sweep_rows`, the best of a sweep; each with the share
+    of copy bandwidth its weight bytes make.
+
+    Cold weights, as in the engine: a decode step reads 28+ layers' weights and the K/V between two reads of one
+    weight, so none is in L2. Each GEMM runs over enough copies of its weight to fill twice the L2 (a 1.5B qkv is 6 MB
+    in bf16 against the H100's 50 MB) and the time is per call. Before 2026-11-26 one weight was timed again and again,
+    so the GEMMs under 50 MB read from L2; the 2^24-element FP8 line (fp8_linear.MIN_FP8_ELEMENTS) came from those."""
     import triton.testing
 
     from polyrl.rollout.native import w8a16
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
     from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise, fp8_matmul
 
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=ns) for bn in (16, 32, 64) for bk in (128, 256, 512)
              for ns in (3, 5)]
-    for arch in ("r1-distill-1.5b", "llama3.1-8b"):
+    for arch in archs:
         _, h, inter, _, nh, kv, _, _ = ARCH[arch]
         D = h // nh
         shapes = {"qkv": (h, (nh + 2 * kv) * D), "o": (nh * D, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
         for name, (K, N) in shapes.items():
-            lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
-            f8 = FP8Linear(lin)
+            copies = max(1, -(-2 * l2 // (2 * N * K)))
+            lins = [torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+            f8s = [FP8Linear(lin) for lin in lins]
+
+            def per_call(fn):
+                return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+
             for M in M_list:
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-                t_bf = triton.testing.do_bench_cudagraph(lambda: lin(x)) * 1e3
-                t_mm = triton.testing.do_bench_cudagraph(
-                    lambda: _scaled_mm_rowwise(x, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
                 rows = FP8Rows(*quantize_fp8_rows(x))  # quantised by the producer (the default)
-                t_fed = triton.testing.do_bench_cudagraph(
-                    lambda: fp8_matmul(rows, f8.weight, f8.weight_scale, None, torch.bfloat16)) * 1e3
-                line = (f"gemm {arch} {name} M={M} K={K} N={N}: bf16 {t_bf:.1f} us ({2 * N * K / t_bf * 1e6 / bw:.0%}"
-                        f" BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x), w8a8 fed by a fused producer {t_fed:.1f} us "
-                        f"({t_bf / t_fed:.2f}x)")
+                t_bf = per_call(lambda i: lins[i](x))
+                t_mm = per_call(lambda i: _scaled_mm_rowwise(x, f8s[i].weight, f8s[i].weight_scale, None,
+                                                             torch.bfloat16))
+                t_fed = per_call(lambda i: fp8_matmul(rows, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16))
+                line = (f"gemm {arch} {name} M={M} K={K} N={N} ({copies} cold copies): bf16 {t_bf:.1f} us "
+                        f"({2 * N * K / t_bf * 1e6 / bw:.0%} BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x), w8a8 fed by "
+                        f"a fused producer {t_fed:.1f} us ({t_bf / t_fed:.2f}x, {N * K / t_fed * 1e6 / bw:.0%} BW)")
                 if M <= w8a16.MAX_ROWS:
-                    run = lambda c: w8a16.w8a16_matmul(x, f8.weight, f8.weight_scale, None, torch.bfloat16, c)  # noqa: E731
-                    t_16 = triton.testing.do_bench_cudagraph(lambda: run(None)) * 1e3
+                    def run(c):
+                        return per_call(lambda i: w8a16.w8a16_matmul(x, f8s[i].weight, f8s[i].weight_scale, None,
+                                                                     torch.bfloat16, c))
+                    t_16 = run(None)
                     line += f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW)"
-                    if M in (8, 32, 64):  # the sweep, at one size of the tail and two of the bulk
+                    if M in sweep_rows:
                         best = min(((_bench_or_inf(lambda: run(c)), c) for c in sweep), key=lambda tc: tc[0])
                         line += f", best of sweep {best[0]:.1f} us {best[1]}"
                 print(line, flush=True)
 
 
 def _bench_or_inf(fn) -> float:
-    """Microseconds per call in a CUDA graph; inf for a launch config the GPU cannot run (shared memory, registers)."""
-    import triton.testing
-
+    """fn() (microseconds); inf for a launch config the GPU cannot run (shared memory, registers)."""
     try:
-        return triton.testing.do_bench_cudagraph(fn) * 1e3
+        return fn()
     except Exception:  # noqa: BLE001  (triton's OutOfResources, or a capture that failed with it)
         torch.cuda.synchronize()
         return float("inf")
@@ -357,6 +367,10 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--gap", action="store_true", help="also measure the engine-vs-trainer log-prob gap")
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
+    ap.add_argument("--gemm-rows", default="1,8,16,32,48,64,128,256", help="--gemms: row counts")
+    ap.add_argument("--gemm-archs", default="r1-distill-1.5b,llama3.1-8b", help="--gemms: model shapes")
+    ap.add_argument("--gemm-sweep-rows", default="8,32,64", help="--gemms: rows where w8a16's launch configs are "
+                    "swept (empty: none)")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
     ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
     ap.add_argument("--max-splits", default="256", help="paged-decode split caps to compare (comma list; 16 was the "
@@ -377,7 +391,8 @@ def main():
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.gemms:
-        bench_gemms(bw=bw)
+        ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
+        bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows))
         return
     if args.profile:
         profile(args.configs.split(","), args.max_splits, bw, args.kernels)
