@@ -6,6 +6,9 @@
 #   bash benchmarks/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling
 #   bash benchmarks/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
 #   bash benchmarks/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
+#   bash benchmarks/flow_session.sh chunks     # 1 H200: FP8 on the ODE steps, 4 OCR workers, the rollout in one chunk
+#                                              # of 16 images, then in two of 8 (the first one's OCR hides behind the
+#                                              # second one's sampling)
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 #   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
@@ -30,6 +33,12 @@ case "${1:?part}" in
       --note "same work, OCR in a CPU worker process (async); same call as the FP8 row"
     run same_work_fp8 timeout 285 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 \
       --note "same work, async OCR, FP8 on the ODE steps (LoRA merged), copies released for the update" ;;
+  chunks)  # REWARD_WORKERS defaults to 4 here
+    W4="--reward-workers ${REWARD_WORKERS:-4}"
+    run fp8_chunk16 timeout 285 python3 benchmarks/flow_grpo.py $FAST $W4 --async-reward --fp8 \
+      --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), one rollout chunk of 16"
+    run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST $W4 --async-reward --fp8 --rollout-micro 8 \
+      --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;
