@@ -29,5 +29,14 @@ case "${1:?part}" in
     S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
     timeout 240 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 200 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
+  splitk)  # the split-K FP8 GEMM: its GPU tests, the 1.5B GEMMs with a launch sweep (the table s1 then loads), s1
+    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "splitk or linear" 2>&1 \
+      | tail -4 | tee "$OUT/tests.txt"
+    timeout 170 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 1,16,32,64,128 \
+      --splitk-table-out "$OUT/splitk_table.json" 2>&1 | grep "^gemm\|^device\|Error" | tee "$OUT/gemms.txt"
+    T=$([ -s "$OUT/splitk_table.json" ] && echo "--splitk-table $OUT/splitk_table.json")
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md $T"
+    timeout 165 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
+    timeout 165 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -150,7 +150,6 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     vocab = hf.config.vocab_size
     prompts = torch.randint(0, vocab, (seqs, P), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=max(lens), ignore_eos=True, seed=0, forced_lengths=lens)
-    from polyrl.rollout.native import fp8_linear
     from polyrl.rollout.native import paged_decode as v1
     from polyrl.rollout.native import paged_decode_v2 as v2
 
@@ -193,8 +192,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; w8a16 at <= "
-                f"{fp8_linear.W8A16_MAX_ROWS} rows"
+                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; {_small_gemms()}"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
@@ -207,26 +205,39 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     return results
 
 
+def _small_gemms() -> str:
+    """Which kernel runs the FP8 GEMMs of a decode step's few rows (the row's words)."""
+    from polyrl.rollout.native import fp8_linear, splitk_fp8
+
+    if not fp8_linear.SPLITK:
+        return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
+    return (f"split-K FP8 GEMM at <= {fp8_linear.SPLITK_MAX_ROWS} rows ({fp8_linear.SPLITK_X} x"
+            f"{', measured launch table' if splitk_fp8.TABLE else ''})")
+
+
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",
-                "llama3.1-8b"), sweep_rows=(8, 32, 64)) -> None:
-    """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS, FP8 W8A8 (row quantisation +
-    _scaled_mm; and _scaled_mm alone, as when add_rmsnorm / silu_mul quantise its input) and, at <= 64 rows, FP8
-    W8A16 (w8a16.py) with its committed launch config and, at `sweep_rows`, the best of a sweep; each with the share
-    of copy bandwidth its weight bytes make.
+                "llama3.1-8b"), sweep_rows=(16, 32, 64), table_out: str | None = None) -> None:
+    """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS; FP8 W8A8 through `_scaled_mm` (row
+    quantisation + GEMM, and the GEMM alone as when add_rmsnorm / silu_mul quantise its input); at <= 64 rows the
+    w8a16 kernel (the path before the split-K kernel); at <= splitk_fp8.MAX_ROWS the split-K kernel with bf16 x and
+    with e4m3 rows, and at `sweep_rows` the best e4m3-rows launch config of a sweep (written to `table_out` as JSON,
+    which `--splitk-table` loads). Each with the share of copy bandwidth its weight bytes make.
 
     Cold weights, as in the engine: a decode step reads 28+ layers' weights and the K/V between two reads of one
     weight, so none is in L2. Each GEMM runs over enough copies of its weight to fill twice the L2 (a 1.5B qkv is 6 MB
     in bf16 against the H100's 50 MB) and the time is per call. Before 2026-11-26 one weight was timed again and again,
     so the GEMMs under 50 MB read from L2; the 2^24-element FP8 line (fp8_linear.MIN_FP8_ELEMENTS) came from those."""
+    import triton
     import triton.testing
 
-    from polyrl.rollout.native import w8a16
+    from polyrl.rollout.native import splitk_fp8, w8a16
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
-    from polyrl.rollout.native.fp8_linear import FP8Linear, _scaled_mm_rowwise, fp8_matmul
+    from polyrl.rollout.native.fp8_linear import FP8Linear, _rows_matmul, _scaled_mm_rowwise
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=ns) for bn in (16, 32, 64) for bk in (128, 256, 512)
-             for ns in (3, 5)]
+    sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=4, programs_per_sm=pps, min_k_steps=2)
+             for bn in (64, 128) for bk in (128, 256) for pps in (1, 2, 4)]
+    table = {}
     for arch in archs:
         _, h, inter, _, nh, kv, _, _ = ARCH[arch]
         D = h // nh
@@ -245,19 +256,30 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 t_bf = per_call(lambda i: lins[i](x))
                 t_mm = per_call(lambda i: _scaled_mm_rowwise(x, f8s[i].weight, f8s[i].weight_scale, None,
                                                              torch.bfloat16))
-                t_fed = per_call(lambda i: fp8_matmul(rows, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16))
-                line = (f"gemm {arch} {name} M={M} K={K} N={N} ({copies} cold copies): bf16 {t_bf:.1f} us "
-                        f"({2 * N * K / t_bf * 1e6 / bw:.0%} BW), w8a8 {t_mm:.1f} us ({t_bf / t_mm:.2f}x), w8a8 fed by "
-                        f"a fused producer {t_fed:.1f} us ({t_bf / t_fed:.2f}x, {N * K / t_fed * 1e6 / bw:.0%} BW)")
+                t_fed = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale, None,
+                                                        torch.bfloat16))
+
+                def pct(t, nbytes=N * K):
+                    return f"{t:.1f} us ({t_bf / t:.2f}x, {nbytes / t * 1e6 / bw:.0%} BW)"
+
+                line = (f"gemm {arch} {name} M={M} K={K} N={N} ({copies} cold copies): bf16 {pct(t_bf, 2 * N * K)}, "
+                        f"w8a8 {pct(t_mm)}, w8a8 fed {pct(t_fed)}")
                 if M <= w8a16.MAX_ROWS:
-                    def run(c):
-                        return per_call(lambda i: w8a16.w8a16_matmul(x, f8s[i].weight, f8s[i].weight_scale, None,
-                                                                     torch.bfloat16, c))
-                    t_16 = run(None)
-                    line += f", w8a16 {t_16:.1f} us ({t_bf / t_16:.2f}x, {N * K / t_16 * 1e6 / bw:.0%} BW)"
+                    line += ", w8a16 " + pct(per_call(lambda i: w8a16.w8a16_matmul(
+                        x, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16)))
+                if M <= splitk_fp8.MAX_ROWS:
+                    def splitk(arg, c=None):
+                        return per_call(lambda i: splitk_fp8.splitk_fp8_matmul(arg, f8s[i].weight,
+                                                                               f8s[i].weight_scale, None,
+                                                                               torch.bfloat16, c))
+                    line += f", splitk bf16-x {pct(splitk(x))}, splitk fed {pct(splitk(rows))}"
                     if M in sweep_rows:
-                        best = min(((_bench_or_inf(lambda: run(c)), c) for c in sweep), key=lambda tc: tc[0])
-                        line += f", best of sweep {best[0]:.1f} us {best[1]}"
+                        best = min(((_bench_or_inf(lambda: splitk(rows, c)), c) for c in sweep), key=lambda tc: tc[0])
+                        line += f", best of sweep {pct(best[0])} {best[1]}"
+                        table[f"{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
+                        if table_out:  # after every sweep: a run cut short keeps what it measured
+                            with open(table_out, "w") as f:
+                                json.dump(table, f, indent=1)
                 print(line, flush=True)
 
 
@@ -369,8 +391,10 @@ def main():
     ap.add_argument("--gemms", action="store_true", help="only the per-GEMM bf16 vs FP8 timing")
     ap.add_argument("--gemm-rows", default="1,8,16,32,48,64,128,256", help="--gemms: row counts")
     ap.add_argument("--gemm-archs", default="r1-distill-1.5b,llama3.1-8b", help="--gemms: model shapes")
-    ap.add_argument("--gemm-sweep-rows", default="8,32,64", help="--gemms: rows where w8a16's launch configs are "
-                    "swept (empty: none)")
+    ap.add_argument("--gemm-sweep-rows", default="16,32,64", help="--gemms: rows where the split-K kernel's launch "
+                    "configs are swept (empty: none)")
+    ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
+    ap.add_argument("--splitk-table", default=None, help="load split-K launch configs (--splitk-table-out's JSON)")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
     ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
     ap.add_argument("--max-splits", default="256", help="paged-decode split caps to compare (comma list; 16 was the "
@@ -387,12 +411,18 @@ def main():
 
         assert 0 <= args.w8a16_rows <= w8a16.MAX_ROWS, f"--w8a16-rows must be 0..{w8a16.MAX_ROWS}"
         fp8_linear.W8A16_MAX_ROWS = args.w8a16_rows  # read at every call
+    if args.splitk_table:
+        from polyrl.rollout.native import splitk_fp8
+
+        with open(args.splitk_table) as f:
+            splitk_fp8.TABLE.update({tuple(int(v) for v in key.split(",")): c for key, c in json.load(f).items()})
     dev_name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.gemms:
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
-        bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows))
+        bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
+                    args.splitk_table_out)
         return
     if args.profile:
         profile(args.configs.split(","), args.max_splits, bw, args.kernels)

@@ -1,0 +1,138 @@
+"""FP8-weight GEMM for a decode step's few rows (1-128): y = x (W * s)^T (+ b), e4m3 W, one Triton launch.
+
+Why: at decode sizes a GEMM is a pass over its weight bytes, so what counts is how many SMs stream them. cuBLASLt's
+FP8 GEMM (`_scaled_mm`) tiles the output 128 x 128, so the 1.5B model's down projection (N = 1536, K = 8960) runs
+on 12 programs: with cold weights (as the engine reads them) it took 23 us for 13.8 MB of e4m3, 20% of HBM
+bandwidth, against 15 us for bf16 cuBLAS over twice the bytes (H100, `seed_workloads.py --gemms`, 2026-11-26).
+
+How: the weight's rows are the MMA's M side ("swap AB": a [BN, BK] weight tile times a [BK, BM] slice of x^T, BM
+the rows padded to 16-128), and K is split among `split` programs per column block so that every GEMM, down and o
+included, covers the GPU. The split partial sums are reduced in the same launch, in a fixed order: each program writes
+its fp32 partial tile and bumps its column block's counter; the one that arrives last sums the partials split 0 first
+and writes y. So the result is the same bits on every run (no float atomics), and no second launch.
+
+x is either the activation in its dtype (the weight tile is upcast in registers, as w8a16.py does) or `FP8Rows`
+from a fused producer (e4m3 both sides: the tensor cores' FP8 MMA, the x scale applied with the weight's at the end).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyrl.rollout.native.attention import FP8Rows
+
+MAX_ROWS = 128
+# Launch config: BN weight rows x BK bytes of K per step; `programs_per_sm` sets the split of K (enough programs for
+# that many per SM, keeping at least `min_k_steps` steps of BK per program).
+CONFIG = dict(BN=64, BK=128, num_warps=4, num_stages=4, programs_per_sm=2, min_k_steps=2)
+# Measured launch configs per (N, K, BM), from `seed_workloads.py --gemms --splitk-table-out` (CONFIG elsewhere)
+TABLE: dict[tuple[int, int, int], dict] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+    y = acc * tl.load(WS + n, mask=n_ok, other=0.0)[:, None]
+    if X_FP8:
+        y = y * tl.load(XS + m, mask=m_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + m[None, :] * stride_ym + n[:, None], y.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+                   split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                   X_FP8: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    n_ok = n < N
+    m_ok = m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + tl.arange(0, BK)
+        w_ptr = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+        x_ptr = X + m[None, :] * stride_xm + k[:, None]  # x^T: [BK, BM]
+        if EVEN:  # whole K steps and whole column blocks
+            w = tl.load(w_ptr)
+            xt = tl.load(x_ptr, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k < k_hi
+            w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptr, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if X_FP8:
+            if DOT_FP8:
+                acc = tl.dot(w, xt, acc)
+            else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
+                acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+        else:
+            acc = tl.dot(w.to(xt.dtype), xt, acc)
+    if not SPLIT_K:
+        _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, X_FP8, HAS_BIAS)
+    else:
+        tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        block = P + pid_n * (split * BN * BM)
+        tl.store(block + pid_k * (BN * BM) + tile, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        arrived = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
+        if arrived == split - 1:  # the last of this column block: sum the partials in split order
+            acc = tl.zeros([BN, BM], tl.float32)
+            for s in range(split):
+                acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
+            tl.atomic_xchg(C + pid_n, 0)  # ready for the next launch (and the next graph replay)
+            _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, X_FP8, HAS_BIAS)
+
+
+def plan(M: int, N: int, K: int, config: dict, num_sms: int) -> tuple[int, int, int]:
+    """(column blocks, split of K, K per split): enough programs for `programs_per_sm` each, each with at least
+    `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
+    tiles = triton.cdiv(N, config["BN"])
+    steps = triton.cdiv(K, config["BK"])
+    split = max(1, min(steps // config["min_k_steps"], triton.cdiv(config["programs_per_sm"] * num_sms, tiles)))
+    k_per = triton.cdiv(steps, split) * config["BK"]
+    return tiles, triton.cdiv(K, k_per), k_per
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """One int32 per column block, zero between launches (the last program of a block resets it)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def splitk_fp8_matmul(x, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """x W^T * s (+ b) for M <= MAX_ROWS rows: W e4m3 [N, K] with one fp32 scale per row; x [M, K] in bf16/fp16/fp32,
+    or `FP8Rows` (e4m3 rows and their fp32 scales). `config` overrides CONFIG's keys; BM (the row tile, a power of
+    two >= 16 and >= M) defaults to the next power of two of M."""
+    x_fp8 = isinstance(x, FP8Rows)
+    xq = (x.q if x_fp8 else x).contiguous()
+    M, K = xq.shape
+    N = w_NK.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
+    bm = (config or {}).get("BM") or max(16, triton.next_power_of_2(M))
+    c = {**CONFIG, **TABLE.get((N, K, bm), {}), **(config or {})}
+    if bm < M or bm < 16 or bm & (bm - 1):
+        raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16 and >= the {M} rows")
+    dev = xq.device
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+    tiles, split, k_per = plan(M, N, K, c, num_sms)
+    y = torch.empty(M, N, dtype=out_dtype, device=dev)
+    partials = torch.empty(tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32, device=dev)
+    counters = _counters(dev, tiles)
+    xs = x.scale if x_fp8 else w_scale_N
+    _splitk_kernel[(tiles, split)](
+        xq, xs, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
+        xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
+        EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, X_FP8=x_fp8,
+        DOT_FP8=x_fp8 and dev.type == "cuda", HAS_BIAS=bias is not None, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
+    return y

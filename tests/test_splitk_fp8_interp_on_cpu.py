@@ -1,0 +1,76 @@
+"""The split-K FP8-weight decode GEMM (`splitk_fp8.py`) under Triton's CPU interpreter against the dequantised
+product: 1-128 rows, activations in fp16/fp32 or as e4m3 rows (`FP8Rows`), K split 1-9 ways (even and ragged), N not
+a multiple of the column block, with and without bias; and the in-launch reduction leaves its counters at zero, so a
+second call (a graph replay) gives the same bits. The interpreter's bf16 `tl.dot` multiplies raw bits, and it has no
+e4m3 MMA: the e4m3 rows are upcast to fp16 here (exact); tests/test_fp8_rollout_gpu.py runs bf16 and the e4m3 MMA.
+
+Skipped unless `triton` imports AND TRITON_INTERPRET=1 (CI has neither). Run it with
+`TRITON_INTERPRET=1 PYTHONPATH=/work/triton_site:. python -m pytest -q tests/test_splitk_fp8_interp_on_cpu.py`.
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
+              pytest.mark.usefixtures("triton_interpreter_scalars")]
+
+SMALL = dict(BN=16, BK=32, num_warps=4, num_stages=1, programs_per_sm=4, min_k_steps=1)
+
+
+def _case(M, N, K, seed):
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+
+    g = torch.Generator().manual_seed(seed)
+    w8, s = quantize_fp8_rows(torch.randn(N, K, generator=g) * 0.05)
+    return w8, s, torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 64, 100])
+@pytest.mark.parametrize("N,K", [(40, 100), (96, 256), (33, 288)])
+@pytest.mark.parametrize("fed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_splitk_matches_the_dequantised_product(M, N, K, fed, bias):
+    from polyrl.rollout.native import splitk_fp8
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+
+    w8, s, x, b = _case(M, N, K, M * 1000 + N + K)
+    dtype = torch.float16 if fed else torch.float32
+    b = b.to(dtype) if bias else None
+    tiles, split, _ = splitk_fp8.plan(M, N, K, SMALL, num_sms=8)
+    assert split > 1 or K <= 32  # the reduction is what this tests
+    if fed:
+        xq, xs = quantize_fp8_rows(x)
+        arg, x_ref = FP8Rows(xq, xs), xq.double() * xs.double()[:, None]
+    else:
+        arg, x_ref = x, x.double()
+    y = splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL)
+    ref = x_ref @ (w8.double() * s.double()[:, None]).t() + (b.double() if bias else 0)
+    assert y.shape == (M, N) and y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+    assert splitk_fp8._COUNTERS[y.device][:tiles].eq(0).all()  # reset by each block's last program
+    assert torch.equal(splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL), y)
+
+
+def test_plan_covers_the_gpu_with_whole_k_steps():
+    from polyrl.rollout.native.splitk_fp8 import CONFIG, plan
+
+    # the 1.5B down projection (N 1536, K 8960) on 132 SMs: 24 column blocks, K split so ~264 programs run
+    tiles, split, k_per = plan(64, 1536, 8960, CONFIG, 132)
+    assert tiles == 24 and split * tiles >= 132 and k_per % CONFIG["BK"] == 0 and split * k_per >= 8960
+    assert (split - 1) * k_per < 8960  # no empty split
+    # gate_up (N 17920) already has 280 column blocks: no split
+    assert plan(64, 17920, 1536, CONFIG, 132)[1] == 1
+
+
+def test_splitk_refuses_more_rows_than_it_serves():
+    from polyrl.rollout.native.splitk_fp8 import MAX_ROWS, splitk_fp8_matmul
+
+    w = torch.zeros(16, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="at most"):
+        splitk_fp8_matmul(torch.zeros(MAX_ROWS + 1, 64), w, torch.ones(16), None, torch.float32)
+    with pytest.raises(ValueError, match="BM=16"):
+        splitk_fp8_matmul(torch.zeros(17, 64), w, torch.ones(16), None, torch.float32, config=dict(BM=16))
