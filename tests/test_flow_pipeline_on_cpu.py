@@ -251,3 +251,23 @@ def test_compiled_blocks_leave_room_for_every_graph_a_run_needs():
     policy = flow_quickstart.make_policy(FlowConfig(), tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
     policy.compile_blocks()
     assert torch._dynamo.config.recompile_limit >= pipeline.RECOMPILE_LIMIT >= 2 * 2 * 2 * 4
+
+
+def test_one_frame_convs_decode_the_same_images_as_diffusers():
+    """The VAE decoder's causal 3-D convolutions as 2-D ones on an image's single frame (a third of their FLOPs):
+    the same pixels as diffusers' decode, and a two-frame latent still takes diffusers' own path."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from polyrl.models.diffusion.adapters.qwenimage import one_frame_convs
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True]).eval()  # fmt: skip
+    z1, z2 = torch.randn(3, 4, 1, 8, 8), torch.randn(1, 4, 2, 8, 8)
+    with torch.no_grad():
+        ref1, ref2 = vae.decode(z1, return_dict=False)[0], vae.decode(z2, return_dict=False)[0]
+        assert one_frame_convs(vae) >= 10
+        out1, out2 = vae.decode(z1, return_dict=False)[0], vae.decode(z2, return_dict=False)[0]
+    assert ref1.abs().mean() > 1e-3  # a non-trivial image
+    torch.testing.assert_close(out1, ref1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out2, ref2, rtol=1e-4, atol=1e-5)  # frame 1 reads frame 0's cache: diffusers' path

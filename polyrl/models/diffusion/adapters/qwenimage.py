@@ -4,14 +4,17 @@
 - timestep = sigma (the transformer takes sigma directly; the pipeline passes t / 1000).
 - CFG is "true CFG" with Qwen-Image's per-token norm rescale v *= |v_c| / |v| (both upstream repos).
 - Grid: sigmas linspace(1, 1/N, N) through the scheduler with the dynamic shift mu of the image sequence length.
-- Decode: the 5-D Wan-style VAE with per-channel latents_mean / latents_std.
+- Decode: the 5-D Wan-style VAE with per-channel latents_mean / latents_std; its causal 3x3x3 convolutions run as
+  2-D ones on an image's one frame (`one_frame_convs`).
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from polyrl.models.diffusion.adapters.base import Cond, LatentShape, PipelineParts, register_family
 
@@ -67,6 +70,32 @@ class QwenImageAdapter:
         return cfg_combine(v_cond, v_uncond, scale)
 
 
+def one_frame_convs(vae: torch.nn.Module) -> int:
+    """Make the VAE decoder's causal 3-D convolutions 2-D ones when they see one frame with nothing cached.
+
+    An image is a one-frame video to this VAE: each causal conv pads the frame with two zero frames in front, so of a
+    3 x 3 x 3 kernel only the last time slice meets data, and two thirds of the decode's convolution FLOPs multiply
+    zeros (2.84 TFLOP per 512^2 image by torch's counter; the decode took 0.49 s for 16 images on an H200, ~0.1 of
+    its bf16 peak). The 2-D convolution with that slice gives the same output; video frames, a cache from an earlier
+    frame and strided time keep diffusers' own forward. Returns how many convolutions were switched."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+
+    n = 0
+    for m in vae.decoder.modules():
+        if isinstance(m, QwenImageCausalConv3d) and m.kernel_size[0] > 1 and m.stride[0] == 1 and m.dilation[0] == 1:
+            m.forward = types.MethodType(_causal_conv_one_frame, m)
+            n += 1
+    return n
+
+
+def _causal_conv_one_frame(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[2] != 1 or cache_x is not None or conv._padding[4] != conv.kernel_size[0] - 1:
+        return type(conv).forward(conv, x, cache_x)
+    x2 = F.pad(x[:, :, 0], conv._padding[:4])  # (w, w, h, h): the spatial padding; time's is the zero frames
+    y = F.conv2d(x2, conv.weight[:, :, -1], conv.bias, conv.stride[1:], 0, conv.dilation[1:], conv.groups)
+    return y.unsqueeze(2)
+
+
 @register_family("QwenImagePipeline")
 def parts(pipe, *, height: int, width: int, max_sequence_length: int, guidance_scale: float) -> PipelineParts:
     factor = pipe.vae_scale_factor
@@ -98,5 +127,6 @@ def parts(pipe, *, height: int, width: int, max_sequence_length: int, guidance_s
         pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
         return pipe.scheduler.sigmas.clone()
 
+    one_frame_convs(pipe.vae)
     adapter = QwenImageAdapter(latent, pipe.transformer.dtype)
     return PipelineParts(adapter, encode, decode, sigmas, latent)
