@@ -9,6 +9,7 @@
 #   bash benchmarks/flow_session.sh chunks     # 1 H200: FP8 on the ODE steps, 4 OCR workers, the rollout in one chunk
 #                                              # of 16 images, then in two of 8 (the first one's OCR hides behind the
 #                                              # second one's sampling)
+#   bash benchmarks/flow_session.sh chunk8     # 1 H200: the second of those alone
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 #   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
@@ -38,6 +39,10 @@ case "${1:?part}" in
     run fp8_chunk16 timeout 285 python3 benchmarks/flow_grpo.py $FAST $W4 --async-reward --fp8 \
       --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), one rollout chunk of 16"
     run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST $W4 --async-reward --fp8 --rollout-micro 8 \
+      --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
+  chunk8)  # the faster of the two alone
+    run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers ${REWARD_WORKERS:-4} \
+      --async-reward --fp8 --rollout-micro 8 \
       --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
