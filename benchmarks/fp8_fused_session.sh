@@ -38,5 +38,10 @@ case "${1:?part}" in
     S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md $T"
     timeout 165 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 165 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
+  thresh)  # the FP8 size line with the split-K kernel: gate_up only (2^24) or gate_up + down (2^23), s1 and (a)
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
+    timeout 160 python3 $S1 --configs fp8kv_w8down 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_down.txt"
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,fp8kv_w8down --rows-out $OUT/rows.md \
+      2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
