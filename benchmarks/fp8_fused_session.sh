@@ -43,10 +43,5 @@ case "${1:?part}" in
     timeout 160 python3 $S1 --configs fp8kv_w8down 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_down.txt"
     timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,fp8kv_w8down --rows-out $OUT/rows.md \
       2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt" ;;
-  rows256)  # the split-K kernel in row blocks of 64 up to 256 rows: its GPU tests, then (a) with it (256-row decode)
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
-      | tee "$OUT/tests.txt"
-    POLYRL_FP8_SPLITK_ROWS=256 timeout 150 python3 benchmarks/seed_workloads.py --shapes a \
-      --configs fp8kv_w8down,fp8kv_w8 --rows-out $OUT/rows.md 2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

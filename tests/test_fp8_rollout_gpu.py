@@ -90,7 +90,7 @@ def test_fp8_linear_matches_dequantised_product(M, K, N):
     assert ((out - exact).norm() / exact.norm()).item() < 0.06  # e4m3 rounding of the weight (and x past 16 rows)
 
 
-@pytest.mark.parametrize("M", [1, 16, 33, 64, 128, 256])
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 128])
 @pytest.mark.parametrize("K,N", [(1536, 2048), (8960, 1536), (1536, 17920), (1536, 1536)])  # qkv, down, gate_up, o
 @pytest.mark.parametrize("fed", [False, True])
 def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K, N, fed):
@@ -112,7 +112,7 @@ def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K,
     out = splitk_fp8.splitk_fp8_matmul(arg, w8, s, bias, torch.bfloat16)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    split = splitk_fp8.plan(M, N, K, splitk_fp8.CONFIG, sms)[1]
+    _, split, _ = splitk_fp8.plan(M, N, K, {**splitk_fp8.CONFIG, **splitk_fp8.TABLE.get((N, K, max(16, M)), {})}, sms)
     runs = [splitk_fp8.splitk_fp8_matmul(arg, w8, s, bias, torch.bfloat16) for _ in range(20)]
     assert all(torch.equal(r, out) for r in runs), f"split {split}: not the same bits on every call"
     g = torch.cuda.CUDAGraph()

@@ -1,4 +1,4 @@
-"""FP8-weight GEMM for a decode step's few rows (1-256): y = x (W * s)^T (+ b), e4m3 W, one Triton launch.
+"""FP8-weight GEMM for a decode step's few rows (1-128): y = x (W * s)^T (+ b), e4m3 W, one Triton launch.
 
 Why: at decode sizes a GEMM is a pass over its weight bytes, so what counts is how many SMs stream them. cuBLASLt's
 FP8 GEMM (`_scaled_mm`) tiles the output 128 x 128, so the 1.5B model's down projection (N = 1536, K = 8960) runs
@@ -6,7 +6,7 @@ on 12 programs: with cold weights (as the engine reads them) it took 23 us for 1
 bandwidth, against 15 us for bf16 cuBLAS over twice the bytes (H100, `seed_workloads.py --gemms`, 2026-11-26).
 
 How: the weight's rows are the MMA's M side ("swap AB": a [BN, BK] weight tile times a [BK, BM] slice of x^T, BM
-the rows padded to 16-64; more rows take several row blocks), and K is split among `split` programs per column block so that every GEMM, down and o
+the rows padded to 16-128), and K is split among `split` programs per column block so that every GEMM, down and o
 included, covers the GPU. The split partial sums are reduced in the same launch, in a fixed order: each program writes
 its fp32 partial tile and bumps its column block's counter; the one that arrives last sums the partials split 0 first
 and writes y. So the result is the same bits on every run (no float atomics), and no second launch.
@@ -23,8 +23,7 @@ import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8Rows
 
-MAX_ROWS = 256
-ROW_BLOCK = 64  # more rows than this: blocks of 64 rows (a grid axis), each reading the weight again (from L2)
+MAX_ROWS = 128
 # Launch config: BN weight rows x BK bytes of K per step; `programs_per_sm` sets the split of K (enough programs for
 # that many per SM, keeping at least `min_k_steps` steps of BK per program).
 CONFIG = dict(BN=64, BK=128, num_warps=4, num_stages=4, programs_per_sm=2, min_k_steps=2)
@@ -66,9 +65,8 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
                    X_FP8: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
     n = pid_n * BN + tl.arange(0, BN)
-    m = pid_m * BM + tl.arange(0, BM)
+    m = tl.arange(0, BM)
     n_ok = n < N
     m_ok = m < M
     k_lo = pid_k * k_per_split
@@ -96,28 +94,26 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
         _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, X_FP8, HAS_BIAS)
     else:
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-        out_block = pid_m * tl.num_programs(0) + pid_n  # this program's [BN, BM] tile of y
-        block = P + out_block.to(tl.int64) * (split * BN * BM)
+        block = P + pid_n * (split * BN * BM)
         tl.store(block + pid_k * (BN * BM) + tile, acc, cache_modifier=".cg")
         tl.debug_barrier()  # every thread's partial is written before the counter says so
-        arrived = tl.atomic_add(C + out_block, 1, sem="acq_rel")
+        arrived = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
         if arrived == split - 1:  # the last of this column block: sum the partials in split order
             acc = tl.zeros([BN, BM], tl.float32)
             for s in range(split):
                 acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
-            tl.atomic_xchg(C + out_block, 0)  # ready for the next launch (and the next graph replay)
+            tl.atomic_xchg(C + pid_n, 0)  # ready for the next launch (and the next graph replay)
             _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, X_FP8, HAS_BIAS)
 
 
-def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = 64) -> tuple[int, int, int, int]:
-    """(column blocks, split of K, K per split, row blocks of `bm`): enough programs for `programs_per_sm` each,
-    each with at least `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
-    tiles, m_blocks = triton.cdiv(N, config["BN"]), triton.cdiv(M, bm)
+def plan(M: int, N: int, K: int, config: dict, num_sms: int) -> tuple[int, int, int]:
+    """(column blocks, split of K, K per split): enough programs for `programs_per_sm` each, each with at least
+    `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
+    tiles = triton.cdiv(N, config["BN"])
     steps = triton.cdiv(K, config["BK"])
-    want = triton.cdiv(config["programs_per_sm"] * num_sms, tiles * m_blocks)
-    split = max(1, min(steps // config["min_k_steps"], want))
+    split = max(1, min(steps // config["min_k_steps"], triton.cdiv(config["programs_per_sm"] * num_sms, tiles)))
     k_per = triton.cdiv(steps, split) * config["BK"]
-    return tiles, triton.cdiv(K, k_per), k_per, m_blocks
+    return tiles, triton.cdiv(K, k_per), k_per
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -131,27 +127,26 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def splitk_fp8_matmul(x, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """x W^T * s (+ b) for M <= MAX_ROWS rows: W e4m3 [N, K] with one fp32 scale per row; x [M, K] in bf16/fp16/fp32,
-    or `FP8Rows` (e4m3 rows and their fp32 scales). `config` overrides CONFIG's keys; BM (the row block, a power of
-    two >= 16) defaults to the next power of two of M, at most ROW_BLOCK."""
+    or `FP8Rows` (e4m3 rows and their fp32 scales). `config` overrides CONFIG's keys; BM (the row tile, a power of
+    two >= 16 and >= M) defaults to the next power of two of M."""
     x_fp8 = isinstance(x, FP8Rows)
     xq = (x.q if x_fp8 else x).contiguous()
     M, K = xq.shape
     N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
-    bm = (config or {}).get("BM") or min(ROW_BLOCK, max(16, triton.next_power_of_2(M)))
-    if bm < 16 or bm & (bm - 1):
-        raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
+    bm = (config or {}).get("BM") or max(16, triton.next_power_of_2(M))
     c = {**CONFIG, **TABLE.get((N, K, bm), {}), **(config or {})}
+    if bm < M or bm < 16 or bm & (bm - 1):
+        raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16 and >= the {M} rows")
     dev = xq.device
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-    tiles, split, k_per, m_blocks = plan(M, N, K, c, num_sms, bm)
+    tiles, split, k_per = plan(M, N, K, c, num_sms)
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
-    partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
-                           device=dev)
-    counters = _counters(dev, m_blocks * tiles)
+    partials = torch.empty(tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32, device=dev)
+    counters = _counters(dev, tiles)
     xs = x.scale if x_fp8 else w_scale_N
-    _splitk_kernel[(tiles, split, m_blocks)](
+    _splitk_kernel[(tiles, split)](
         xq, xs, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, X_FP8=x_fp8,
