@@ -213,16 +213,17 @@ def _small_gemms() -> str:
 
     if not fp8_linear.SPLITK:
         return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
-    return (f"split-K FP8 GEMM at <= {fp8_linear.SPLITK_MAX_ROWS} rows ({fp8_linear.SPLITK_X} x"
-            f"{', measured launch table' if splitk_fp8.TABLE else ''})")
+    return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows"
+            f"{' (measured launch table)' if splitk_fp8.TABLE else ''}, w8a16 for bf16 x at <= "
+            f"{fp8_linear.W8A16_MAX_ROWS}")
 
 
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",
                 "llama3.1-8b"), sweep_rows=(16, 32, 64), table_out: str | None = None) -> None:
     """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS; FP8 W8A8 through `_scaled_mm` (row
     quantisation + GEMM, and the GEMM alone as when add_rmsnorm / silu_mul quantise its input); at <= 64 rows the
-    w8a16 kernel (the path before the split-K kernel); at <= splitk_fp8.MAX_ROWS the split-K kernel with bf16 x and
-    with e4m3 rows, and at `sweep_rows` the best e4m3-rows launch config of a sweep (written to `table_out` as JSON,
+    w8a16 kernel (bf16 x; the FP8 path at <= 16 rows before the split-K kernel); at <= splitk_fp8.MAX_ROWS the split-K
+    kernel on e4m3 rows, and at `sweep_rows` the best launch config of a sweep (written to `table_out` as JSON,
     which `--splitk-table` loads). Each with the share of copy bandwidth its weight bytes make.
 
     Cold weights, as in the engine: a decode step reads 28+ layers' weights and the K/V between two reads of one
@@ -270,13 +271,13 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                     line += ", w8a16 " + pct(per_call(lambda i: w8a16.w8a16_matmul(
                         x, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16)))
                 if M <= splitk_fp8.MAX_ROWS:
-                    def splitk(arg, c=None):
-                        return per_call(lambda i: splitk_fp8.splitk_fp8_matmul(arg, f8s[i].weight,
+                    def splitk(c=None):
+                        return per_call(lambda i: splitk_fp8.splitk_fp8_matmul(rows, f8s[i].weight,
                                                                                f8s[i].weight_scale, None,
                                                                                torch.bfloat16, c))
-                    line += f", splitk bf16-x {pct(splitk(x))}, splitk fed {pct(splitk(rows))}"
+                    line += f", splitk fed {pct(splitk())}"
                     if M in sweep_rows:
-                        best = min(((_bench_or_inf(lambda: splitk(rows, c)), c) for c in sweep), key=lambda tc: tc[0])
+                        best = min(((_bench_or_inf(lambda: splitk(c)), c) for c in sweep), key=lambda tc: tc[0])
                         line += f", best of sweep {pct(best[0])} {best[1]}"
                         table[f"{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
                         if table_out:  # after every sweep: a run cut short keeps what it measured

@@ -67,18 +67,15 @@ def test_fused_fp8_kv_write_matches_torch_quantiser():
 @pytest.mark.parametrize("M", [1, 8, 16, 17, 64, 256])
 @pytest.mark.parametrize("K,N", [(1536, 2048), (8960, 1536), (1536, 17920)])  # 1.5B qkv, down, gate_up
 def test_fp8_linear_matches_dequantised_product(M, K, N):
-    """A bf16 input: the split-K kernel at <= SPLITK_MAX_ROWS rows (x unquantised, weight upcast); more: W8A8
-    `_scaled_mm` (x quantised per token)."""
-    from polyrl.rollout.native import fp8_linear
+    """<= 16 rows: the W8A16 kernel (x unquantised); more: W8A8 `_scaled_mm` (x quantised per token)."""
     from polyrl.rollout.native.attention import quantize_fp8_rows
-    from polyrl.rollout.native.fp8_linear import FP8Linear
+    from polyrl.rollout.native.fp8_linear import W8A16_MAX_ROWS, FP8Linear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N, bias=True, dtype=torch.bfloat16, device="cuda")
     f8 = FP8Linear(lin)
     x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-    small = fp8_linear.SPLITK_MAX_ROWS if fp8_linear.SPLITK else fp8_linear.W8A16_MAX_ROWS
-    if M <= small:
+    if M <= W8A16_MAX_ROWS:
         x_used = x.double()
     else:
         xq, xs = quantize_fp8_rows(x)
@@ -90,12 +87,25 @@ def test_fp8_linear_matches_dequantised_product(M, K, N):
     assert ((out - exact).norm() / exact.norm()).item() < 0.06  # e4m3 rounding of the weight (and x past 16 rows)
 
 
+@pytest.mark.parametrize("M", [17, 32, 33, 64])
+def test_w8a16_kernel_serves_up_to_64_rows_in_bf16(M):
+    """The kernel's 32- and 64-row tiles (not routed to by FP8Linear until they win on time) on real bf16 dots."""
+    from polyrl.rollout.native.attention import quantize_fp8_rows
+    from polyrl.rollout.native.w8a16 import w8a16_matmul
+
+    torch.manual_seed(M)
+    w8, s = quantize_fp8_rows(torch.randn(17920, 1536, device="cuda") * 0.05)
+    x = torch.randn(M, 1536, dtype=torch.bfloat16, device="cuda")
+    ref = x.double() @ (w8.double() * s.double()[:, None]).t()
+    out = w8a16_matmul(x, w8, s, None, torch.bfloat16).double()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("M", [1, 16, 33, 64, 128])
 @pytest.mark.parametrize("K,N", [(1536, 2048), (8960, 1536), (1536, 17920), (1536, 1536)])  # qkv, down, gate_up, o
-@pytest.mark.parametrize("fed", [False, True])
-def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K, N, fed):
-    """splitk_fp8.py on the GPU: bf16 x (weight upcast) or e4m3 rows (the FP8 MMA), K split so the GEMM covers the
-    SMs, partials reduced in the launch; the same bits on every call, in a CUDA graph replayed too."""
+def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K, N):
+    """splitk_fp8.py on the GPU: e4m3 rows and weights (the FP8 MMA), K split so the GEMM covers the SMs, partials
+    reduced in the launch; the same bits on every call, in a CUDA graph replayed too."""
     from polyrl.rollout.native import splitk_fp8
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
 
@@ -103,11 +113,8 @@ def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K,
     w8, s = quantize_fp8_rows(torch.randn(N, K, device="cuda") * 0.05)
     bias = torch.randn(N, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-    if fed:
-        xq, xs = quantize_fp8_rows(x)
-        arg, x_used = FP8Rows(xq, xs), xq.double() * xs.double()[:, None]
-    else:
-        arg, x_used = x, x.double()
+    xq, xs = quantize_fp8_rows(x)
+    arg, x_used = FP8Rows(xq, xs), xq.double() * xs.double()[:, None]
     ref = x_used @ (w8.double() * s.double()[:, None]).t() + bias.double()
     out = splitk_fp8.splitk_fp8_matmul(arg, w8, s, bias, torch.bfloat16)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -42,13 +42,11 @@ MIN_FP8_ELEMENTS = 1 << 24  # measured crossover on an H100 (module docstring)
 # +0.6% on s1 (H100), on by default
 FUSED_INPUT = os.environ.get("POLYRL_FP8_FUSED_INPUT", "1") == "1"
 W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
-# Decode GEMMs of at most SPLITK_MAX_ROWS rows run splitk_fp8.py (K split so every GEMM covers the GPU, partials
-# reduced in the same launch); POLYRL_FP8_SPLITK=0 goes back to w8a16 at <= 16 rows and `_scaled_mm` above.
-# SPLITK_X: at those rows the producers hand the GEMM e4m3 rows ("fp8": the FP8 MMA) or bf16 ("bf16": the weight
-# tile upcast, x unquantised)
+# Decode GEMMs of at most SPLITK_MAX_ROWS rows fed `FP8Rows` run splitk_fp8.py (K split so every GEMM covers the
+# GPU, partials reduced in the same launch): s1 8,444 tok/s against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0
+# goes back to w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
 SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
-SPLITK_MAX_ROWS = int(os.environ.get("POLYRL_FP8_SPLITK_ROWS", "64"))
-SPLITK_X = os.environ.get("POLYRL_FP8_SPLITK_X", "fp8")
+SPLITK_MAX_ROWS = 64
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -103,11 +101,7 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
         return _rows_matmul(x.q, x.scale, w_NK, w_scale_N, bias, out_dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda and SPLITK and x2.shape[0] <= SPLITK_MAX_ROWS:  # decode: a pass over the e4m3 bytes, all SMs
-        from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
-
-        y = splitk_fp8_matmul(x2, w_NK, w_scale_N, bias, out_dtype)
-    elif x2.is_cuda and not SPLITK and x2.shape[0] <= W8A16_MAX_ROWS:
+    if x2.is_cuda and x2.shape[0] <= W8A16_MAX_ROWS:  # a decode step of few sequences: one pass over e4m3 bytes
         from polyrl.rollout.native.w8a16 import w8a16_matmul
 
         y = w8a16_matmul(x2, w_NK, w_scale_N, bias, out_dtype)
@@ -118,13 +112,9 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
 
 def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
     """Whether the kernel producing this layer's input should hand it over as `FP8Rows` (FUSED_INPUT on, an FP8
-    layer): always with the split-K kernel unless SPLITK_X is "bf16" at its row counts; without it, in the
-    `_scaled_mm` regime only (w8a16 reads x unquantised at <= W8A16_MAX_ROWS rows)."""
-    if not (FUSED_INPUT and isinstance(linear, FP8Linear)):
-        return False
-    if SPLITK:
-        return rows > SPLITK_MAX_ROWS or SPLITK_X == "fp8"
-    return rows > W8A16_MAX_ROWS
+    layer): at every row count with the split-K kernel; without it (POLYRL_FP8_SPLITK=0) past W8A16_MAX_ROWS only,
+    as w8a16 reads x unquantised."""
+    return FUSED_INPUT and isinstance(linear, FP8Linear) and (SPLITK or rows > W8A16_MAX_ROWS)
 
 
 def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
