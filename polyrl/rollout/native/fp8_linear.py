@@ -10,19 +10,23 @@ its own amax and a slice of rows is independent of the rest; one dynamic scale p
 in the GEMM's prologue kernel). `torch._scaled_mm` with these row-wise scales runs cuBLASLt's e4m3 GEMM on Hopper.
 On CPU the same numbers are emulated in fp32 (quantise, upcast, multiply), which is what CI tests.
 
-Which GEMMs: `benchmarks/seed_workloads.py --gemms` times each decode GEMM both ways (activation quantisation
-included, CUDA graphs, H100, M = 64/128/256). FP8 won where the weight is large and lost where it is small, because
-the quantisation launch (~4 us) and _scaled_mm's fixed cost outweigh the bytes saved:
-  1.5B: gate_up 1536x17920 1.09-1.64x; qkv 0.53-0.64x, o 0.53-0.61x, down 8960x1536 0.43-0.64x;
-  8B:   gate_up 1.50-1.73x, down 14336x4096 1.13-1.26x, qkv 4096x6144 1.17-1.44x; o 4096x4096 0.59-1.19x.
-So a layer runs in FP8 when its weight has more than 2^24 elements (`MIN_FP8_ELEMENTS`); the rest stay bf16.
-Fusing the activation quantisation into the producing kernels (add_rmsnorm, silu_mul) would move that line: the
-fused kernels hand an FP8 GEMM its input as `FP8Rows` (`takes_fp8_rows`; `seed_workloads.py --gemms` times that
-variant too). On s1 (1.5B, where only gate_up is FP8) it gave 8,219 against 8,168 tok/s (+0.6%, H100, 2026-11-26),
-so it is on by default; POLYRL_FP8_FUSED_INPUT=0 turns it off.
-At 1-16 rows (the long tail of a batch, a few sequences left) the GEMM is a pass over the weight bytes, and
-`_scaled_mm` reached only half of HBM bandwidth there (cuBLASLt's 128-row tile, plus the quantisation launch); those
-steps run `w8a16.py`'s Triton kernel instead, which reads the e4m3 weight once and keeps the activation in bf16.
+Which GEMMs: `benchmarks/seed_workloads.py --gemms` times each decode GEMM both ways (CUDA graphs, H100). A layer
+runs in FP8 when its weight has more than 2^24 elements (`MIN_FP8_ELEMENTS`; at 1.5B gate_up only, at 8B all four);
+the rest stay bf16. That line was drawn from timings that reread one weight from L2 (until 2026-11-26); with cold
+weights, as the engine reads them (1.5B, 1-64 rows, H100):
+  bf16 cuBLAS: qkv 5.7-6.0 us, o 5.4-5.6, gate_up 22.6-24.6 (76-82% of copy bandwidth), down 14.7-15.8;
+  `_scaled_mm` on fed e4m3 rows: qkv 7.5, o 7.3, gate_up 17.1-18.8, down 23.5 (cuBLASLt's 128-wide tiles leave
+  down's N = 1536 on 12 programs);
+  splitk_fp8.py on fed rows (launch table): qkv 5.9-7.2, o 5.5-6.8, gate_up 12.2-14.1 (67-76%), down 9.7-12.8.
+So with the split-K kernel down wins in FP8 at <= 64 rows too, and qkv / o are launch-bound either way. Moving the
+line to 2^23 (down joins gate_up at 1.5B) gave s1 8,598 tok/s against 8,444, but shape (a) (256 rows, where down
+goes through `_scaled_mm`) 63.5k against 66.6k (H100, 2026-11-26): the default stays 2^24, and
+`engine_kwargs.native.fp8_min_elements=8388608` is the long-generation recipe.
+The producing kernels (add_rmsnorm, silu_mul) hand an FP8 GEMM its input as `FP8Rows`, quantised in their own pass
+(`takes_fp8_rows`; POLYRL_FP8_FUSED_INPUT=0 turns it off): s1 8,219 against 8,168 tok/s with `_scaled_mm`, and with
+the split-K kernel at <= 64 rows (SPLITK_MAX_ROWS) 8,444 (H100, 2026-11-26).
+At 1-16 rows a bf16 input (a layer whose producer does not quantise, or FUSED_INPUT off) runs `w8a16.py`'s Triton
+kernel, which reads the e4m3 weight once and keeps the activation in bf16; past that, `_scaled_mm`.
 The LM head and embedding stay in the model dtype: the sampled token's log-prob comes out of the head, and it is the
 number rollout correction compares with the trainer's.
 """
@@ -37,7 +41,7 @@ from torch import nn
 from polyrl.rollout.native.attention import FP8, FP8Rows, quantize_fp8_rows
 
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
-MIN_FP8_ELEMENTS = 1 << 24  # measured crossover on an H100 (module docstring)
+MIN_FP8_ELEMENTS = 1 << 24  # the size line (module docstring: 2^23 is the s1 recipe)
 # the producing kernel (add_rmsnorm / silu_mul) quantises an FP8 GEMM's input in its own pass (`takes_fp8_rows`):
 # +0.6% on s1 (H100), on by default
 FUSED_INPUT = os.environ.get("POLYRL_FP8_FUSED_INPUT", "1") == "1"
