@@ -61,8 +61,8 @@ def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.const
 
 @triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
-                   split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                   DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -144,6 +144,6 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     _splitk_kernel[(tiles, split)](
         xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
-        EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda", HAS_BIAS=bias is not None, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
+        HAS_BIAS=bias is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
