@@ -34,6 +34,7 @@ def _case(M, N, K, seed):
 def test_splitk_matches_the_dequantised_product(M, N, K, bias):
     from polyrl.rollout.native import splitk_fp8
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+    from polyrl.rollout.native.counters import arrival_counters
 
     w8, s, x, b = _case(M, N, K, M * 1000 + N + K)
     dtype = torch.float32
@@ -47,7 +48,7 @@ def test_splitk_matches_the_dequantised_product(M, N, K, bias):
     assert y.shape == (M, N) and y.dtype == dtype
     tol = 1e-5
     assert ((y.double() - ref).norm() / ref.norm()).item() < tol
-    assert splitk_fp8._COUNTERS[y.device][:tiles].eq(0).all()  # reset by each block's last program
+    assert arrival_counters(y.device, tiles)[:tiles].eq(0).all()  # reset by each block's last program
     assert torch.equal(splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL), y)
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8Rows
+from polyrl.rollout.native.counters import arrival_counters
 
 MAX_ROWS = 128
 # Launch config: BN weight rows x BK bytes of K per step; `programs_per_sm` sets the split of K (enough programs for
@@ -48,7 +49,6 @@ TABLE: dict[tuple[int, int, int], dict] = {
     (1536, 8960, 32): dict(BN=64, BK=256, programs_per_sm=1),
     (1536, 8960, 64): dict(BN=64, BK=128, programs_per_sm=1),
 }
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -113,14 +113,6 @@ def plan(M: int, N: int, K: int, config: dict, num_sms: int) -> tuple[int, int, 
     return tiles, triton.cdiv(K, k_per), k_per
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """One int32 per column block, zero between launches (the last program of a block resets it)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
-
-
 def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """x W^T (+ b) for M <= MAX_ROWS rows: x e4m3 rows [M, K] with one fp32 scale each, W e4m3 [N, K] with one fp32
@@ -140,7 +132,7 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     tiles, split, k_per = plan(M, N, K, c, num_sms)
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
     partials = torch.empty(tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32, device=dev)
-    counters = _counters(dev, tiles)
+    counters = arrival_counters(dev, tiles)
     _splitk_kernel[(tiles, split)](
         xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,

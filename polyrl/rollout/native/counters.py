@@ -1,0 +1,21 @@
+"""Arrival counters for kernels whose last program of a group finishes the group's work in the same launch.
+
+A program writes its partial result, then bumps its group's counter (an acq_rel atomic after a barrier); the one that
+sees `group size - 1` reads every partial in a fixed order, writes the result and sets the counter back to zero. So
+the counters are zero between launches and one buffer serves every such kernel on a device (launches on a stream run
+one after another). Users: splitk_fp8.py (split-K partial sums), paged_decode_v2.py (split attention partials).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 zeros on `device`, the same buffer on every call that fits it."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
