@@ -261,8 +261,10 @@ class FlowRewardConfig:
     """Reward worker processes when async_reward is on; each chunk is split among them, and the host's cores among
     the workers of all local processes (POLYRL_REWARD_THREADS overrides the threads per worker). With 4 processes on
     64 cores, 8 workers each (2 threads) scored 32 images per GPU in 1.6-2.0 s of waiting (Qwen-Image full FT, 4
-    H200s). One process on 16 cores: 1.1 s for 16 images with 1 worker; 4 workers took 1.5-1.9 s before the core
-    split (each then ran 16 threads), not measured since: 1 stays the default."""
+    H200s). One process on 16 cores (Qwen-Image LoRA, one H200): 1.1 s for 16 images with 1 worker; with the core
+    split, 4 workers waited 0.5 s for one chunk of 16 and 0.3 s with two chunks of 8
+    (`actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8`: the first chunk is scored while the second
+    samples; 2026-11-26). 1 stays the default, which fits any host (CI has 2 cores)."""
     reward_model: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     """Where scoring runs when it has GPUs of its own."""
 
