@@ -9,6 +9,8 @@ one after another). Users: splitk_fp8.py (split-K partial sums), paged_decode_v2
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -19,3 +21,16 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     if c is None or c.numel() < n:
         c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return c
+
+
+@triton.jit
+def last_to_arrive(C, group, n):
+    """Called by every program of a group once its partial is stored: True in the one that arrives last."""
+    tl.debug_barrier()  # every thread's partial is written before the counter says so
+    return tl.atomic_add(C + group, 1, sem="acq_rel") == n - 1
+
+
+@triton.jit
+def reset_arrivals(C, group):
+    """The last program, done reading the partials: the counter is zero for the next launch (and graph replay)."""
+    tl.atomic_xchg(C + group, 0)

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.counters import arrival_counters
+from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
@@ -122,9 +122,8 @@ def _merge_splits(O, LSE, OUT, CNT, s, hb, heads, q_ok, d, SPLITS, stride_ot, st
                   stride_outh, NH: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
     """The in-launch combine: after this split's partial is written, the last split of (sequence, head block) to
     arrive merges every split's partial, split 0 first (online log-sum-exp), and writes the output."""
-    tl.debug_barrier()  # every thread's partial is written before the counter says so
-    arrived = tl.atomic_add(CNT + s * tl.num_programs(1) + hb, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
+    group = s * tl.num_programs(1) + hb
+    if last_to_arrive(CNT, group, SPLITS):
         m = tl.full([R], float("-inf"), tl.float32)
         l = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
@@ -141,7 +140,7 @@ def _merge_splits(O, LSE, OUT, CNT, s, hb, heads, q_ok, d, SPLITS, stride_ot, st
         out = acc / l[:, None]
         tl.store(OUT + s * stride_outt + heads[:, None] * stride_outh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=q_ok[:, None])
-        tl.atomic_xchg(CNT + s * tl.num_programs(1) + hb, 0)  # ready for the next launch (and graph replay)
+        reset_arrivals(CNT, group)
 
 
 @triton.jit(do_not_specialize=["SPLITS"])

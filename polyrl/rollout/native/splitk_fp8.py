@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8Rows
-from polyrl.rollout.native.counters import arrival_counters
+from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
 
 MAX_ROWS = 128
 # Launch config: BN weight rows x BK bytes of K per step; `programs_per_sm` sets the split of K (enough programs for
@@ -93,13 +93,11 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
         block = P + pid_n * (split * BN * BM)
         tl.store(block + pid_k * (BN * BM) + tile, acc, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial is written before the counter says so
-        arrived = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
-        if arrived == split - 1:  # the last of this column block: sum the partials in split order
+        if last_to_arrive(C, pid_n, split):  # the last of this column block: sum the partials in split order
             acc = tl.zeros([BN, BM], tl.float32)
             for s in range(split):
                 acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
-            tl.atomic_xchg(C + pid_n, 0)  # ready for the next launch (and the next graph replay)
+            reset_arrivals(C, pid_n)
             _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
 
 
