@@ -278,7 +278,9 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                                                                                torch.bfloat16, c))
                     line += f", splitk fed {pct(splitk())}"
                     if M in sweep_rows:
-                        best = min(((_bench_or_inf(lambda: splitk(c)), c) for c in sweep), key=lambda tc: tc[0])
+                        configs = sweep if M <= splitk_fp8.ROW_BLOCK else [{**c, "BM": bm} for c in sweep
+                                                                            for bm in (64, 128)]
+                        best = min(((_bench_or_inf(lambda: splitk(c)), c) for c in configs), key=lambda tc: tc[0])
                         line += f", best of sweep {pct(best[0])} {best[1]}"
                         table[f"{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
                         if table_out:  # after every sweep: a run cut short keeps what it measured

@@ -1,5 +1,5 @@
 """The split-K FP8-weight decode GEMM (`splitk_fp8.py`) under Triton's CPU interpreter against the dequantised
-product: 1-128 rows of e4m3 activations (`FP8Rows`), K split 1-9 ways (even and ragged), N not
+product: 1-200 rows of e4m3 activations (`FP8Rows`, past 64 in row blocks), K split 1-9 ways (even and ragged), N not
 a multiple of the column block, with and without bias; and the in-launch reduction leaves its counters at zero, so a
 second call (a graph replay) gives the same bits. The interpreter's bf16 `tl.dot` multiplies raw bits, and it has no
 e4m3 MMA: both sides are upcast to fp16 here (exact); tests/test_fp8_rollout_gpu.py runs the e4m3 MMA.
@@ -28,7 +28,7 @@ def _case(M, N, K, seed):
     return w8, s, torch.randn(M, K, generator=g), torch.randn(N, generator=g)
 
 
-@pytest.mark.parametrize("M", [1, 5, 16, 17, 64, 100])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 64, 100, 200])
 @pytest.mark.parametrize("N,K", [(40, 100), (96, 256), (33, 288)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_splitk_matches_the_dequantised_product(M, N, K, bias):
@@ -39,8 +39,9 @@ def test_splitk_matches_the_dequantised_product(M, N, K, bias):
     w8, s, x, b = _case(M, N, K, M * 1000 + N + K)
     dtype = torch.float32
     b = b if bias else None
-    tiles, split, _ = splitk_fp8.plan(M, N, K, SMALL, num_sms=8)
-    assert split > 1 or K <= 32  # the reduction is what this tests
+    bm = min(splitk_fp8.ROW_BLOCK, max(16, triton.next_power_of_2(M)))
+    tiles, split, _, m_blocks = splitk_fp8.plan(M, N, K, SMALL, num_sms=8, bm=bm)
+    assert split > 1 or K <= 32 or m_blocks > 1  # the reduction (or several row blocks) is what this tests
     xq, xs = quantize_fp8_rows(x)
     arg, x_ref = FP8Rows(xq, xs), xq.double() * xs.double()[:, None]
     y = splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL)
@@ -48,7 +49,8 @@ def test_splitk_matches_the_dequantised_product(M, N, K, bias):
     assert y.shape == (M, N) and y.dtype == dtype
     tol = 1e-5
     assert ((y.double() - ref).norm() / ref.norm()).item() < tol
-    assert arrival_counters(y.device, tiles)[:tiles].eq(0).all()  # reset by each block's last program
+    n = tiles * m_blocks
+    assert arrival_counters(y.device, n)[:n].eq(0).all()  # reset by each output tile's last program
     assert torch.equal(splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL), y)
 
 
@@ -56,11 +58,14 @@ def test_plan_covers_the_gpu_with_whole_k_steps():
     from polyrl.rollout.native.splitk_fp8 import CONFIG, plan
 
     # the 1.5B down projection (N 1536, K 8960) on 132 SMs: 24 column blocks, K split so ~264 programs run
-    tiles, split, k_per = plan(64, 1536, 8960, CONFIG, 132)
+    tiles, split, k_per, _ = plan(64, 1536, 8960, CONFIG, 132)
     assert tiles == 24 and split * tiles >= 132 and k_per % CONFIG["BK"] == 0 and split * k_per >= 8960
     assert (split - 1) * k_per < 8960  # no empty split
     # gate_up (N 17920) already has 280 column blocks: no split
     assert plan(64, 17920, 1536, CONFIG, 132)[1] == 1
+    # 256 rows: 4 row blocks of 64, the split shrinks so the program count stays about the same
+    t4, s4, _, m4 = plan(256, 1536, 8960, CONFIG, 132)
+    assert m4 == 4 and t4 * s4 * m4 <= 2 * tiles * split
 
 
 def test_splitk_refuses_more_rows_than_it_serves():
@@ -75,5 +80,5 @@ def test_splitk_refuses_more_rows_than_it_serves():
 
     with pytest.raises(ValueError, match="at most"):
         splitk_fp8_matmul(rows(MAX_ROWS + 1), w, torch.ones(16), None, torch.float32)
-    with pytest.raises(ValueError, match="BM=16"):
-        splitk_fp8_matmul(rows(17), w, torch.ones(16), None, torch.float32, config=dict(BM=16))
+    with pytest.raises(ValueError, match="BM=24"):
+        splitk_fp8_matmul(rows(17), w, torch.ones(16), None, torch.float32, config=dict(BM=24))

@@ -50,7 +50,8 @@ W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py'
 # GPU, partials reduced in the same launch): s1 8,444 tok/s against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0
 # goes back to w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
 SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
-SPLITK_MAX_ROWS = 64
+# Up to 256 rows it can (row blocks of 64); POLYRL_FP8_SPLITK_ROWS moves the line while 128-256 rows are measured
+SPLITK_MAX_ROWS = int(os.environ.get("POLYRL_FP8_SPLITK_ROWS", "64"))
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them

@@ -1,4 +1,4 @@
-"""FP8 GEMM for a decode step's few rows (1-128): y = (x * sx) (W * sw)^T (+ b), e4m3 x and W, one Triton launch.
+"""FP8 GEMM for a decode step's few rows (1-256): y = (x * sx) (W * sw)^T (+ b), e4m3 x and W, one Triton launch.
 
 Why: at decode sizes a GEMM is a pass over its weight bytes, so what counts is how many SMs stream them. cuBLASLt's
 FP8 GEMM (`_scaled_mm`) tiles the output 128 x 128, so the 1.5B model's down projection (N = 1536, K = 8960) runs
@@ -6,10 +6,11 @@ on 12 programs: with cold weights (as the engine reads them) it took 23 us for 1
 bandwidth, against 15 us for bf16 cuBLAS over twice the bytes (H100, `seed_workloads.py --gemms`, 2026-11-26).
 
 How: the weight's rows are the MMA's M side ("swap AB": a [BN, BK] weight tile times a [BK, BM] slice of x^T, BM
-the rows padded to 16-128), and K is split among `split` programs per column block so that every GEMM, down and o
-included, covers the GPU. The split partial sums are reduced in the same launch, in a fixed order: each program writes
-its fp32 partial tile and bumps its column block's counter; the one that arrives last sums the partials split 0 first
-and writes y. So the result is the same bits on every run (no float atomics), and no second launch.
+the rows padded to 16-64; more rows run in row blocks on a third grid axis, each rereading the weight tile, mostly from
+L2), and K is split among `split` programs per output tile so that every GEMM, down and o included, covers the GPU.
+The split partial sums are reduced in the same launch, in a fixed order: each program writes its fp32 partial tile and
+bumps its output tile's counter; the one that arrives last sums the partials split 0 first and writes y. So the
+result is the same bits on every run (no float atomics), and no second launch.
 
 x comes as `FP8Rows` from a fused producer (add_rmsnorm / silu_mul quantise it in their own pass): e4m3 on both
 sides, the tensor cores' FP8 MMA, x's row scale applied with the weight's at the end. A variant that took bf16 x and
@@ -26,11 +27,12 @@ import triton.language as tl
 from polyrl.rollout.native.attention import FP8Rows
 from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
 
-MAX_ROWS = 128
+MAX_ROWS = 256
+ROW_BLOCK = 64  # more rows than this: blocks of 64 rows (a grid axis; a TABLE entry may set BM)
 # Launch config: BN weight rows x BK bytes of K per step; `programs_per_sm` sets the split of K (enough programs for
 # that many per SM, keeping at least `min_k_steps` steps of BK per program).
 CONFIG = dict(BN=64, BK=128, num_warps=4, num_stages=4, programs_per_sm=2, min_k_steps=2)
-# Launch configs per (N, K, BM) that beat CONFIG, from `seed_workloads.py --gemms --splitk-table-out` (H100,
+# Launch configs per (N, K, rows rounded up to a power of two >= 16) that beat CONFIG (BM among them past 64 rows), from `seed_workloads.py --gemms --splitk-table-out` (H100,
 # 2026-11-26, 12 configs swept with e4m3 rows, cold weights): the 1.5B decode GEMMs (qkv, o, gate_up, down) at
 # 16 / 32 / 64 rows. Times there: gate_up 12.7 / 12.9 / 13.9 us (73 / 72 / 67% of copy bandwidth; `_scaled_mm` took
 # 17.6-18.8, bf16 cuBLAS 23.6-24.6), down 9.7 / 10.9 / 12.8 us (bf16 15.1-15.8, `_scaled_mm` 23.6), qkv and o
@@ -65,8 +67,9 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
                    EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     n = pid_n * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
+    m = pid_m * BM + tl.arange(0, BM)
     n_ok = n < N
     m_ok = m < M
     k_lo = pid_k * k_per_split
@@ -91,47 +94,51 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
         _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
     else:
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-        block = P + pid_n * (split * BN * BM)
+        out_block = pid_m * tl.num_programs(0) + pid_n  # this program's [BN, BM] tile of y
+        block = P + out_block.to(tl.int64) * (split * BN * BM)
         tl.store(block + pid_k * (BN * BM) + tile, acc, cache_modifier=".cg")
-        if last_to_arrive(C, pid_n, split):  # the last of this column block: sum the partials in split order
+        if last_to_arrive(C, out_block, split):  # the last of this output tile: sum the partials in split order
             acc = tl.zeros([BN, BM], tl.float32)
             for s in range(split):
                 acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
-            reset_arrivals(C, pid_n)
+            reset_arrivals(C, out_block)
             _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
 
 
-def plan(M: int, N: int, K: int, config: dict, num_sms: int) -> tuple[int, int, int]:
-    """(column blocks, split of K, K per split): enough programs for `programs_per_sm` each, each with at least
-    `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
-    tiles = triton.cdiv(N, config["BN"])
+def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = ROW_BLOCK) -> tuple[int, int, int, int]:
+    """(column blocks, split of K, K per split, row blocks of `bm`): enough programs for `programs_per_sm` each, each
+    with at least `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
+    tiles, m_blocks = triton.cdiv(N, config["BN"]), triton.cdiv(M, bm)
     steps = triton.cdiv(K, config["BK"])
-    split = max(1, min(steps // config["min_k_steps"], triton.cdiv(config["programs_per_sm"] * num_sms, tiles)))
+    want = triton.cdiv(config["programs_per_sm"] * num_sms, tiles * m_blocks)
+    split = max(1, min(steps // config["min_k_steps"], want))
     k_per = triton.cdiv(steps, split) * config["BK"]
-    return tiles, triton.cdiv(K, k_per), k_per
+    return tiles, triton.cdiv(K, k_per), k_per, m_blocks
 
 
 def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """x W^T (+ b) for M <= MAX_ROWS rows: x e4m3 rows [M, K] with one fp32 scale each, W e4m3 [N, K] with one fp32
-    scale per row. `config` overrides CONFIG's keys; BM (the row tile, a power of two >= 16 and >= M) defaults to the
-    next power of two of M."""
+    scale per row. `config` overrides CONFIG's and TABLE's keys; BM (the row block, a power of two >= 16) defaults to
+    the next power of two of M, at most ROW_BLOCK."""
     xq = x.q.contiguous()
     M, K = xq.shape
     N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
-    bm = (config or {}).get("BM") or max(16, triton.next_power_of_2(M))
-    c = {**CONFIG, **TABLE.get((N, K, bm), {}), **(config or {})}
-    if bm < M or bm < 16 or bm & (bm - 1):
-        raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16 and >= the {M} rows")
+    rows = max(16, triton.next_power_of_2(M))
+    c = {**CONFIG, **TABLE.get((N, K, rows), {}), **(config or {})}
+    bm = c.get("BM") or min(ROW_BLOCK, rows)
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
     dev = xq.device
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-    tiles, split, k_per = plan(M, N, K, c, num_sms)
+    tiles, split, k_per, m_blocks = plan(M, N, K, c, num_sms, bm)
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
-    partials = torch.empty(tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32, device=dev)
-    counters = arrival_counters(dev, tiles)
-    _splitk_kernel[(tiles, split)](
+    partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
+                           device=dev)
+    counters = arrival_counters(dev, m_blocks * tiles)
+    _splitk_kernel[(tiles, split, m_blocks)](
         xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
