@@ -7,7 +7,8 @@
 #   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
 #   bash benchmarks/fp8_fused_session.sh combine # v2's in-launch combine (POLYRL_DECODE_FUSED_COMBINE): its and the
 #                                                # FP8 GPU tests (engine included), then s1 fp8kv_w8 without and with it, one call
-#   bash benchmarks/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs, (a) with it
+#   bash benchmarks/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs with a sweep
+#   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
 set -uo pipefail
@@ -54,15 +55,22 @@ case "${1:?part}" in
     POLYRL_DECODE_FUSED_COMBINE=1 timeout 160 python3 $S1 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_fused.txt" ;;
   rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, the 1.5B GEMMs at 128 / 256 rows with a
             # launch sweep (BM 64 or 128), then (a) (256-row decode) with split-K up to 256 rows and that table
+            # (measured at 6baf986; the routing it led to is the `line` part)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
       | tee "$OUT/tests.txt"
     timeout 150 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 96,128,256 \
       --gemm-sweep-rows 128,256 --splitk-table-out "$OUT/splitk_table.json" 2>&1 | grep "^gemm\|^device\|Error" \
-      | tee "$OUT/gemms.txt"
-    T=$([ -s "$OUT/splitk_table.json" ] && echo "--splitk-table $OUT/splitk_table.json")
-    POLYRL_FP8_SPLITK_ROWS=256 timeout 170 python3 benchmarks/seed_workloads.py --shapes a $T \
-      --configs fp8kv_w8down,fp8kv_w8,fp8kv_w8all --rows-out $OUT/rows.md 2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt"
-    timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out $OUT/rows.md 2>&1 \
-      | grep "^{\\|Error" | tee "$OUT/a_base.txt" ;;
+      | tee "$OUT/gemms.txt" ;;
+  line)  # the FP8 line at 2^23 with split-K past 64 rows where _scaled_mm starves: (a) both lines + bf16 with a
+         # kernel table, s1 at the new line, the 8B GEMMs at 96-256 rows (the routing's other shapes)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "splitk or linear or engine" \
+      2>&1 | tail -3 | tee "$OUT/tests.txt"
+    A="benchmarks/seed_workloads.py --shapes a --rows-out $OUT/rows.md"
+    timeout 120 python3 $A --configs fp8kv_w8,fp8kv_w8gu 2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt"
+    timeout 70 python3 $A --configs bf16 --kernels 2>&1 | tail -40 | tee "$OUT/a_bf16_kernels.txt"
+    timeout 150 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out $OUT/rows.md \
+      2>&1 | grep "^{\\|Error" | tee "$OUT/s1.txt"
+    timeout 90 python3 benchmarks/seed_workloads.py --gemms --gemm-archs llama3.1-8b --gemm-rows 64,96,128,256 \
+      --gemm-sweep-rows "" 2>&1 | grep "^gemm\|Error" | tee "$OUT/gemms_8b.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

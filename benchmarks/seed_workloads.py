@@ -54,8 +54,8 @@ SEED_PEER = {"s1": "verl+vLLM (seed 002): 3,497 tok/s/GPU at 64 seqs/GPU", "s2":
 CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8"),
            # every decode GEMM in FP8, not only those past fp8_linear's size line: the experiment for fused inputs
            "fp8kv_w8all": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=0),
-           # past 2^23 elements: the 1.5B down projection (13.8M) joins gate_up (the split-K kernel's cold timings)
-           "fp8kv_w8down": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=1 << 23)}
+           # past 2^24 elements only (the line until 2026-11-26): at 1.5B gate_up alone, down (13.8M) in bf16
+           "fp8kv_w8gu": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=1 << 24)}
 CONFIGS.update({f"{name}_v2": dict(kw, decode_kernel="v2") for name, kw in list(CONFIGS.items())})
 
 
@@ -184,6 +184,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                  mean_len=float(np.mean(lens)), max_len=max(lens))
         if args.gap:
             r.update(logprob_gap(eng, hf, vocab))
+        if args.kernels:
+            profile_decode(eng, vocab, prompts, sp, label=f"[{shape} {seqs} {cname}]", rows=25)
         print(json.dumps(r), flush=True)
         results.append(r)
         peer = SEED_PEER[shape]
@@ -214,7 +216,8 @@ def _small_gemms() -> str:
 
     if not fp8_linear.SPLITK:
         return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
-    return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows"
+    return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows (to 256 where _scaled_mm "
+            "has fewer tiles than SMs)"
             f"{' (measured launch table)' if splitk_fp8.TABLE else ''}, w8a16 for bf16 x at <= "
             f"{fp8_linear.W8A16_MAX_ROWS}")
 
@@ -407,7 +410,8 @@ def main():
                     "cap before 2026-11-25)")
     ap.add_argument("--w8a16-rows", type=int, default=None, help="route decode GEMMs of up to this many rows to the "
                     "w8a16 kernel (fp8_linear.W8A16_MAX_ROWS, 16 by default; the kernel serves up to 64)")
-    ap.add_argument("--kernels", action="store_true", help="--profile: also a kernel-time table per regime")
+    ap.add_argument("--kernels", action="store_true", help="a kernel-time table of each timed run (with --profile: "
+                    "of each regime)")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()

@@ -82,3 +82,10 @@ def test_splitk_refuses_more_rows_than_it_serves():
         splitk_fp8_matmul(rows(MAX_ROWS + 1), w, torch.ones(16), None, torch.float32)
     with pytest.raises(ValueError, match="BM=24"):
         splitk_fp8_matmul(rows(17), w, torch.ones(16), None, torch.float32, config=dict(BM=24))
+
+
+def test_the_kernel_serves_every_row_count_fp8_linear_routes_to_it():
+    from polyrl.rollout.native.fp8_linear import SPLITK_BLOCKED_ROWS
+    from polyrl.rollout.native.splitk_fp8 import MAX_ROWS
+
+    assert SPLITK_BLOCKED_ROWS <= MAX_ROWS

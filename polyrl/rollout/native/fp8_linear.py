@@ -33,6 +33,7 @@ number rollout correction compares with the trainer's.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,17 +42,18 @@ from torch import nn
 from polyrl.rollout.native.attention import FP8, FP8Rows, quantize_fp8_rows
 
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
-MIN_FP8_ELEMENTS = 1 << 24  # the size line (module docstring: 2^23 is the s1 recipe)
+MIN_FP8_ELEMENTS = 1 << 23  # the size line (module docstring)
 # the producing kernel (add_rmsnorm / silu_mul) quantises an FP8 GEMM's input in its own pass (`takes_fp8_rows`):
 # +0.6% on s1 (H100), on by default
 FUSED_INPUT = os.environ.get("POLYRL_FP8_FUSED_INPUT", "1") == "1"
 W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
-# Decode GEMMs of at most SPLITK_MAX_ROWS rows fed `FP8Rows` run splitk_fp8.py (K split so every GEMM covers the
-# GPU, partials reduced in the same launch): s1 8,444 tok/s against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0
-# goes back to w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
+# Decode GEMMs fed `FP8Rows` run splitk_fp8.py (K split so every GEMM covers the GPU, partials reduced in the same
+# launch) at <= SPLITK_MAX_ROWS rows, and up to splitk_fp8.MAX_ROWS while cuBLASLt's 128 x 128 output tiles would
+# leave SMs idle (`splitk_serves`): s1 8,444 tok/s against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0 goes back to
+# w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
 SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
-# Up to 256 rows it can (row blocks of 64); POLYRL_FP8_SPLITK_ROWS moves the line while 128-256 rows are measured
-SPLITK_MAX_ROWS = int(os.environ.get("POLYRL_FP8_SPLITK_ROWS", "64"))
+SPLITK_MAX_ROWS = 64
+SPLITK_BLOCKED_ROWS = 256  # past SPLITK_MAX_ROWS, up to this many in row blocks (at most splitk_fp8.MAX_ROWS)
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -99,7 +101,7 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout. x may come
     quantised already (`FP8Rows`, [T, K], from a fused producer): then this is the GEMM alone."""
     if isinstance(x, FP8Rows):
-        if x.q.is_cuda and SPLITK and x.q.shape[0] <= SPLITK_MAX_ROWS:
+        if x.q.is_cuda and SPLITK and splitk_serves(x.q.shape[0], w_NK.shape[0], _num_sms(x.q.device)):
             from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
 
             return splitk_fp8_matmul(x, w_NK, w_scale_N, bias, out_dtype)
@@ -113,6 +115,22 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     else:
         y = _scaled_mm_rowwise(x2, w_NK, w_scale_N, bias, out_dtype)
     return y.reshape(*lead, -1)
+
+
+def splitk_serves(rows: int, n: int, num_sms: int) -> bool:
+    """Whether the split-K kernel runs an FP8 GEMM of `rows` fed rows and `n` output columns: always at <= 64 rows;
+    past that (row blocks, up to 256) while `_scaled_mm`'s 128 x 128 output tiles number fewer than the SMs. At 128-256
+    rows (1.5B, cold weights, H100) that keeps down (N 1536: 12-24 tiles) on split-K, 13.7-16.5 us against
+    `_scaled_mm`'s 23.7 and bf16's 17.1-18.5, and sends gate_up (N 17920: 140-280 tiles) to `_scaled_mm`, 18.8-22.9
+    us against split-K's 18.3-28.0."""
+    if rows <= SPLITK_MAX_ROWS:
+        return True
+    return rows <= SPLITK_BLOCKED_ROWS and -(-n // 128) * -(-rows // 128) < num_sms
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
