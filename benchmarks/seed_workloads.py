@@ -216,8 +216,8 @@ def _small_gemms() -> str:
 
     if not fp8_linear.SPLITK:
         return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
-    return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows (to 256 where _scaled_mm "
-            "has fewer tiles than SMs)"
+    return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows (and down to 256 / 128 rows "
+            "at 1.5B / 8B)"
             f"{' (measured launch table)' if splitk_fp8.TABLE else ''}, w8a16 for bf16 x at <= "
             f"{fp8_linear.W8A16_MAX_ROWS}")
 

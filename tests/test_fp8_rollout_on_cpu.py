@@ -173,13 +173,11 @@ def test_decode_kernel_auto_picks_v2_for_an_fp8_cache_only(reference):
     assert (fp8.decode_kernel, bf16.decode_kernel) == ("v2", "v1")
 
 
-def test_split_k_serves_few_rows_and_gemms_whose_cublas_tiles_would_starve_the_gpu():
+def test_split_k_serves_few_rows_and_past_them_only_the_gemms_it_was_measured_to_win():
     from polyrl.rollout.native.fp8_linear import splitk_serves
 
-    # <= 64 rows: always (the 1.5B gate_up, N 17920, included)
-    assert splitk_serves(1, 17920, 132) and splitk_serves(64, 17920, 132)
-    # 65-256 rows: down (N 1536) makes 12-24 of _scaled_mm's 128 x 128 tiles on 132 SMs, gate_up 140-280
-    assert splitk_serves(128, 1536, 132) and splitk_serves(256, 1536, 132)
-    assert not splitk_serves(128, 17920, 132) and not splitk_serves(256, 17920, 132)
-    assert splitk_serves(128, 16384, 132) and not splitk_serves(256, 16384, 132)  # 128 tiles, then 256
-    assert not splitk_serves(257, 1536, 132)  # past the kernel's row blocks
+    assert splitk_serves(1, 17920, 1536) and splitk_serves(64, 17920, 1536)  # <= 64 rows: always
+    assert splitk_serves(128, 1536, 8960) and splitk_serves(256, 1536, 8960)  # the 1.5B down
+    assert not splitk_serves(128, 17920, 1536) and not splitk_serves(65, 2048, 1536)  # 1.5B gate_up, qkv
+    assert splitk_serves(128, 4096, 14336) and not splitk_serves(129, 4096, 14336)  # the 8B down
+    assert not splitk_serves(257, 1536, 8960)

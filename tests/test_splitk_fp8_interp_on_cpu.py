@@ -85,7 +85,7 @@ def test_splitk_refuses_more_rows_than_it_serves():
 
 
 def test_the_kernel_serves_every_row_count_fp8_linear_routes_to_it():
-    from polyrl.rollout.native.fp8_linear import SPLITK_BLOCKED_ROWS
+    from polyrl.rollout.native.fp8_linear import SPLITK_WIDE
     from polyrl.rollout.native.splitk_fp8 import MAX_ROWS
 
-    assert SPLITK_BLOCKED_ROWS <= MAX_ROWS
+    assert max(SPLITK_WIDE.values()) <= MAX_ROWS

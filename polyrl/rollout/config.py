@@ -94,8 +94,8 @@ class RolloutConfig:
     engine_kwargs: dict = field(default_factory=dict)
     """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
     block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more
-    elements than this; default 2^24 on CUDA; 8388608 also puts a 1.5B model's down projection in FP8, faster for
-    long generations and slower at 256-row batches, fp8_linear.py) and decode_kernel (CUDA paged-decode kernel:
+    elements than this; default 2^23 on CUDA, which puts a 1.5B model's gate_up and down projections in FP8;
+    16777216 keeps down in bf16; measurements in fp8_linear.py) and decode_kernel (CUDA paged-decode kernel:
     auto, the default, picks v2 with kv_cache_dtype=fp8 and v1 otherwise, as measured on an H100; v1, one program
     per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py)."""
     multi_turn: dict = field(default_factory=dict)

@@ -13,8 +13,8 @@ recompute, the KL reference and validation see the model's own weights. Paramete
 Which GEMMs: only the linears inside the blocks. The patch/text embedders, the timestep MLP and the output projection
 (it produces the velocity whose Gaussian gives the log-prob, like the LM head on the LLM side) stay in the model
 dtype, as does attention (QK^T and PV are ~6% of the FLOPs at 1,152 tokens). On CUDA a linear goes FP8 when its GEMM
-pays (`gemm_pays`): fp8_linear's measured decode rule (more than 2^24 weight elements: the bytes saved beat the
-quantisation launch), which covers the per-sample modulation linears (M = batch), or, for the token GEMMs
+pays (`gemm_pays`): fp8_linear's measured decode rule (more than 2^23 weight elements: the bytes saved beat the
+quantisation and launch costs), which covers the per-sample modulation linears (M = batch), or, for the token GEMMs
 (M = batch x ~1,152 tokens, compute-bound), both sides at least `MIN_FP8_DIM`: quantising the [M, K] input costs ~3
 bytes per element of HBM traffic while the GEMM saves 2N multiply-adds per element at half the time, which wins from
 N ~ 500 on an H200; 1024 leaves a margin (all of Qwen-Image's block GEMMs are 3072 wide or more). On CPU every block

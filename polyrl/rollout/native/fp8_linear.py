@@ -11,20 +11,18 @@ in the GEMM's prologue kernel). `torch._scaled_mm` with these row-wise scales ru
 On CPU the same numbers are emulated in fp32 (quantise, upcast, multiply), which is what CI tests.
 
 Which GEMMs: `benchmarks/seed_workloads.py --gemms` times each decode GEMM both ways (CUDA graphs, H100). A layer
-runs in FP8 when its weight has more than 2^24 elements (`MIN_FP8_ELEMENTS`; at 1.5B gate_up only, at 8B all four);
-the rest stay bf16. That line was drawn from timings that reread one weight from L2 (until 2026-11-26); with cold
-weights, as the engine reads them (1.5B, 1-64 rows, H100):
+runs in FP8 when its weight has more than 2^23 elements (`MIN_FP8_ELEMENTS`; at 1.5B gate_up and down, at 8B all
+four); the rest stay bf16. With cold weights, as the engine reads them (1.5B, 1-64 rows, H100, 2026-11-26):
   bf16 cuBLAS: qkv 5.7-6.0 us, o 5.4-5.6, gate_up 22.6-24.6 (76-82% of copy bandwidth), down 14.7-15.8;
   `_scaled_mm` on fed e4m3 rows: qkv 7.5, o 7.3, gate_up 17.1-18.8, down 23.5 (cuBLASLt's 128-wide tiles leave
   down's N = 1536 on 12 programs);
   splitk_fp8.py on fed rows (launch table): qkv 5.9-7.2, o 5.5-6.8, gate_up 12.2-14.1 (67-76%), down 9.7-12.8.
-So with the split-K kernel down wins in FP8 at <= 64 rows too, and qkv / o are launch-bound either way. Moving the
-line to 2^23 (down joins gate_up at 1.5B) gave s1 8,598 tok/s against 8,444, but shape (a) (256 rows, where down
-goes through `_scaled_mm`) 63.5k against 66.6k (H100, 2026-11-26): the default stays 2^24, and
-`engine_kwargs.native.fp8_min_elements=8388608` is the long-generation recipe.
+So with the split-K kernel down wins in FP8 too, and qkv / o are launch-bound either way. The line was 2^24 (gate_up
+alone) while down went through `_scaled_mm` past 64 rows; with down on split-K up to 256 rows (`splitk_serves`) the
+2^23 line gave s1 8,641 tok/s against 8,444 and shape (a) (256 rows) 67,547 against 66,743 (H100, 2026-11-26).
 The producing kernels (add_rmsnorm, silu_mul) hand an FP8 GEMM its input as `FP8Rows`, quantised in their own pass
-(`takes_fp8_rows`; POLYRL_FP8_FUSED_INPUT=0 turns it off): s1 8,219 against 8,168 tok/s with `_scaled_mm`, and with
-the split-K kernel at <= 64 rows (SPLITK_MAX_ROWS) 8,444 (H100, 2026-11-26).
+(`takes_fp8_rows`; POLYRL_FP8_FUSED_INPUT=0 turns it off): s1 8,219 against 8,168 tok/s with `_scaled_mm` (H100,
+2026-11-26).
 At 1-16 rows a bf16 input (a layer whose producer does not quantise, or FUSED_INPUT off) runs `w8a16.py`'s Triton
 kernel, which reads the e4m3 weight once and keeps the activation in bf16; past that, `_scaled_mm`.
 The LM head and embedding stay in the model dtype: the sampled token's log-prob comes out of the head, and it is the
@@ -33,7 +31,6 @@ number rollout correction compares with the trainer's.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -53,7 +50,9 @@ W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py'
 # w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
 SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
 SPLITK_MAX_ROWS = 64
-SPLITK_BLOCKED_ROWS = 256  # past SPLITK_MAX_ROWS, up to this many in row blocks (at most splitk_fp8.MAX_ROWS)
+# Past SPLITK_MAX_ROWS (row blocks of 64, each rereading the weight) only where measured to win: weight (N, K) -> up
+# to this many rows (`splitk_serves`)
+SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128}  # the 1.5B and 8B down projections
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -101,7 +100,7 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     the same numbers emulated in fp32 elsewhere. The one FP8 GEMM of the LLM engine and the DiT's rollout. x may come
     quantised already (`FP8Rows`, [T, K], from a fused producer): then this is the GEMM alone."""
     if isinstance(x, FP8Rows):
-        if x.q.is_cuda and SPLITK and splitk_serves(x.q.shape[0], w_NK.shape[0], _num_sms(x.q.device)):
+        if x.q.is_cuda and SPLITK and splitk_serves(x.q.shape[0], *w_NK.shape):
             from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
 
             return splitk_fp8_matmul(x, w_NK, w_scale_N, bias, out_dtype)
@@ -117,20 +116,14 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
     return y.reshape(*lead, -1)
 
 
-def splitk_serves(rows: int, n: int, num_sms: int) -> bool:
-    """Whether the split-K kernel runs an FP8 GEMM of `rows` fed rows and `n` output columns: always at <= 64 rows;
-    past that (row blocks, up to 256) while `_scaled_mm`'s 128 x 128 output tiles number fewer than the SMs. At 128-256
-    rows (1.5B, cold weights, H100) that keeps down (N 1536: 12-24 tiles) on split-K, 13.7-16.5 us against
-    `_scaled_mm`'s 23.7 and bf16's 17.1-18.5, and sends gate_up (N 17920: 140-280 tiles) to `_scaled_mm`, 18.8-22.9
-    us against split-K's 18.3-28.0."""
-    if rows <= SPLITK_MAX_ROWS:
-        return True
-    return rows <= SPLITK_BLOCKED_ROWS and -(-n // 128) * -(-rows // 128) < num_sms
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def splitk_serves(rows: int, n: int, k: int) -> bool:
+    """Whether the split-K kernel runs an FP8 GEMM of `rows` fed rows and an [n, k] weight: always at <= 64 rows,
+    past that where SPLITK_WIDE says it won. Cold weights, H100, 96-256 rows: the 1.5B down (cuBLASLt's 128 x 128
+    tiles: 12-24 programs) 13.7-16.5 us against `_scaled_mm`'s 23.7 and bf16's 16.7-18.5; the 8B down 33.0 against
+    36.5 at 96-128 rows but 66.7 against 39.8 at 256 (its 58 MB weight, reread by each row block, is past the L2). Where
+    `_scaled_mm` has tiles for every SM it is as fast or faster: the 1.5B gate_up 18.8-22.9 us against split-K's
+    18.3-28.0, the 8B qkv 15.0-16.4 against 17.7-22.1, the 8B o 13.8-13.9 against 14.4-23.5."""
+    return rows <= SPLITK_MAX_ROWS or rows <= SPLITK_WIDE.get((n, k), 0)
 
 
 def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:
