@@ -161,8 +161,7 @@ def sass_report() -> None:
 
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     cuobjdump = nvdisasm.with_name("cuobjdump")
-    ptr = {"Q": "*bf16", "SeqSlots": "*i64", "BT": "*i32", "CL": "*i32", "LSE": "*fp32", "scale": "fp32",
-           "OUT": "*bf16", "CNT": "*i32"}
+    ptr = {"Q": "*bf16", "SeqSlots": "*i64", "BT": "*i32", "CL": "*i32", "LSE": "*fp32", "scale": "fp32"}
 
     def build(fn, consts, fp8, warps, stages):
         kv, sc = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
@@ -208,8 +207,7 @@ def sass_report() -> None:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
                              dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
-                                  PAGES=rows // (BS * hb), KVH=kv_heads, FUSE=False), c2["num_warps"],
-                             c2["num_stages"], rows))
+                                  PAGES=rows // (BS * hb), KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
                 kernel = build(fn, consts, fp8, warps, stages)

@@ -10,6 +10,7 @@
 #                                              # of 16 images, then in two of 8 (the first one's OCR hides behind the
 #                                              # second one's sampling)
 #   bash benchmarks/flow_session.sh chunk8     # 1 H200: the second of those alone
+#   bash benchmarks/flow_session.sh workers    # 1 H200: chunk8 with 4 OCR workers, then 8, in one call
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 #   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
@@ -44,6 +45,12 @@ case "${1:?part}" in
     run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers ${REWARD_WORKERS:-4} \
       --async-reward --fp8 --rollout-micro 8 \
       --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
+  workers)  # chunk8 with 4 OCR workers (4 threads each), then 8 (2 threads each): the same machine for both
+    for W in 4 8; do
+      run fp8_chunk8_w$W timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers $W --async-reward --fp8 \
+        --rollout-micro 8 --note "same work, async OCR ($W workers), FP8 on the ODE steps (LoRA merged), two rollout \
+chunks of 8; same call as the $((12 - W))-worker row"
+    done ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \
       --offload-text-encoder --note "same work, async OCR, every step FP8, text encoder offloaded" ;;

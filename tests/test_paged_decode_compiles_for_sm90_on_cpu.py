@@ -30,27 +30,15 @@ def _decode_types(out_dtype: str, kv_dtype: str) -> dict:
     return {**ptrs, **ints}
 
 
-V2_EXTRA = dict(OUT="*bf16", CNT="*i32", stride_outt="i32", stride_outh="i32")  # v2's in-launch combine
-
-
 @pytest.mark.parametrize("multi,fp8", [(False, False), (True, False), (True, True)])
 def test_decode_kernels_compile_with_run_time_splits(multi, fp8):
     types = _decode_types("fp32" if multi else "bf16", "fp8e4nv" if fp8 else "bf16")
     common = dict(G=3, D=64, BS=16, MULTI=multi, IEEE=False, FP8=fp8, KVH=3)
     one = dict(GP=16, TILE=128 if fp8 else 64, **common)
-    two = dict(HB=1, R=16, PAGES=8 if fp8 else 4, FUSE=False, **common)
-    for fn, consts, extra in ((v1._paged_decode_kernel, one, {}), (v2._paged_decode_v2_kernel, two, V2_EXTRA)):
-        sig = {**types, **extra, **{k: "constexpr" for k in consts}}
+    two = dict(HB=1, R=16, PAGES=8 if fp8 else 4, **common)
+    for fn, consts in ((v1._paged_decode_kernel, one), (v2._paged_decode_v2_kernel, two)):
+        sig = {**types, **{k: "constexpr" for k in consts}}
         assert compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
-
-
-def test_v2_compiles_with_its_in_launch_combine():
-    """FUSE: the last split to arrive merges the partials (an acq_rel atomic on the group's counter, after a barrier)."""
-    types = {**_decode_types("fp32", "fp8e4nv"), **V2_EXTRA}
-    consts = dict(G=6, HB=2, R=16, D=128, BS=16, PAGES=4, MULTI=True, IEEE=False, FP8=True, KVH=2, FUSE=True)
-    sig = {**types, **{k: "constexpr" for k in consts}}
-    ptx = compile(ASTSource(fn=v2._paged_decode_v2_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx and "exch" in ptx
 
 
 def test_combine_compiles_and_no_kernel_specialises_on_splits():

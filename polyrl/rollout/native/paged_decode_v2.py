@@ -1,9 +1,8 @@
 """Paged-decode attention, variant 2: whole pages of several kv heads per step (`...native.decode_kernel=v2`).
 
 Same contract as `paged_decode.py` (v1): one new query token per sequence, bf16/fp32 or e4m3 K/V with one fp32 scale
-per (token, kv head), split-K partials merged by v1's `_combine_kernel` (or in the same launch: FUSED_COMBINE below),
-zero-length rows write zeros, one split writes the final output in the activation dtype. What changes is how a
-program walks the cache.
+per (token, kv head), split-K partials merged by v1's `_combine_kernel`, zero-length rows write zeros, one split
+writes the final output in the activation dtype. What changes is how a program walks the cache.
 
 Why: with e4m3 K/V, v1 is 1.30-1.36x its bf16 speed on an H100 although it reads half the bytes, and measurements put
 the cost on per-token instruction work, not on conversions or the dots (`benchmarks/NOTES_rollout.md`, session 7).
@@ -47,14 +46,12 @@ cache and v1 for bf16. End to end (seed_workloads.py): s1 at 64 sequences 5,930 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
@@ -117,45 +114,18 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     return m_new, l, acc
 
 
-@triton.jit
-def _merge_splits(O, LSE, OUT, CNT, s, hb, heads, q_ok, d, SPLITS, stride_ot, stride_oh, stride_os, stride_outt,
-                  stride_outh, NH: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
-    """The in-launch combine: after this split's partial is written, the last split of (sequence, head block) to
-    arrive merges every split's partial, split 0 first (online log-sum-exp), and writes the output."""
-    group = s * tl.num_programs(1) + hb
-    if last_to_arrive(CNT, group, SPLITS):
-        m = tl.full([R], float("-inf"), tl.float32)
-        l = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, D], tl.float32)
-        for j in range(SPLITS):
-            lse = tl.load(LSE + (s * NH + heads) * SPLITS + j, mask=q_ok, other=-1e30, cache_modifier=".cg")
-            part = tl.load(O + s * stride_ot + heads[:, None] * stride_oh + j * stride_os + d[None, :],
-                           mask=q_ok[:, None] & (lse > -1e29)[:, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(lse - m_new)
-            acc = acc * alpha[:, None] + part * w[:, None]
-            l = l * alpha + w
-            m = m_new
-        out = acc / l[:, None]
-        tl.store(OUT + s * stride_outt + heads[:, None] * stride_outh + d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=q_ok[:, None])
-        reset_arrivals(CNT, group)
-
-
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_v2_kernel(
-    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, OUT, CNT, scale,
+    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt,
-    stride_ot, stride_oh, stride_os, stride_outt, stride_outh, SPLITS,
+    stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
-    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, FUSE: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
-    # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D], merged into OUT [T, H, D] here (FUSE)
-    # or by v1's combine kernel
+    # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     TILE: tl.constexpr = PAGES * BS  # tokens per step
     PR: tl.constexpr = BS * HB  # cache rows per page (token-major, then head)
     N: tl.constexpr = PAGES * PR  # cache rows per step: the dots' N
@@ -203,9 +173,6 @@ def _paged_decode_v2_kernel(
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok[:, None])
     if MULTI:
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
-        if FUSE:
-            _merge_splits(O, LSE, OUT, CNT, s, hb, heads, q_ok, d, SPLITS, stride_ot, stride_oh, stride_os,
-                          stride_outt, stride_outh, G * KVH, R, D)
 
 
 # launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not timed (no GPU when written):
@@ -214,13 +181,6 @@ def _paged_decode_v2_kernel(
 # `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
 CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
-# The split partials merged in the same launch by the last split of each (sequence, head block) to finish (one launch
-# fewer per layer: v1's combine kernel, ~3-5 us, in each of the 28 layers of a step with 2-16 splits, as s1's 17-64
-# sequence steps have), up to FUSED_MAX_SPLITS: past that the merge, serial in one program, would cost more than the
-# combine kernel's parallel one. Written 2026-11-26 without a GPU (interpreter and sm_90 compile tests): off until
-# `benchmarks/fp8_fused_session.sh combine` times it; POLYRL_DECODE_FUSED_COMBINE=1 turns it on.
-FUSED_COMBINE = os.environ.get("POLYRL_DECODE_FUSED_COMBINE", "0") == "1"
-FUSED_MAX_SPLITS = 16
 
 
 def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
@@ -243,29 +203,26 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
     G = H // kvh
     hb = heads_per_program(H, kvh)
     splits = meta.num_splits
-    out = torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype)
     if splits == 1:  # final output straight from the kernel, in the activation dtype
-        o = out[:, :, None]
+        o = torch.empty(T, H, 1, D, device=q_THD.device, dtype=q_THD.dtype)
         lse = o  # not written
     else:
         o = torch.empty(T, H, splits, D, device=q_THD.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q_THD.device, dtype=torch.float32)
-    fuse = FUSED_COMBINE and 1 < splits <= FUSED_MAX_SPLITS
-    counters = arrival_counters(q_THD.device, T * (kvh // hb)) if fuse else lse
     fp8 = k_scale is not None
     c = CONFIG_FP8 if fp8 else CONFIG
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q_THD, k_cache, v_cache, k_scale if fp8 else q_THD, v_scale if fp8 else q_THD, meta.seq_slots,
-        meta.block_tables, meta.context_lens, o, lse, out, counters, scale,
+        meta.block_tables, meta.context_lens, o, lse, scale,
         q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), out.stride(0), out.stride(1), splits,
+        meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh, FUSE=fuse,
+        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    if splits == 1 or fuse:
-        return out
-    return combine_splits(o, lse, out)
+    if splits == 1:
+        return o[:, :, 0]
+    return combine_splits(o, lse, torch.empty(T, H, D, device=q_THD.device, dtype=q_THD.dtype))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = False,
