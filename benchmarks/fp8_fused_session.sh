@@ -5,8 +5,6 @@
 #                                                # weight quantiser), then every decode GEMM bf16 / W8A8 / W8A8 fed
 #   bash benchmarks/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
 #   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
-#   bash benchmarks/fp8_fused_session.sh combine # v2's in-launch combine (POLYRL_DECODE_FUSED_COMBINE): its and the
-#                                                # FP8 GPU tests (engine included), then s1 fp8kv_w8 without and with it, one call
 #   bash benchmarks/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs with a sweep
 #   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
@@ -47,12 +45,6 @@ case "${1:?part}" in
     timeout 160 python3 $S1 --configs fp8kv_w8down 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_down.txt"
     timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,fp8kv_w8down --rows-out $OUT/rows.md \
       2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt" ;;
-  combine)
-    timeout 220 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      2>&1 | grep -v "^\.*$" | tail -12 | tee "$OUT/tests.txt"
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md --configs fp8kv_w8"
-    POLYRL_DECODE_FUSED_COMBINE=0 timeout 160 python3 $S1 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_plain.txt"
-    POLYRL_DECODE_FUSED_COMBINE=1 timeout 160 python3 $S1 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_fused.txt" ;;
   rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, the 1.5B GEMMs at 128 / 256 rows with a
             # launch sweep (BM 64 or 128), then (a) (256-row decode) with split-K up to 256 rows and that table
             # (measured at 6baf986; the routing it led to is the `line` part)

@@ -196,8 +196,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}"
-                f"{' (merged in the launch at <= 16)' if v2.FUSED_COMBINE else ''}; {_small_gemms()}"
+                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; {_small_gemms()}"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))

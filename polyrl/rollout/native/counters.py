@@ -3,7 +3,7 @@
 A program writes its partial result, then bumps its group's counter (an acq_rel atomic after a barrier); the one that
 sees `group size - 1` reads every partial in a fixed order, writes the result and sets the counter back to zero. So
 the counters are zero between launches and one buffer serves every such kernel on a device (launches on a stream run
-one after another). Users: splitk_fp8.py (split-K partial sums), paged_decode_v2.py (split attention partials).
+one after another). User: splitk_fp8.py (split-K partial sums).
 """
 
 from __future__ import annotations

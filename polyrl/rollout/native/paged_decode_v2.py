@@ -2,7 +2,9 @@
 
 Same contract as `paged_decode.py` (v1): one new query token per sequence, bf16/fp32 or e4m3 K/V with one fp32 scale
 per (token, kv head), split-K partials merged by v1's `_combine_kernel`, zero-length rows write zeros, one split
-writes the final output in the activation dtype. What changes is how a program walks the cache.
+writes the final output in the activation dtype. What changes is how a program walks the cache. Merging the partials
+in the same launch (the last split of each head block to finish) was tried and measured slower (s1 8,408 against
+8,438 tok/s, H100, 2026-11-26), so the combine stays a second launch.
 
 Why: with e4m3 K/V, v1 is 1.30-1.36x its bf16 speed on an H100 although it reads half the bytes, and measurements put
 the cost on per-token instruction work, not on conversions or the dots (`benchmarks/NOTES_rollout.md`, session 7).
