@@ -11,6 +11,7 @@
 #                                              # second one's sampling)
 #   bash benchmarks/flow_session.sh chunk8     # 1 H200: the second of those alone
 #   bash benchmarks/flow_session.sh workers    # 1 H200: chunk8 with 4 OCR workers, then 8, in one call
+#   bash benchmarks/flow_session.sh update_static # 1 H200: chunk8, 8 workers, the update dynamic-shape then static
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 #   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
@@ -50,6 +51,13 @@ case "${1:?part}" in
       run fp8_chunk8_w$W timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers $W --async-reward --fp8 \
         --rollout-micro 8 --note "same work, async OCR ($W workers), FP8 on the ODE steps (LoRA merged), two rollout \
 chunks of 8; same call as the $((12 - W))-worker row"
+    done ;;
+  update_static)  # chunk8, 8 OCR workers, the update's compiled blocks dynamic-shape (the default) then static per
+                  # shape (POLYRL_FLOW_UPDATE_DYNAMIC=0): the same machine for both
+    for D in 1 0; do
+      POLYRL_FLOW_UPDATE_DYNAMIC=$D run fp8_chunk8_dyn$D timeout 290 python3 benchmarks/flow_grpo.py $FAST \
+        --reward-workers 8 --async-reward --fp8 --rollout-micro 8 --note "same work, async OCR (8 workers), FP8 on \
+the ODE steps (LoRA merged), two rollout chunks of 8, POLYRL_FLOW_UPDATE_DYNAMIC=$D; same call as the =$((1 - D)) row"
     done ;;
   fp8_all)
     run fp8_all timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward --fp8 --fp8-trained-steps \

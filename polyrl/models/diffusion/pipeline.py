@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable
 
 import torch
@@ -178,10 +179,13 @@ class FlowPolicy:
         for block in transformer_blocks(self.transformer):
             eager = block.forward
             plain = torch.compile(eager, dynamic=False) if no_grad else eager  # one graph per batch shape
-            block.forward = _grad_mode_switch(torch.compile(eager, dynamic=True), plain)
+            block.forward = _grad_mode_switch(torch.compile(eager, dynamic=UPDATE_DYNAMIC), plain)
 
 
 RECOMPILE_LIMIT = 64  # graphs per block code object (compile_blocks)
+# The update's graphs: one dynamic-shape graph (True) or one static graph per shape (False, being measured:
+# `benchmarks/flow_session.sh update_static`)
+UPDATE_DYNAMIC = os.environ.get("POLYRL_FLOW_UPDATE_DYNAMIC", "1") == "1"
 
 
 def _grad_mode_switch(compiled, no_grad):
