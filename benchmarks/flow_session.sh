@@ -42,10 +42,11 @@ case "${1:?part}" in
       --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), one rollout chunk of 16"
     run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST $W4 --async-reward --fp8 --rollout-micro 8 \
       --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
-  chunk8)  # the faster of the two alone
-    run fp8_chunk8 timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers ${REWARD_WORKERS:-4} \
+  chunk8)  # the faster of the two alone, with 8 OCR workers (the `workers` part); STEPS timed steps
+    run fp8_chunk8 timeout 540 python3 benchmarks/flow_grpo.py $FAST --reward-workers ${REWARD_WORKERS:-8} \
       --async-reward --fp8 --rollout-micro 8 \
-      --note "same work, async OCR (4 workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8" ;;
+      --note "same work, async OCR (${REWARD_WORKERS:-8} workers), FP8 on the ODE steps (LoRA merged), two rollout \
+chunks of 8" ;;
   workers)  # chunk8 with 4 OCR workers (4 threads each), then 8 (2 threads each): the same machine for both
     for W in 4 8; do
       run fp8_chunk8_w$W timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers $W --async-reward --fp8 \

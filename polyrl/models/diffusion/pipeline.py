@@ -158,15 +158,16 @@ class FlowPolicy:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def compile_blocks(self, no_grad: bool = True) -> None:
-        """`torch.compile` each transformer block: one dynamic-shape graph for the passes with grad (the update), and
-        static-shape graphs, one per batch shape, for the passes without grad (rollout, reference, validation;
-        `no_grad=False` leaves them eager).
+        """`torch.compile` each transformer block: static-shape graphs, one per batch shape, for the passes with grad
+        (the update; UPDATE_DYNAMIC below) and for those without (rollout, reference, validation; `no_grad=False`
+        leaves them eager).
 
         Per block, as for the LLM (training/actor.py): identical blocks share one graph and parameter names do not
         change. Measured on an H200 (Qwen-Image 20B, LoRA r64, CFG 4, 16 images): the update runs ~27% faster
         compiled; the rollout, in chunks of 8 images, takes 15.3 s eager, 12.0 s with static-shape graphs and 22.3 s
         with a dynamic-shape one; in chunks of 16, 11.4 s static and 13.1 s with `dynamic=None` (static until a shape
-        changes). Hence the two modes. Call after `add_lora` so the adapters are inside the compiled blocks."""
+        changes). Hence static graphs for the rollout, and since 2026-11-26 for the update too (UPDATE_DYNAMIC).
+        Call after `add_lora` so the adapters are inside the compiled blocks."""
         from polyrl.distributed.parallelize import transformer_blocks
 
         # Every block and both modes run one code object, whose graphs dynamo counts together against
@@ -183,9 +184,12 @@ class FlowPolicy:
 
 
 RECOMPILE_LIMIT = 64  # graphs per block code object (compile_blocks)
-# The update's graphs: one dynamic-shape graph (True) or one static graph per shape (False, being measured:
-# `benchmarks/flow_session.sh update_static`)
-UPDATE_DYNAMIC = os.environ.get("POLYRL_FLOW_UPDATE_DYNAMIC", "1") == "1"
+# The update's graphs: one static graph per shape (the default) or one dynamic-shape graph for all
+# (POLYRL_FLOW_UPDATE_DYNAMIC=1, the default until 2026-11-26). Qwen-Image LoRA, 16 images, one H200: static updates
+# took 4.8 / 4.8 / 4.8 s in three timed steps (1.208 img/GPU/s); dynamic ones 4.8-6.0 s, the slow one on whichever
+# step first met a text length in the timed run, though a warm-up had updated on every text bucket
+# (benchmarks/flow_session.sh update_static and workers).
+UPDATE_DYNAMIC = os.environ.get("POLYRL_FLOW_UPDATE_DYNAMIC", "0") == "1"
 
 
 def _grad_mode_switch(compiled, no_grad):
