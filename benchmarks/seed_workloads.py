@@ -55,7 +55,9 @@ CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_
            # every decode GEMM in FP8, not only those past fp8_linear's size line: the experiment for fused inputs
            "fp8kv_w8all": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=0),
            # past 2^24 elements only (the line until 2026-11-26): at 1.5B gate_up alone, down (13.8M) in bf16
-           "fp8kv_w8gu": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=1 << 24)}
+           "fp8kv_w8gu": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=1 << 24),
+           # the recipe engine_kwargs.native.fp8_lm_head=True: the untied LM head in FP8 too
+           "fp8kv_w8head": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_lm_head=True)}
 CONFIGS.update({f"{name}_v2": dict(kw, decode_kernel="v2") for name, kw in list(CONFIGS.items())})
 
 

@@ -4,10 +4,10 @@ What is compared: a tiny Qwen2 engine in fp32 with `kv_cache_dtype=fp8` (and `qu
 engine with `auto`. The reference decodes 16 prompts x 24 new tokens greedily; the FP8 engine is then given every
 prefix of those sequences (teacher forcing, 384 one-token requests through the same prefill + cache path) and must
 pick the same greedy token at >= 90% of positions with FP8 KV (95.3% measured, mean gap 0.014) and >= 80% with FP8
-KV + FP8 weights (86.2%, mean gap 0.047), with the chosen token's log-prob within the stated bound. (Free
-running, one flipped token changes the whole rest of a sequence, so position-wise agreement of two free runs
-measures when the first flip happens, not how often the FP8 argmax differs; it is printed too.) The weights are
-scaled up so the next-token distribution is peaked like a trained model's (a random init is nearly uniform, where any
+KV + FP8 weights (86.2%, mean gap 0.047; 84.6% and 0.051 with the LM head in FP8 too), with the chosen token's
+log-prob within the stated bound. (Free running, one flipped token changes the whole rest of a sequence, so
+position-wise agreement of two free runs measures when the first flip happens, not how often the FP8 argmax differs;
+it is printed too.) The weights are scaled up so the next-token distribution is peaked like a trained model's (a random init is nearly uniform, where any
 rounding flips the argmax and the agreement number says nothing).
 """
 
@@ -71,6 +71,7 @@ def reference():
     (dict(kv_cache_dtype="fp8"), 0.9, 0.1),
     # W8A8 on a 64-wide model: every GEMM adds e4m3 rounding of both operands (85% with FP8 weights alone)
     (dict(kv_cache_dtype="fp8", quantization="fp8"), 0.8, 0.25),
+    (dict(kv_cache_dtype="fp8", quantization="fp8", fp8_lm_head=True), 0.8, 0.3),  # the recipe: e4m3 logits
 ])
 def test_fp8_greedy_agrees_with_full_precision(reference, kw, min_agree, max_gap):
     m, prompts, ref = reference
@@ -181,3 +182,23 @@ def test_split_k_serves_few_rows_and_past_them_only_the_gemms_it_was_measured_to
     assert not splitk_serves(128, 17920, 1536) and not splitk_serves(65, 2048, 1536)  # 1.5B gate_up, qkv
     assert splitk_serves(128, 4096, 14336) and not splitk_serves(129, 4096, 14336)  # the 8B down
     assert not splitk_serves(257, 1536, 8960)
+
+
+def test_fp8_lm_head_follows_update_weights_and_is_refused_where_it_cannot_run(reference):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from polyrl.rollout.native.fp8_linear import FP8Linear
+
+    m = reference[0]
+    eng = NativeEngine.from_hf(m, device="cpu", num_kv_tokens=512, quantization="fp8", fp8_lm_head=True)
+    assert isinstance(eng.model.lm_head, FP8Linear)
+    new = {k: v * 0.5 + 0.01 for k, v in m.state_dict().items()}
+    eng.update_weights(new.items())
+    head, hf = eng.model.lm_head, new["lm_head.weight"]
+    assert ((head.weight.float() * head.weight_scale[:, None] - hf).norm() / hf.norm()) < 0.04
+    with pytest.raises(ValueError, match="needs actor_rollout_ref.rollout.quantization=fp8"):
+        NativeEngine.from_hf(m, device="cpu", num_kv_tokens=256, fp8_lm_head=True)
+    tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="untied LM head"):
+        NativeEngine.from_hf(tied, device="cpu", num_kv_tokens=256, quantization="fp8", fp8_lm_head=True)

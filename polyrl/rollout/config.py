@@ -95,9 +95,11 @@ class RolloutConfig:
     """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
     block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more
     elements than this; default 2^23 on CUDA, which puts a 1.5B model's gate_up and down projections in FP8;
-    16777216 keeps down in bf16; measurements in fp8_linear.py) and decode_kernel (CUDA paged-decode kernel:
+    16777216 keeps down in bf16; measurements in fp8_linear.py), decode_kernel (CUDA paged-decode kernel:
     auto, the default, picks v2 with kv_cache_dtype=fp8 and v1 otherwise, as measured on an H100; v1, one program
-    per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py)."""
+    per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py) and fp8_lm_head (with
+    quantization=fp8, the untied LM head in FP8 too: a recipe, off by default, since the sampled tokens' log-probs
+    then come from e4m3 logits; pair it with algorithm.rollout_correction)."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

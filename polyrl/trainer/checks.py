@@ -34,7 +34,7 @@ def world_size(cfg) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
-NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel"}
+NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel", "fp8_lm_head"}
 
 
 def _check_low_precision_rollout(r) -> None:

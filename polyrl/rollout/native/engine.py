@@ -91,6 +91,7 @@ class NativeEngine:
         quantization: str | None = None,
         fp8_min_elements: int | None = None,
         decode_kernel: str = "auto",
+        fp8_lm_head: bool = False,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -119,11 +120,11 @@ class NativeEngine:
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
                    kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements,
-                   decode_kernel=decode_kernel)
+                   decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
-                 quantization=None, fp8_min_elements=None, decode_kernel="auto"):
+                 quantization=None, fp8_min_elements=None, decode_kernel="auto", fp8_lm_head=False):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -147,10 +148,12 @@ class NativeEngine:
                   f"({why})")
         self.kv_dtype = FP8 if self.kv_fp8 else self.dtype
         self.quantization = quantization
+        if fp8_lm_head and quantization != "fp8":
+            raise ValueError("engine_kwargs.native.fp8_lm_head=True needs actor_rollout_ref.rollout.quantization=fp8.")
         if quantization == "fp8":
             from polyrl.rollout.native.fp8_linear import quantize_model
 
-            quantize_model(model, min_elements=fp8_min_elements)
+            quantize_model(model, min_elements=fp8_min_elements, lm_head=fp8_lm_head)
         self.cuda = self.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed

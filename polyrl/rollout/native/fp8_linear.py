@@ -154,9 +154,16 @@ def _rows_matmul(xq_MK, xs_M, w_NK, w_scale_N, bias, out_dtype):
     return y if bias is None else y + bias
 
 
-def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None) -> None:
+def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None, lm_head: bool = False) -> None:
     """Swap the decoder's nn.Linear layers named in `gemms` whose weight has more than `min_elements` elements (the
-    measured crossover on CUDA; every named layer on CPU, so CI exercises them all) for FP8Linear, in place."""
+    measured crossover on CUDA; every named layer on CPU, so CI exercises them all) for FP8Linear, in place; the LM
+    head too with `lm_head` (a recipe: the sampled tokens' log-probs then come from e4m3 logits, which rollout
+    correction weighs against the trainer's)."""
+    if lm_head:
+        if model.lm_head is None:
+            raise ValueError("engine_kwargs.native.fp8_lm_head=True needs an untied LM head, and this model ties it to "
+                             "the embedding (tie_word_embeddings); leave fp8_lm_head off for it.")
+        model.lm_head = FP8Linear(model.lm_head)
     if min_elements is None:
         min_elements = MIN_FP8_ELEMENTS if model.embed.weight.is_cuda else 0
     for blk in model.layers:

@@ -208,8 +208,9 @@ class CausalLM(nn.Module):
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden_SD, w)
+        if self.lm_head is None:  # tied to the embedding
+            return nn.functional.linear(hidden_SD, self.embed.weight)
+        return self.lm_head(hidden_SD)  # nn.Linear, or FP8Linear (engine_kwargs.native.fp8_lm_head)
 
 
 def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.Module | None]]:
@@ -229,7 +230,7 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.M
     whole("model.embed_tokens.weight", model.embed.weight)
     whole("model.norm.weight", model.norm.weight)
     if model.lm_head is not None:
-        whole("lm_head.weight", model.lm_head.weight)
+        rows("lm_head.weight", model.lm_head, "weight", 0, model.lm_head.weight.shape[0])
     else:  # tied: HF state dicts may still list lm_head.weight; it is the embedding
         whole("lm_head.weight", model.embed.weight)
     qs, kvs, inter, hid = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size, s.hidden_size
