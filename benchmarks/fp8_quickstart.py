@@ -27,7 +27,10 @@ from _record import append_row  # noqa: E402
 FP8 = ["actor_rollout_ref.rollout.kv_cache_dtype=fp8", "actor_rollout_ref.rollout.quantization=fp8",
        "+actor_rollout_ref.rollout.engine_kwargs.native.fp8_min_elements=0",
        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"]
-CONFIGS = {"bf16": [], "fp8kv_w8_tis": FP8}
+# the recipe engine_kwargs.native.fp8_lm_head=True on top: the LM head in FP8 too (tied here: an e4m3 copy of the
+# embedding), so the sampled tokens' log-probs come from e4m3 logits
+CONFIGS = {"bf16": [], "fp8kv_w8_tis": FP8,
+           "fp8kv_w8head_tis": FP8 + ["+actor_rollout_ref.rollout.engine_kwargs.native.fp8_lm_head=True"]}
 
 
 def metric_mean(run_dir: str, key: str) -> float | None:

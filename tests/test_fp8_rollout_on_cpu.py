@@ -184,7 +184,7 @@ def test_split_k_serves_few_rows_and_past_them_only_the_gemms_it_was_measured_to
     assert not splitk_serves(257, 1536, 8960)
 
 
-def test_fp8_lm_head_follows_update_weights_and_is_refused_where_it_cannot_run(reference):
+def test_fp8_lm_head_follows_update_weights_tied_or_not(reference):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from polyrl.rollout.native.fp8_linear import FP8Linear
@@ -198,7 +198,15 @@ def test_fp8_lm_head_follows_update_weights_and_is_refused_where_it_cannot_run(r
     assert ((head.weight.float() * head.weight_scale[:, None] - hf).norm() / hf.norm()) < 0.04
     with pytest.raises(ValueError, match="needs actor_rollout_ref.rollout.quantization=fp8"):
         NativeEngine.from_hf(m, device="cpu", num_kv_tokens=256, fp8_lm_head=True)
+    # tied to the embedding: the FP8 head is a copy of it, refreshed whenever the embedding is sent
+    torch.manual_seed(0)
     tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="untied LM head"):
-        NativeEngine.from_hf(tied, device="cpu", num_kv_tokens=256, quantization="fp8", fp8_lm_head=True)
+    eng = NativeEngine.from_hf(tied, device="cpu", num_kv_tokens=256, quantization="fp8", fp8_lm_head=True)
+    head = eng.model.lm_head
+    for scale in (1.0, -2.0):  # at build, then after an update that sends only the embedding
+        if scale != 1.0:
+            eng.update_weights([("model.embed_tokens.weight", tied.model.embed_tokens.weight * scale)])
+        want = tied.model.embed_tokens.weight.detach() * scale
+        assert ((head.weight.float() * head.weight_scale[:, None] - want).norm() / want.norm()) < 0.04
+    assert torch.equal(eng.model.embed.weight, tied.model.embed_tokens.weight.detach() * -2.0)

@@ -98,8 +98,9 @@ class RolloutConfig:
     16777216 keeps down in bf16; measurements in fp8_linear.py), decode_kernel (CUDA paged-decode kernel:
     auto, the default, picks v2 with kv_cache_dtype=fp8 and v1 otherwise, as measured on an H100; v1, one program
     per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py) and fp8_lm_head (with
-    quantization=fp8, the untied LM head in FP8 too: a recipe, off by default, since the sampled tokens' log-probs
-    then come from e4m3 logits; pair it with algorithm.rollout_correction)."""
+    quantization=fp8, the LM head in FP8 too, a tied one as an e4m3 copy of the embedding: a recipe, off by
+    default, since the sampled tokens' log-probs then come from e4m3 logits; pair it with
+    algorithm.rollout_correction)."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

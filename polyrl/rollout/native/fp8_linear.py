@@ -159,11 +159,12 @@ def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None, lm_h
     measured crossover on CUDA; every named layer on CPU, so CI exercises them all) for FP8Linear, in place; the LM
     head too with `lm_head` (a recipe: the sampled tokens' log-probs then come from e4m3 logits, which rollout
     correction weighs against the trainer's)."""
-    if lm_head:
-        if model.lm_head is None:
-            raise ValueError("engine_kwargs.native.fp8_lm_head=True needs an untied LM head, and this model ties it to "
-                             "the embedding (tie_word_embeddings); leave fp8_lm_head off for it.")
-        model.lm_head = FP8Linear(model.lm_head)
+    if lm_head:  # a tied head gets an e4m3 copy of the embedding, refreshed when the embedding loads
+        head = model.lm_head
+        if head is None:
+            head = nn.Linear(model.spec.hidden_size, model.spec.vocab_size, bias=False, device="meta")
+            head.weight = model.embed.weight
+        model.lm_head = FP8Linear(head)
     if min_elements is None:
         min_elements = MIN_FP8_ELEMENTS if model.embed.weight.is_cuda else 0
     for blk in model.layers:

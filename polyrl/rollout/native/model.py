@@ -210,7 +210,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding
             return nn.functional.linear(hidden_SD, self.embed.weight)
-        return self.lm_head(hidden_SD)  # nn.Linear, or FP8Linear (engine_kwargs.native.fp8_lm_head)
+        return self.lm_head(hidden_SD)  # nn.Linear, or FP8Linear (engine_kwargs.native.fp8_lm_head; tied: a copy)
 
 
 def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.Module | None]]:
@@ -229,7 +229,7 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.M
 
     whole("model.embed_tokens.weight", model.embed.weight)
     whole("model.norm.weight", model.norm.weight)
-    if model.lm_head is not None:
+    if not s.tie_word_embeddings:
         rows("lm_head.weight", model.lm_head, "weight", 0, model.lm_head.weight.shape[0])
     else:  # tied: HF state dicts may still list lm_head.weight; it is the embedding
         whole("lm_head.weight", model.embed.weight)
@@ -284,11 +284,14 @@ def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Te
         else:
             view.copy_(t, non_blocking=True)
         seen.add(name)
+    if model.spec.tie_word_embeddings and model.lm_head is not None and seen & {"model.embed_tokens.weight",
+                                                                                "lm_head.weight"}:
+        model.lm_head.load_rows(0, model.spec.vocab_size, model.embed.weight)  # the FP8 head's copy of the embedding
     return seen
 
 
 def required_hf_names(model: CausalLM) -> set[str]:
     names = set(_hf_targets(model))
-    if model.lm_head is None:
+    if model.spec.tie_word_embeddings:
         names.discard("lm_head.weight")
     return names
