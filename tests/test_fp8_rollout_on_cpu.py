@@ -210,3 +210,17 @@ def test_fp8_lm_head_follows_update_weights_tied_or_not(reference):
         want = tied.model.embed_tokens.weight.detach() * scale
         assert ((head.weight.float() * head.weight_scale[:, None] - want).norm() / want.norm()) < 0.04
     assert torch.equal(eng.model.embed.weight, tied.model.embed_tokens.weight.detach() * -2.0)
+
+
+def test_fp8_linear_pads_rows_to_the_gemm_alignment_and_returns_the_true_width():
+    from torch import nn
+
+    from polyrl.rollout.native.fp8_linear import FP8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 104, bias=True)  # e.g. the quickstart's 104-token vocabulary
+    f8 = FP8Linear(lin)
+    assert f8.weight.shape == (112, 32) and f8.weight[104:].float().abs().sum() == 0
+    x = torch.randn(5, 32)
+    y = f8(x)
+    assert y.shape == (5, 104) and ((y - lin(x)).norm() / lin(x).norm()).item() < 0.06

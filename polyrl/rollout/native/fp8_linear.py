@@ -66,8 +66,11 @@ class FP8Linear(nn.Module):
         out_f, in_f = linear.weight.shape
         dev = linear.weight.device
         self.out_dtype = linear.weight.dtype
-        self.weight = nn.Parameter(torch.zeros(out_f, in_f, dtype=FP8, device=dev), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.ones(out_f, dtype=torch.float32, device=dev), requires_grad=False)
+        # rows padded with zeros to a multiple of 16 (`_scaled_mm`'s alignment; e.g. a 104-token vocabulary's head)
+        self.out_features, self.pad = out_f, -out_f % 16
+        self.weight = nn.Parameter(torch.zeros(out_f + self.pad, in_f, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_f + self.pad, dtype=torch.float32, device=dev),
+                                         requires_grad=False)
         self.bias = linear.bias
         self.load_rows(0, out_f, linear.weight.data)
 
@@ -78,7 +81,10 @@ class FP8Linear(nn.Module):
         self.weight_scale.data[lo:hi].copy_(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        if not self.pad:
+            return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        y = fp8_matmul(x, self.weight, self.weight_scale, None, self.out_dtype)[..., : self.out_features].contiguous()
+        return y if self.bias is None else y + self.bias
 
 
 def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -230,7 +230,7 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.M
     whole("model.embed_tokens.weight", model.embed.weight)
     whole("model.norm.weight", model.norm.weight)
     if not s.tie_word_embeddings:
-        rows("lm_head.weight", model.lm_head, "weight", 0, model.lm_head.weight.shape[0])
+        rows("lm_head.weight", model.lm_head, "weight", 0, s.vocab_size)
     else:  # tied: HF state dicts may still list lm_head.weight; it is the embedding
         whole("lm_head.weight", model.embed.weight)
     qs, kvs, inter, hid = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size, s.hidden_size
