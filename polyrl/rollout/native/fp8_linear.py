@@ -25,8 +25,9 @@ The producing kernels (add_rmsnorm, silu_mul) hand an FP8 GEMM its input as `FP8
 2026-11-26).
 At 1-16 rows a bf16 input (a layer whose producer does not quantise, or FUSED_INPUT off) runs `w8a16.py`'s Triton
 kernel, which reads the e4m3 weight once and keeps the activation in bf16; past that, `_scaled_mm`.
-The LM head and embedding stay in the model dtype: the sampled token's log-prob comes out of the head, and it is the
-number rollout correction compares with the trainer's.
+The LM head and embedding stay in the model dtype by default: the sampled token's log-prob comes out of the head, and
+it is the number rollout correction compares with the trainer's. `engine_kwargs.native.fp8_lm_head=True` (a recipe)
+puts the head in FP8 too: s1 8,819 tok/s against 8,639, and the quickstart learns as well (H100, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ MIN_FP8_ELEMENTS = 1 << 23  # the size line (module docstring)
 FUSED_INPUT = os.environ.get("POLYRL_FP8_FUSED_INPUT", "1") == "1"
 W8A16_MAX_ROWS = 16  # at most this many rows (decode's long tail) run w8a16.py's kernel: x stays unquantised
 # Decode GEMMs fed `FP8Rows` run splitk_fp8.py (K split so every GEMM covers the GPU, partials reduced in the same
-# launch) at <= SPLITK_MAX_ROWS rows, and up to splitk_fp8.MAX_ROWS while cuBLASLt's 128 x 128 output tiles would
-# leave SMs idle (`splitk_serves`): s1 8,444 tok/s against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0 goes back to
-# w8a16 (bf16 x) at <= 16 rows and `_scaled_mm` above.
+# launch) at <= SPLITK_MAX_ROWS rows, and past that the weights in SPLITK_WIDE (`splitk_serves`): s1 8,444 tok/s
+# against 8,220 (H100, 2026-11-26). POLYRL_FP8_SPLITK=0 goes back to w8a16 (bf16 x) at <= 16 rows and `_scaled_mm`
+# above.
 SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
 SPLITK_MAX_ROWS = 64
 # Past SPLITK_MAX_ROWS (row blocks of 64, each rereading the weight) only where measured to win: weight (N, K) -> up
