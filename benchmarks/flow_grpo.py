@@ -472,8 +472,9 @@ def main() -> None:
     rows = []
     for i in range(args.steps):
         rows.append(trainer.step())
-        progress(f"timed step {i + 1}: " + ", ".join(f"{k[9:]} {rows[-1][k]:.1f} s" for k in
-                                                    ("timing_s/gen", "timing_s/update_actor", "timing_s/step")))
+        progress(f"timed step {i + 1}: " + ", ".join(f"{k} {rows[-1]['timing_s/' + k]:.2f} s" for k in
+                                                    ("gen", *GEN_PARTS, "reward", "update_actor", "step")
+                                                    if "timing_s/" + k in rows[-1]))
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU
