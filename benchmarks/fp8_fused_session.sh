@@ -40,14 +40,9 @@ case "${1:?part}" in
     S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md $T"
     timeout 165 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 165 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
-  thresh)  # the FP8 size line with the split-K kernel: gate_up only (2^24) or gate_up + down (2^23), s1 and (a)
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
-    timeout 160 python3 $S1 --configs fp8kv_w8down 2>&1 | grep "^{\\|Error" | tee "$OUT/s1_down.txt"
-    timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,fp8kv_w8down --rows-out $OUT/rows.md \
-      2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt" ;;
-  rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, the 1.5B GEMMs at 128 / 256 rows with a
-            # launch sweep (BM 64 or 128), then (a) (256-row decode) with split-K up to 256 rows and that table
-            # (measured at 6baf986; the routing it led to is the `line` part)
+  rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, then the 1.5B GEMMs at 96-256 rows with
+            # a launch sweep (BM 64 or 128) written to $OUT/splitk_table.json (6baf986 also timed (a) with every FP8
+            # GEMM on split-K; the routing the GEMMs led to is timed by the `line` part)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
       | tee "$OUT/tests.txt"
     timeout 150 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 96,128,256 \

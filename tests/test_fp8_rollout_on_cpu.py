@@ -7,8 +7,8 @@ pick the same greedy token at >= 90% of positions with FP8 KV (95.3% measured, m
 KV + FP8 weights (86.2%, mean gap 0.047; 84.6% and 0.051 with the LM head in FP8 too), with the chosen token's
 log-prob within the stated bound. (Free running, one flipped token changes the whole rest of a sequence, so
 position-wise agreement of two free runs measures when the first flip happens, not how often the FP8 argmax differs;
-it is printed too.) The weights are scaled up so the next-token distribution is peaked like a trained model's (a random init is nearly uniform, where any
-rounding flips the argmax and the agreement number says nothing).
+it is printed too.) The weights are scaled up so the next-token distribution is peaked like a trained model's (a
+random init is nearly uniform, where any rounding flips the argmax and the agreement number says nothing).
 """
 
 import pytest
