@@ -6,6 +6,10 @@
             --update_actor--> per mini-batch: for each micro-batch and each trained step, forward + clipped loss
                               (+ beta KL to the reference) + backward; then grad clip and one AdamW step
 
+With the reward in worker processes (`reward.async_reward`) the last rollout chunk is still being scored when
+generation ends: the update's first forward is launched first and the rewards are waited for after it
+(`update_actor`), so `timing_s/reward` and `timing_s/adv` are then inside `timing_s/update_actor`.
+
 Data parallel (torchrun, or `trainer.n_gpus_per_node > 1`): every rank draws the same global prompt batch and keeps
 whole prompt groups of every mini-batch (`polyrl.distributed.data.shard_prompts`), samples and scores them, and trains
 the transformer sharded with FSDP2 per block (`polyrl.distributed.dit_fsdp`). Each sample's noise is seeded by (seed, step,
@@ -30,6 +34,7 @@ rollout halves its chunk. Each change is warned once with the key that avoids it
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -278,9 +283,33 @@ class FlowGRPOTrainer(TrainerCore):
         images = self.policy.decode(rollout.traj.final_B)
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
-    def update_actor(self, rollout: FlowSamples, adv_B: torch.Tensor, skip_mini_batches: int = 0) -> dict[str, float]:
+    def _advantages(self, batch, rollout: FlowSamples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's rewards (waited for, with an async scorer) and GRPO advantages: (every rank's scores, every
+        rank's advantages, this rank's advantages)."""
+        with self.timer.stage("reward"):
+            scores_B = self.score(rollout)
+        with self.timer.stage("adv"):
+            # the whole batch's rewards on every rank (small): global_std and every metric below are then
+            # computed exactly as in one process, and each rank takes its samples' advantages
+            num_samples = len(batch) * self.cfg.actor_rollout_ref.rollout.n
+            all_scores = dit_fsdp.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
+            all_groups = [i // self.cfg.actor_rollout_ref.rollout.n for i in range(num_samples)]
+            a = self.cfg.algorithm
+            all_adv = flow_grpo.flow_grpo_advantages(
+                all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+                global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
+            )  # fmt: skip
+        return all_scores, all_adv, all_adv[torch.tensor(rollout.sample_ids)]
+
+    def update_actor(self, rollout: FlowSamples, adv_B: torch.Tensor | Callable[[], torch.Tensor],
+                     skip_mini_batches: int = 0) -> dict[str, float]:
         """PPO epochs over mini-batches of prompts; each trained step is its own forward/backward (accumulated).
         `skip_mini_batches`: already applied by an attempt that ran out of memory (trainer/oom.py resumes after them).
+
+        `adv_B` may be a function that waits for the rewards (the async scorer's last chunk): the first micro-batch's
+        first trained forward is launched before it is called, so the GPU computes it while the CPU waits. With
+        `skip_zero_adv` the micro-batch is guessed unfiltered and the forward is dropped if the guess was wrong (one
+        process only: ranks must run the same passes).
 
         With several processes each rank holds its slice of every mini-batch: the loss normaliser counts the global
         mini-batch and each rank's loss is scaled by the process count (FSDP averages gradients over ranks), so the
@@ -301,6 +330,12 @@ class FlowGRPOTrainer(TrainerCore):
             with self.timer.stage("old_log_prob"):
                 self._correct_rollout(rollout)
         self.policy.transformer.train()
+        ahead = None  # (samples, step 0's forward) run while the rewards were waited for
+        if callable(adv_B):
+            if skip_mini_batches == 0 and actor.ppo_epochs > 0 and not (actor.skip_zero_adv and world > 1):
+                mb = torch.arange(0, min(micro, mini, len(rollout.prompts)))
+                ahead = mb, self._trained_forward(rollout, mb, 0)
+            adv_B = adv_B()
         self.mini_batches_applied, num_seen = skip_mini_batches, 0
         for _ in range(actor.ppo_epochs):
             for lo in range(0, len(rollout.prompts), mini):
@@ -320,7 +355,11 @@ class FlowGRPOTrainer(TrainerCore):
                     mb, weight = idx[k * micro : (k + 1) * micro], 1.0
                     if len(mb) == 0:  # padding pass: keeps this rank's collectives in step with the others
                         mb, weight = torch.arange(lo, lo + 1), 0.0
-                    self._micro_batch_backward(rollout, adv_B, mb, num_terms, weight * world, metric_sums)
+                    first = None
+                    if ahead is not None and torch.equal(ahead[0], mb):
+                        first = ahead[1]
+                    ahead = None  # used, or a wrong guess dropped
+                    self._micro_batch_backward(rollout, adv_B, mb, num_terms, weight * world, metric_sums, first)
                 grad_norm = clip_grad_norm_(params, actor.grad_clip)  # the global norm on every rank
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
@@ -375,30 +414,40 @@ class FlowGRPOTrainer(TrainerCore):
         rollout.old_log_probs_KB, rollout.is_weights_BK, rollout.correction_metrics = old_KB, weights_BK, metrics
         rollout.keep_BK = keep_BK if self.cfg.algorithm.rollout_correction.rollout_rs is not None else None
 
-    def _micro_batch_backward(self, rollout: FlowSamples, adv_B, mb, num_terms: int, scale: float, metric_sums) -> None:
-        """Forward + loss (normalised by the mini-batch's `num_terms`) + backward of `loss * scale` for each trained
-        step of samples `mb`; its metric sums are added to `metric_sums` (zeros when `scale` is 0: a padding pass)."""
-        cfg = self.cfg.actor_rollout_ref
-        actor, algo = cfg.actor, cfg.rollout.algo
+    def _trained_forward(self, rollout: FlowSamples, mb: torch.Tensor, k: int):
+        """The policy's SDE step on trained step k of samples `mb`, with grad: (its output, the KL to the reference
+        per sample or None)."""
+        actor, algo = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.algo
         traj, sigmas = rollout.traj, rollout.sigmas
-        sigma_max = float(sigmas[1])
-        prompts = [rollout.prompts[i] for i in mb.tolist()]
-        for k, i in enumerate(traj.step_indices):
-            x = traj.latents_KB[k, mb]
-            sigma_B = sigmas[i].expand(len(mb)).to(x.device)
-            v = self.policy.velocity(x, sigma_B, prompts)
-            out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
-                               sigma_max=sigma_max, x_next=traj.next_latents_KB[k, mb])  # fmt: skip
-            kl_B = None
-            if actor.use_kl_loss:
-                v_ref = self.policy.velocity(x, sigma_B, prompts, reference=True)
-                ref = sde_lib.step(algo.sde_type, x, v_ref, sigmas[i], sigmas[i + 1],
-                                   noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
-                kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
-                                         v=v, ref_v=v_ref)  # fmt: skip
+        i, sigma_max = traj.step_indices[k], float(sigmas[1])
+        prompts = [rollout.prompts[j] for j in mb.tolist()]
+        x = traj.latents_KB[k, mb]
+        sigma_B = sigmas[i].expand(len(mb)).to(x.device)
+        v = self.policy.velocity(x, sigma_B, prompts)
+        out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
+                           sigma_max=sigma_max, x_next=traj.next_latents_KB[k, mb])  # fmt: skip
+        kl_B = None
+        if actor.use_kl_loss:
+            v_ref = self.policy.velocity(x, sigma_B, prompts, reference=True)
+            ref = sde_lib.step(algo.sde_type, x, v_ref, sigmas[i], sigmas[i + 1],
+                               noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
+            kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
+                                     v=v, ref_v=v_ref)  # fmt: skip
+        return out, kl_B
+
+    def _micro_batch_backward(self, rollout: FlowSamples, adv_B, mb, num_terms: int, scale: float, metric_sums,
+                              first=None) -> None:
+        """Forward + loss (normalised by the mini-batch's `num_terms`) + backward of `loss * scale` for each trained
+        step of samples `mb`; its metric sums are added to `metric_sums` (zeros when `scale` is 0: a padding pass).
+        `first`: trained step 0's forward of these samples, already run (`update_actor`)."""
+        actor = self.cfg.actor_rollout_ref.actor
+        traj = rollout.traj
+        for k in range(len(traj.step_indices)):
+            out, kl_B = first if k == 0 and first is not None else self._trained_forward(rollout, mb, k)
+            first = None
             old_KB = traj.log_probs_KB if rollout.old_log_probs_KB is None else rollout.old_log_probs_KB
             loss, m = flow_grpo.clipped_loss(
-                out.log_prob_B, old_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(x.device),
+                out.log_prob_B, old_KB[k, mb].to(out.log_prob_B.device), adv_B[mb].to(out.log_prob_B.device),
                 clip_ratio=actor.diffusion_loss.clip_ratio, num_terms=num_terms, kl_B=kl_B,
                 kl_coef=actor.kl_loss_coef,
                 is_weights_B=None if rollout.is_weights_BK is None else rollout.is_weights_BK[mb, k],
@@ -432,27 +481,19 @@ class FlowGRPOTrainer(TrainerCore):
                 gen = lambda: self.generate([batch[i] for i in mine], mine)  # noqa: E731
                 # an async scorer already holds the chunks made before an OOM: no retry then
                 rollout = gen() if self.async_scorer else self.oom.run("gen", gen, generators=[self._noise_gen])
-            with self.timer.stage("reward"):
-                scores_B = self.score(rollout)
-            with self.timer.stage("adv"):
-                # the whole batch's rewards on every rank (small): global_std and every metric below are then
-                # computed exactly as in one process, and each rank takes its samples' advantages
-                num_samples = len(batch) * ro.n
-                all_scores = dit_fsdp.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
-                all_groups = [i // ro.n for i in range(num_samples)]
-                a = self.cfg.algorithm
-                all_adv = flow_grpo.flow_grpo_advantages(
-                    all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
-                    global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
-                )  # fmt: skip
-                adv_B = all_adv[torch.tensor(rollout.sample_ids)]
+            # (all scores, all advantages, this rank's): with an async scorer the last chunk is still being scored,
+            # so the update's first forward is launched before they are waited for (`update_actor`)
+            advantages = functools.cache(lambda: self._advantages(batch, rollout))
+            adv_B = (lambda: advantages()[2]) if self.async_scorer else advantages()[2]
             with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
                 ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
                 metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)
+            all_scores, all_adv, _ = advantages()
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0
         group_std = all_scores.view(len(batch), ro.n).std(dim=1)
+        all_groups = [i // ro.n for i in range(len(all_scores))]
         metrics.update({
             "critic/rewards/mean": float(all_scores.mean()),
             "critic/rewards/std": float(all_scores.std()),
