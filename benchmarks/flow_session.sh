@@ -10,6 +10,7 @@
 #                                              # of 16 images, then in two of 8 (the first one's OCR hides behind the
 #                                              # second one's sampling)
 #   bash benchmarks/flow_session.sh chunk8     # 1 H200: the second of those alone
+#   bash benchmarks/flow_session.sh overlap    # 1 H200: chunk8 with the rewards waited for first, then overlapped
 #   bash benchmarks/flow_session.sh workers    # 1 H200: chunk8 with 4 OCR workers, then 8, in one call
 #   bash benchmarks/flow_session.sh update_static # 1 H200: chunk8, 8 workers, the update dynamic-shape then static
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
@@ -47,6 +48,14 @@ case "${1:?part}" in
       --async-reward --fp8 --rollout-micro 8 \
       --note "same work, async OCR (${REWARD_WORKERS:-8} workers), FP8 on the ODE steps (LoRA merged), two rollout \
 chunks of 8" ;;
+  overlap)  # chunk8 (8 workers), the rewards waited for before the update, then with the update's first forward
+            # launched before the wait (the default): the same machine for both; STEPS (3) timed steps each
+    for ov in 0 1; do
+      export POLYRL_FLOW_REWARD_OVERLAP=$ov; run overlap$ov timeout 285 python3 benchmarks/flow_grpo.py $FAST \
+        --reward-workers ${REWARD_WORKERS:-8} --async-reward --fp8 --rollout-micro 8 --note "same work, async OCR \
+(${REWARD_WORKERS:-8} workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8; update's first forward \
+$([ $ov = 1 ] && echo "launched before the reward wait" || echo "after the reward wait (POLYRL_FLOW_REWARD_OVERLAP=0)")"
+    done ;;
   workers)  # chunk8 with 4 OCR workers (4 threads each), then 8 (2 threads each): the same machine for both
     for W in 4 8; do
       run fp8_chunk8_w$W timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers $W --async-reward --fp8 \

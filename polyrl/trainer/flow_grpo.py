@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -484,7 +485,7 @@ class FlowGRPOTrainer(TrainerCore):
             # (all scores, all advantages, this rank's): with an async scorer the last chunk is still being scored,
             # so the update's first forward is launched before they are waited for (`update_actor`)
             advantages = functools.cache(lambda: self._advantages(batch, rollout))
-            adv_B = (lambda: advantages()[2]) if self.async_scorer else advantages()[2]
+            adv_B = (lambda: advantages()[2]) if self.async_scorer and REWARD_OVERLAP else advantages()[2]
             with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
                 ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
                 metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)
@@ -604,6 +605,11 @@ class FlowGRPOTrainer(TrainerCore):
         super().fit(progress)
         return {"val": [m[self.val_key] for m in self.val_history],
                 "train": [m["critic/rewards/mean"] for m in self.train_history]}
+
+
+# With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`);
+# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/flow_session.sh overlap times both)
+REWARD_OVERLAP = os.environ.get("POLYRL_FLOW_REWARD_OVERLAP", "1") == "1"
 
 
 def check_correction(cfg: FlowConfig) -> None:
