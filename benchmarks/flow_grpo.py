@@ -49,6 +49,7 @@ and `--prompts` stays per GPU (the global batch is `--prompts` x processes), so 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import time
@@ -302,6 +303,28 @@ def _update_graphs() -> str:
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
 
 
+class GCClock:
+    """Wall time of Python's full (generation-2) garbage collections since the last `pop()`: a collection walks every
+    live object, and a compiled run holds millions (graphs, guards), so one can stall a step."""
+
+    def __init__(self):
+        self.t0, self.total, self.count = 0.0, 0.0, 0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.total, self.count = self.total + time.perf_counter() - self.t0, self.count + 1
+
+    def pop(self) -> str:
+        words = f"full gc {self.total:.2f} s ({self.count}x)"
+        self.total, self.count = 0.0, 0
+        return words
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
@@ -315,6 +338,8 @@ def main() -> None:
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
     ap.add_argument("--compile", action="store_true",
                     help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up: what lives then is left out of later full collections")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--auto-memory", action="store_true",
                     help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
@@ -458,15 +483,18 @@ def main() -> None:
         if scorer is not None:
             scorer.close()
         return
+    gc_clock = GCClock()
     trainer.step()  # warm-up (allocator, kernels)
-    progress("warm-up step done")
+    progress(f"warm-up step done; {gc_clock.pop()}")
     if args.compile:  # every compiled shape before timing: a rollout and an update per text bucket
         per_chunk = min(args.prompts, max(1, (ro.log_prob_micro_batch_size_per_gpu or args.micro) // ro.n))
         for prompt in one_per_text_bucket(policy, prompts):
             rollout = trainer.generate([prompt] * per_chunk)
             trainer.score(rollout)
             trainer.update_actor(rollout, torch.zeros(len(rollout.prompts)))
-        progress("every text bucket compiled")
+        progress(f"every text bucket compiled; {gc_clock.pop()}")
+    if args.gc_freeze:
+        gc.freeze()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -474,7 +502,7 @@ def main() -> None:
         rows.append(trainer.step())
         progress(f"timed step {i + 1}: " + ", ".join(f"{k} {rows[-1]['timing_s/' + k]:.2f} s" for k in
                                                     ("gen", *GEN_PARTS, "reward", "update_actor", "step")
-                                                    if "timing_s/" + k in rows[-1]))
+                                                    if "timing_s/" + k in rows[-1]) + f"; {gc_clock.pop()}")
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU
