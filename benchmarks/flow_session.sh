@@ -57,11 +57,11 @@ chunks of 8" ;;
 $([ $ov = 1 ] && echo "launched before the reward wait" || echo "after the reward wait (POLYRL_FLOW_REWARD_OVERLAP=0)")"
     done ;;
   gc)  # chunk8 (8 workers), 5 timed steps, full garbage collections timed, without then with gc.freeze() after the
-       # warm-up (a fifth rollout ran ~1 s slow in three runs, inside encode_prompts)
-    for fr in "" "--gc-freeze"; do
-      run gc${fr:+_freeze} timeout 270 python3 benchmarks/flow_grpo.py ${FAST/--steps ${STEPS:-3}/--steps 5} \
+       # warm-up (the default since 2026-11-26; a fifth rollout ran ~1 s slow in three runs, inside encode_prompts)
+    for fr in "--no-gc-freeze" ""; do
+      run gc${fr:+_nofreeze} timeout 270 python3 benchmarks/flow_grpo.py ${FAST/--steps ${STEPS:-3}/--steps 5} \
         --reward-workers 8 --async-reward --fp8 --rollout-micro 8 $fr --note "same work, async OCR (8 workers), FP8 \
-on the ODE steps (LoRA merged), two rollout chunks of 8${fr:+, gc.freeze() after the warm-up}"
+on the ODE steps (LoRA merged), two rollout chunks of 8${fr:+, no gc.freeze() after the warm-up}"
     done ;;
   workers)  # chunk8 with 4 OCR workers (4 threads each), then 8 (2 threads each): the same machine for both
     for W in 4 8; do
