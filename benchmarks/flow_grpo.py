@@ -305,24 +305,25 @@ GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
 
 
 class GCClock:
-    """Wall time of Python's full (generation-2) garbage collections since the last `pop()`: a collection walks every
-    live object, and a compiled run holds millions (graphs, guards), so one can stall a step."""
+    """Wall time of Python's garbage collections since the last `pop()`, full (generation 2) and young (0-1) apart: a
+    collection walks the live objects of its generations, and a compiled run holds millions (graphs, guards)."""
 
     def __init__(self):
-        self.t0, self.total, self.count = 0.0, 0.0, 0
+        self.t0, self.total, self.count = 0.0, [0.0, 0.0], [0, 0]
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        if info["generation"] != 2:
-            return
         if phase == "start":
             self.t0 = time.perf_counter()
-        else:
-            self.total, self.count = self.total + time.perf_counter() - self.t0, self.count + 1
+            return
+        full = int(info["generation"] == 2)
+        self.total[full] += time.perf_counter() - self.t0
+        self.count[full] += 1
 
     def pop(self) -> str:
-        words = f"full gc {self.total:.2f} s ({self.count}x)"
-        self.total, self.count = 0.0, 0
+        words = (f"full gc {self.total[1]:.2f} s ({self.count[1]}x), young gc {self.total[0]:.2f} s "
+                 f"({self.count[0]}x)")
+        self.total, self.count = [0.0, 0.0], [0, 0]
         return words
 
 
