@@ -327,6 +327,27 @@ class GCClock:
         return words
 
 
+class AllocatorClock:
+    """The CUDA caching allocator since the last `pop()`: retries (an allocation that failed, so every cached block was
+    freed and it tried again: slow), cudaMalloc calls, and the GiB allocated now."""
+
+    def __init__(self):
+        self.last = self._counts()
+
+    @staticmethod
+    def _counts() -> tuple[int, int]:
+        if not torch.cuda.is_available():
+            return 0, 0
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
+
+    def pop(self) -> str:
+        now = self._counts()
+        (retries, mallocs), self.last = (a - b for a, b in zip(now, self.last)), now
+        gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        return f"allocator retries {retries}, cudaMalloc {mallocs}, {gib:.1f} GiB allocated"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
@@ -485,19 +506,19 @@ def main() -> None:
         if scorer is not None:
             scorer.close()
         return
-    gc_clock = GCClock()
+    gc_clock, alloc_clock = GCClock(), AllocatorClock()
     trainer.step()  # warm-up (allocator, kernels)
-    progress(f"warm-up step done; {gc_clock.pop()}")
+    progress(f"warm-up step done; {gc_clock.pop()}; {alloc_clock.pop()}")
     if args.compile:  # every compiled shape before timing: a rollout and an update per text bucket
         per_chunk = min(args.prompts, max(1, (ro.log_prob_micro_batch_size_per_gpu or args.micro) // ro.n))
         for prompt in one_per_text_bucket(policy, prompts):
             rollout = trainer.generate([prompt] * per_chunk)
             trainer.score(rollout)
             trainer.update_actor(rollout, torch.zeros(len(rollout.prompts)))
-        progress(f"every text bucket compiled; {gc_clock.pop()}")
+        progress(f"every text bucket compiled; {gc_clock.pop()}; {alloc_clock.pop()}")
     if not args.no_gc_freeze:  # as `fit` does after its first step
         freeze_heap()
-        progress(f"heap frozen; {gc_clock.pop()}")
+        progress(f"heap frozen; {gc_clock.pop()}; {alloc_clock.pop()}")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -505,7 +526,8 @@ def main() -> None:
         rows.append(trainer.step())
         progress(f"timed step {i + 1}: " + ", ".join(f"{k} {rows[-1]['timing_s/' + k]:.2f} s" for k in
                                                     ("gen", *GEN_PARTS, "reward", "update_actor", "step")
-                                                    if "timing_s/" + k in rows[-1]) + f"; {gc_clock.pop()}")
+                                                    if "timing_s/" + k in rows[-1]) +
+                 f"; {gc_clock.pop()}; {alloc_clock.pop()}")
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     timing = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     images = args.prompts * ro.n  # per GPU
