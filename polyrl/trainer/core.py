@@ -237,9 +237,10 @@ class TrainerCore:
 
 def freeze_heap() -> None:
     """After a run's first step: collect, then leave every object alive now (modules, compiled graphs and their
-    guards, optimizer state) out of later garbage collections (`gc.freeze`). A compiled run holds millions of them, so
-    a collection that walks them takes ~1 s: a FlowGRPO step on an H200 once ran 14.5 s against 13.0-13.3, the stall
-    in its prompt encoding, in three of four 5-step runs without the freeze and in none of the run with it
-    (benchmarks/flow_session.sh gc, 2026-11-26). `fit` unfreezes when the run ends."""
+    guards, optimizer state) out of later garbage collections (`gc.freeze`), so a full collection never walks them.
+    Measured (benchmarks/flow_session.sh gc, H200, 2026-11-26): without it a FlowGRPO step ran 0.7-1.2 s slow (all
+    of it in the prompt encoding) in five of six 5-step runs, with it in neither of two. No collection ran in the slow
+    steps and the CUDA allocator neither retried nor called cudaMalloc in them, so why the freeze helps is not known.
+    `fit` unfreezes when the run ends."""
     gc.collect()
     gc.freeze()
