@@ -45,13 +45,6 @@ case "${1:?part}" in
     S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out $OUT/rows.md"
     timeout 250 python3 $S1 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt"
     timeout 250 python3 $S1 --gc-freeze 2>&1 | grep "^{\|Error" | tee "$OUT/s1_freeze.txt" ;;
-  bf16)  # the bf16 decode GEMMs (1.5B, 32-256 rows): cuBLAS / cuBLASLt / swapped against the split-K kernel's sweep,
-         # its winners to $OUT/bf16_table.json; the split-K GPU tests first (the kernel now runs bf16 too)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
-      | tee "$OUT/tests.txt"
-    timeout 420 python3 benchmarks/seed_workloads.py --gemms-bf16 --gemm-archs r1-distill-1.5b --gemm-rows \
-      ${ROWS:-32,64,128,256} --splitk-table-out "$OUT/bf16_table.json" 2>&1 | grep "^bf16gemm\|^device\|Error" \
-      | tee "$OUT/gemms_bf16.txt" ;;
   rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, then the 1.5B GEMMs at 96-256 rows with
             # a launch sweep (BM 64 or 128) written to $OUT/splitk_table.json (6baf986 also timed (a) with every FP8
             # GEMM on split-K; the routing the GEMMs led to is timed by the `line` part)

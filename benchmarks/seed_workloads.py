@@ -303,59 +303,6 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 print(line, flush=True)
 
 
-def bench_bf16_gemms(M_list=(32, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",),
-                     table_out: str | None = None) -> None:
-    """Each bf16 decode GEMM (cold weights, CUDA graphs, as `bench_gemms`): cuBLAS (`F.linear`), cuBLASLt
-    (preferred_blas_library), cuBLAS on the swapped problem (W x^T, so its tiles run over the weight's rows), and
-    splitk_fp8.splitk_matmul (the split-K kernel without scales) over a sweep of launch configs. The best split-K
-    config of each (N, K, rows) that beats cuBLAS goes to `table_out` (JSON, splitk_fp8.BF16_TABLE's keys)."""
-    import triton
-    import triton.testing
-
-    from polyrl.rollout.native import splitk_fp8
-
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    table = {}
-    for arch in archs:
-        _, h, inter, _, nh, kv, _, _ = ARCH[arch]
-        D = h // nh
-        shapes = {"qkv": (h, (nh + 2 * kv) * D), "o": (nh * D, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
-        for name, (K, N) in shapes.items():
-            copies = max(1, -(-2 * l2 // (2 * N * K)))
-            ws = [torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / K**0.5 for _ in range(copies)]
-
-            def per_call(fn):
-                return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
-
-            for M in M_list:
-                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-                t_bf = per_call(lambda i: torch.nn.functional.linear(x, ws[i]))
-                torch.backends.cuda.preferred_blas_library("cublaslt")
-                t_lt = per_call(lambda i: torch.nn.functional.linear(x, ws[i]))
-                torch.backends.cuda.preferred_blas_library("cublas")
-                t_sw = per_call(lambda i: torch.mm(ws[i], x.t()))
-                rows = max(16, triton.next_power_of_2(M))
-                configs = [dict(BN=bn, BK=bk, BM=bm, num_warps=4 if bn * bm <= 64 * 64 else 8,
-                                num_stages=4 if bk == 64 else 3, programs_per_sm=pps, min_k_steps=2)
-                           for bn in (64, 128) for bk in (64, 128) for pps in (1, 2, 4)
-                           for bm in sorted({min(rows, 64), min(rows, 128), rows}) if bm <= splitk_fp8.MAX_ROWS]
-                best = min(((_bench_or_inf(lambda: per_call(lambda i: splitk_fp8.splitk_matmul(x, ws[i], None, c))),
-                             c) for c in configs), key=lambda tc: tc[0])
-                ref = x.float() @ ws[0].float().t()
-                err = (splitk_fp8.splitk_matmul(x, ws[0], None, best[1]).float() - ref).abs().max().item()
-
-                def pct(t):
-                    return f"{t:.1f} us ({t_bf / t:.2f}x, {2 * N * K / t * 1e6 / bw:.0%} BW, {2 * M * N * K / t / 1e6:.0f} TF/s)"
-
-                print(f"bf16gemm {arch} {name} M={M} K={K} N={N}: cublas {pct(t_bf)}, cublaslt {pct(t_lt)}, "
-                      f"swapped {pct(t_sw)}, splitk best {pct(best[0])} {best[1]} max err {err:.3g}", flush=True)
-                if best[0] < min(t_bf, t_lt):
-                    table[f"{N},{K},{rows}"] = best[1]
-                    if table_out:
-                        with open(table_out, "w") as f:
-                            json.dump(table, f, indent=1)
-
-
 def _bench_or_inf(fn) -> float:
     """fn() (microseconds); inf for a launch config the GPU cannot run (shared memory, registers)."""
     try:
@@ -468,8 +415,6 @@ def main():
                     "configs are swept (empty: none)")
     ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
     ap.add_argument("--splitk-table", default=None, help="load split-K launch configs (--splitk-table-out's JSON)")
-    ap.add_argument("--gemms-bf16", action="store_true", help="only the bf16 decode GEMMs: cuBLAS against the split-K "
-                    "kernel's launch sweep (--gemm-rows, --gemm-archs, --splitk-table-out)")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
     ap.add_argument("--profile", action="store_true", help="only the decode step time in four regimes of s1")
     ap.add_argument("--max-splits", default="256", help="paged-decode split caps to compare (comma list; 16 was the "
@@ -501,10 +446,6 @@ def main():
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
                     args.splitk_table_out)
-        return
-    if args.gemms_bf16:
-        ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
-        bench_bf16_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), args.splitk_table_out)
         return
     if args.profile:
         profile(args.configs.split(","), args.max_splits, bw, args.kernels)

@@ -15,7 +15,9 @@ result is the same bits on every run (no float atomics), and no second launch.
 x comes as `FP8Rows` from a fused producer (add_rmsnorm / silu_mul quantise it in their own pass): e4m3 on both
 sides, the tensor cores' FP8 MMA, x's row scale applied with the weight's at the end. A variant that took bf16 x and
 upcast the weight tile in registers (as w8a16.py does) was slower at every size (1.5B gate_up 19.6-23.3 us against
-12.2-14.1 at 1-64 rows) and is gone.
+12.2-14.1 at 1-64 rows) and is gone. So is a bf16 form (bf16 x and W, no scales; commit 768615f): with the best of a
+36-config sweep it lost to cuBLAS at every 1.5B decode GEMM at 32-256 rows except gate_up at 32 (22.5 against 23.2
+us), e.g. down at 256 rows 27.5 against 18.9 us and qkv 8.8-10.7 against 5.9-6.2 (H100, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -53,14 +55,11 @@ TABLE: dict[tuple[int, int, int], dict] = {
     (1536, 8960, 128): dict(BN=64, BK=128, programs_per_sm=1),  # 96-256 rows (row blocks of 64): 13.7 / 16.5 us
     (1536, 8960, 256): dict(BN=64, BK=128, programs_per_sm=1),  # at 128 / 256 rows, bf16 17.1 / 18.5
 }
-BF16_TABLE: dict[tuple[int, int, int], dict] = {}  # splitk_matmul's launch configs (bf16), as TABLE
 
 
 @triton.jit
-def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
-    y = acc
-    if SCALED:
-        y = y * tl.load(WS + n, mask=n_ok, other=0.0)[:, None] * tl.load(XS + m, mask=m_ok, other=0.0)[None, :]
+def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr):
+    y = acc * tl.load(WS + n, mask=n_ok, other=0.0)[:, None] * tl.load(XS + m, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(Y + m[None, :] * stride_ym + n[:, None], y.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
@@ -69,7 +68,7 @@ def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.const
 @triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                    split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN: tl.constexpr, NATIVE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -91,14 +90,12 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
             k_ok = k < k_hi
             w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptr, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if NATIVE_DOT:  # the tensor cores' e4m3 or bf16 MMA
+        if DOT_FP8:
             acc = tl.dot(w, xt, acc)
-        elif SCALED:  # Triton's CPU interpreter: it has no e4m3 MMA, and e4m3 values are exact in fp16
+        else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
             acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
-        else:  # the interpreter's bf16 dot multiplies raw bits
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
     if not SPLIT_K:
-        _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS, SCALED)
+        _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
     else:
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
         out_block = pid_m * tl.num_programs(0) + pid_n  # this program's [BN, BM] tile of y
@@ -109,7 +106,7 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
             for s in range(split):
                 acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
             reset_arrivals(C, out_block)
-            _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS, SCALED)
+            _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
 
 
 def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = ROW_BLOCK) -> tuple[int, int, int, int]:
@@ -128,23 +125,13 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     """x W^T (+ b) for M <= MAX_ROWS rows: x e4m3 rows [M, K] with one fp32 scale each, W e4m3 [N, K] with one fp32
     scale per row. `config` overrides CONFIG's and TABLE's keys; BM (the row block, a power of two >= 16) defaults to
     the next power of two of M, at most ROW_BLOCK."""
-    return _launch(x.q.contiguous(), x.scale, w_NK, w_scale_N, bias, out_dtype, config)
-
-
-def splitk_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, bias: torch.Tensor | None,
-                  config: dict | None = None) -> torch.Tensor:
-    """x W^T (+ b) in the weight's dtype (bf16 / fp16), the same kernel without scales: for the decode GEMMs where
-    cuBLAS leaves SMs idle (few output tiles over a long K)."""
-    return _launch(x_MK.contiguous(), None, w_NK, None, bias, w_NK.dtype, config, BF16_TABLE)
-
-
-def _launch(xq, x_scale, w_NK, w_scale_N, bias, out_dtype, config, table=None):
+    xq = x.q.contiguous()
     M, K = xq.shape
     N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
     rows = max(16, triton.next_power_of_2(M))
-    c = {**CONFIG, **(TABLE if table is None else table).get((N, K, rows), {}), **(config or {})}
+    c = {**CONFIG, **TABLE.get((N, K, rows), {}), **(config or {})}
     bm = c.get("BM") or min(ROW_BLOCK, rows)
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
@@ -155,11 +142,9 @@ def _launch(xq, x_scale, w_NK, w_scale_N, bias, out_dtype, config, table=None):
     partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
                            device=dev)
     counters = arrival_counters(dev, m_blocks * tiles)
-    scaled = x_scale is not None
     _splitk_kernel[(tiles, split, m_blocks)](
-        xq, x_scale if scaled else y, w_NK, w_scale_N if scaled else y, bias if bias is not None else y, y,
-        partials, counters, M, N, K, xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"],
-        BK=c["BK"], SPLIT_K=split > 1, EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0,
-        NATIVE_DOT=dev.type == "cuda", HAS_BIAS=bias is not None, SCALED=scaled, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
+        xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
+        EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
+        HAS_BIAS=bias is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
