@@ -256,7 +256,8 @@ class FlowRewardConfig:
     custom_reward_function: FlowCustomRewardConfig = field(default_factory=FlowCustomRewardConfig)
     """Custom reward by path (joins reward_fns with weight 1 when set)."""
     async_reward: bool = False
-    """Score each rollout chunk in a separate process while the next chunk is generated."""
+    """Score each rollout chunk in a separate process while the next chunk is generated; the last chunk is scored
+    while the update's first forward runs (Qwen-Image LoRA, one H200: 0.21-0.26 s of waiting became 0.02-0.06 s)."""
     num_workers: int = 1
     """Reward worker processes when async_reward is on; each chunk is split among them, and the host's cores among
     the workers of all local processes (POLYRL_REWARD_THREADS overrides the threads per worker). With 4 processes on

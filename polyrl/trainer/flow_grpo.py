@@ -63,6 +63,10 @@ from polyrl.learner.master_weights import MasterWeights
 from polyrl.learner.memory import check_training_state_fits
 from polyrl.utils.timing import StepTimer
 
+# With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`);
+# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/flow_session.sh overlap times both)
+REWARD_OVERLAP = os.environ.get("POLYRL_FLOW_REWARD_OVERLAP", "1") == "1"
+
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 
 
@@ -292,9 +296,9 @@ class FlowGRPOTrainer(TrainerCore):
         with self.timer.stage("adv"):
             # the whole batch's rewards on every rank (small): global_std and every metric below are then
             # computed exactly as in one process, and each rank takes its samples' advantages
-            num_samples = len(batch) * self.cfg.actor_rollout_ref.rollout.n
-            all_scores = dit_fsdp.gather_rows(self.dist, scores_B, rollout.sample_ids, num_samples)
-            all_groups = [i // self.cfg.actor_rollout_ref.rollout.n for i in range(num_samples)]
+            n = self.cfg.actor_rollout_ref.rollout.n
+            all_scores = dit_fsdp.gather_rows(self.dist, scores_B, rollout.sample_ids, len(batch) * n)
+            all_groups = [i // n for i in range(len(batch) * n)]
             a = self.cfg.algorithm
             all_adv = flow_grpo.flow_grpo_advantages(
                 all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
@@ -605,11 +609,6 @@ class FlowGRPOTrainer(TrainerCore):
         super().fit(progress)
         return {"val": [m[self.val_key] for m in self.val_history],
                 "train": [m["critic/rewards/mean"] for m in self.train_history]}
-
-
-# With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`);
-# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/flow_session.sh overlap times both)
-REWARD_OVERLAP = os.environ.get("POLYRL_FLOW_REWARD_OVERLAP", "1") == "1"
 
 
 def check_correction(cfg: FlowConfig) -> None:
