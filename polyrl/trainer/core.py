@@ -237,10 +237,11 @@ class TrainerCore:
 
 def freeze_heap() -> None:
     """After a run's first step: collect, then leave every object alive now (modules, compiled graphs and their
-    guards, optimizer state) out of later garbage collections (`gc.freeze`), so a full collection never walks them.
-    Measured (benchmarks/flow_session.sh gc, H200, 2026-11-26): without it a FlowGRPO step ran 0.7-1.2 s slow (all
-    of it in the prompt encoding) in five of six 5-step runs, with it in neither of two. No collection ran in the slow
-    steps and the CUDA allocator neither retried nor called cudaMalloc in them, so why the freeze helps is not known.
-    `fit` unfreezes when the run ends."""
+    guards, optimizer state) out of later garbage collections (`gc.freeze`, as vLLM does after its graph capture), so
+    a full collection never walks them. Measured (benchmarks/flow_session.sh gc / chunk8, H200, 2026-11-26): a
+    FlowGRPO step ran 0.7-1.2 s slow, all of it in the prompt encoding of the fifth timed step, in five of six 5-step
+    runs without the freeze and in one of three with it (0.69 s). No collection ran in the slow steps and the CUDA
+    allocator neither retried nor called cudaMalloc in them: the cause is not known, and the freeze does not always
+    prevent it. `fit` unfreezes when the run ends."""
     gc.collect()
     gc.freeze()
