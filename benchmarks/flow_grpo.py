@@ -304,6 +304,28 @@ def _update_graphs() -> str:
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
 
 
+def encode_profiled(policy, progress) -> None:
+    """Wrap the policy's next `cache_prompts` call (a step's prompt encoding) in the torch profiler and print its
+    busiest ops by CPU and by CUDA time: where a slow encode goes (a stall of 0.7-1.2 s in some runs' fifth step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plain = policy.cache_prompts
+
+    def once(prompts):
+        policy.cache_prompts = plain
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            plain(prompts)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        progress(f"profiled encode: {time.perf_counter() - t0:.2f} s")
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
+
+    policy.cache_prompts = once
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: checks the code path only")
@@ -319,6 +341,8 @@ def main() -> None:
                     help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="no gc.freeze() after the warm-up (`fit` freezes "
                     "what lives after the first step: trainer/core.py freeze_heap)")
+    ap.add_argument("--profile-encode", type=int, default=0, metavar="N",
+                    help="torch-profile timed step N's prompt encoding; its top ops by CPU and by CUDA time printed")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--auto-memory", action="store_true",
                     help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
@@ -479,6 +503,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     rows = []
     for i in range(args.steps):
+        if i + 1 == args.profile_encode:
+            encode_profiled(policy, progress)
         rows.append(trainer.step())
         progress(f"timed step {i + 1}: " + ", ".join(f"{k} {rows[-1]['timing_s/' + k]:.2f} s" for k in
                                                     ("gen", *GEN_PARTS, "reward", "update_actor", "step")

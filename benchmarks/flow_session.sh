@@ -63,6 +63,10 @@ $([ $ov = 1 ] && echo "launched before the reward wait" || echo "after the rewar
         --reward-workers 8 --async-reward --fp8 --rollout-micro 8 $fr --note "same work, async OCR (8 workers), FP8 \
 on the ODE steps (LoRA merged), two rollout chunks of 8${fr:+, no gc.freeze() after the warm-up}"
     done ;;
+  encode5)  # chunk8 (8 workers), 5 timed steps, the fifth step's prompt encoding torch-profiled (its stall)
+    run encode5 timeout 300 python3 benchmarks/flow_grpo.py ${FAST/--steps ${STEPS:-3}/--steps 5} --reward-workers 8 \
+      --async-reward --fp8 --rollout-micro 8 --profile-encode 5 --note "same work, async OCR (8 workers), FP8 on the \
+ODE steps (LoRA merged), two rollout chunks of 8; the fifth step's encode profiled" ;;
   workers)  # chunk8 with 4 OCR workers (4 threads each), then 8 (2 threads each): the same machine for both
     for W in 4 8; do
       run fp8_chunk8_w$W timeout 285 python3 benchmarks/flow_grpo.py $FAST --reward-workers $W --async-reward --fp8 \
