@@ -57,7 +57,6 @@ import torch
 
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
-from polyrl.trainer.core import freeze_heap
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
 from benchmarks._clocks import AllocatorClock, GCClock
@@ -339,10 +338,6 @@ def main() -> None:
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
     ap.add_argument("--compile", action="store_true",
                     help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
-    ap.add_argument("--no-gc-freeze", action="store_true", help="no gc.freeze() after the warm-up (`fit` freezes "
-                    "what lives after the first step: trainer/core.py freeze_heap)")
-    ap.add_argument("--profile-encode", type=int, default=0, metavar="N",
-                    help="torch-profile timed step N's prompt encoding; its top ops by CPU and by CUDA time printed")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--auto-memory", action="store_true",
                     help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
@@ -496,9 +491,6 @@ def main() -> None:
             trainer.score(rollout)
             trainer.update_actor(rollout, torch.zeros(len(rollout.prompts)))
         progress(f"every text bucket compiled; {gc_clock.pop()}; {alloc_clock.pop()}")
-    if not args.no_gc_freeze:  # as `fit` does after its first step
-        freeze_heap()
-        progress(f"heap frozen; {gc_clock.pop()}; {alloc_clock.pop()}")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rows = []

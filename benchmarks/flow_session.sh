@@ -56,14 +56,8 @@ chunks of 8" ;;
 (${REWARD_WORKERS:-8} workers), FP8 on the ODE steps (LoRA merged), two rollout chunks of 8; update's first forward \
 $([ $ov = 1 ] && echo "launched before the reward wait" || echo "after the reward wait (POLYRL_FLOW_REWARD_OVERLAP=0)")"
     done ;;
-  gc)  # chunk8 (8 workers), 5 timed steps, full garbage collections timed, without then with gc.freeze() after the
-       # warm-up (the default since 2026-11-26; a fifth rollout ran ~1 s slow in three runs, inside encode_prompts)
-    for fr in "--no-gc-freeze" ""; do
-      run gc${fr:+_nofreeze} timeout 270 python3 benchmarks/flow_grpo.py ${FAST/--steps ${STEPS:-3}/--steps 5} \
-        --reward-workers 8 --async-reward --fp8 --rollout-micro 8 $fr --note "same work, async OCR (8 workers), FP8 \
-on the ODE steps (LoRA merged), two rollout chunks of 8${fr:+, no gc.freeze() after the warm-up}"
-    done ;;
-  encode5)  # chunk8 (8 workers), 5 timed steps, the fifth step's prompt encoding torch-profiled (its stall)
+  encode5)  # chunk8 (8 workers), 5 timed steps, the fifth step's prompt encoding torch-profiled (it stalled 0.7-2.3 s
+            # in most 5-step runs before 2026-11-26: cuDNN attention building a plan for a new text length)
     run encode5 timeout 300 python3 benchmarks/flow_grpo.py ${FAST/--steps ${STEPS:-3}/--steps 5} --reward-workers 8 \
       --async-reward --fp8 --rollout-micro 8 --profile-encode 5 --note "same work, async OCR (8 workers), FP8 on the \
 ODE steps (LoRA merged), two rollout chunks of 8; the fifth step's encode profiled" ;;

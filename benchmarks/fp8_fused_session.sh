@@ -7,7 +7,6 @@
 #   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
 #   bash benchmarks/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs with a sweep
 #   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
-#   bash benchmarks/fp8_fused_session.sh gc      # s1 fp8kv_w8 without / with the heap frozen after the warm-up
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
 set -uo pipefail
@@ -41,10 +40,6 @@ case "${1:?part}" in
     S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md $T"
     timeout 165 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 165 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
-  gc)  # s1 at 64 sequences (fp8kv_w8), garbage collections timed: without, then with the heap frozen after the warm-up
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out $OUT/rows.md"
-    timeout 250 python3 $S1 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt"
-    timeout 250 python3 $S1 --gc-freeze 2>&1 | grep "^{\|Error" | tee "$OUT/s1_freeze.txt" ;;
   rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, then the 1.5B GEMMs at 96-256 rows with
             # a launch sweep (BM 64 or 128) written to $OUT/splitk_table.json (6baf986 also timed (a) with every FP8
             # GEMM on split-K; the routing the GEMMs led to is timed by the `line` part)

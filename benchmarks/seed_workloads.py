@@ -148,7 +148,6 @@ def logprob_gap(eng, hf, vocab: int) -> dict[str, float]:
 
 def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     from polyrl.rollout.base import SamplingParams
-    from polyrl.trainer.core import freeze_heap
     from polyrl.rollout.native import NativeEngine
 
     arch, P, lens = workload(shape, seqs)
@@ -175,8 +174,6 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         short = [max(1, L // 32) for L in lens]  # warm-up: compiles and the graphs of the batch sizes passed through
         eng.generate(prompts, dataclasses.replace(sp, max_new_tokens=max(short), forced_lengths=short))
         torch.cuda.synchronize()
-        if args.gc_freeze:  # as `fit` does after a run's first step
-            freeze_heap()
         gc_clock = GCClock()
         t0 = time.perf_counter()
         out = eng.generate(prompts, sp)
@@ -184,7 +181,6 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         dt = time.perf_counter() - t0
         gc_words = gc_clock.pop()
         gc_clock.close()
-        gc.unfreeze()
         assert out.lengths == lens
         tps = sum(lens) / dt
         r = dict(shape=shape, seqs=seqs, config=cname, max_splits=cap, arch=arch, seconds=dt, tokens_per_s=tps,
@@ -192,7 +188,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                  roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
                  num_preempted=eng.stats["num_preempted"], kv_tokens=eng.num_blocks * eng.block_size,
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
-                 mean_len=float(np.mean(lens)), max_len=max(lens), gc=gc_words, gc_freeze=args.gc_freeze)
+                 mean_len=float(np.mean(lens)), max_len=max(lens), gc=gc_words)
         if args.gap:
             r.update(logprob_gap(eng, hf, vocab))
         if args.kernels:
@@ -208,7 +204,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
                 f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; {_small_gemms()}; "
-                f"{gc_words} in the timed run{' (heap frozen after the warm-up)' if args.gc_freeze else ''}"
+                f"{gc_words} in the timed run"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
                 f"{bw / 1e12:.2f} TB/s)", ratio, f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)", args.rows_out))
@@ -423,8 +419,6 @@ def main():
                     "w8a16 kernel (fp8_linear.W8A16_MAX_ROWS, 16 by default; the kernel serves up to 64)")
     ap.add_argument("--kernels", action="store_true", help="a kernel-time table of each timed run (with --profile: "
                     "of each regime)")
-    ap.add_argument("--gc-freeze", action="store_true", help="collect and gc.freeze() after the warm-up, as `fit` "
-                    "does after a run's first step (trainer/core.py freeze_heap)")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()

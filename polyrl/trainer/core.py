@@ -25,7 +25,6 @@ shards (polyrl.distributed.checkpoint) that load at any process count.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,8 +198,6 @@ class TrainerCore:
         try:
             while self.global_step < self.total_steps:
                 metrics = self.step()
-                if len(self.train_history) == 0:
-                    freeze_heap()
                 self.train_history.append(metrics)
                 is_last = self.global_step >= self.total_steps
                 if is_last or (t.test_freq > 0 and self.global_step % t.test_freq == 0):
@@ -219,7 +216,6 @@ class TrainerCore:
                         bar.set_postfix({label: f"{metrics[key]:.3f}"})
             self.final_checkpoint = self.save_checkpoint(final=True)
         finally:
-            gc.unfreeze()  # what the run held can be collected again once it ends
             if bar is not None and progress is None:
                 bar.close()
             self._bar = None
@@ -234,14 +230,3 @@ class TrainerCore:
             self.val_history.append(metrics)
         return metrics
 
-
-def freeze_heap() -> None:
-    """After a run's first step: collect, then leave every object alive now (modules, compiled graphs and their
-    guards, optimizer state) out of later garbage collections (`gc.freeze`, as vLLM does after its graph capture), so
-    a full collection never walks them. Measured (benchmarks/flow_session.sh gc / chunk8, H200, 2026-11-26): a
-    FlowGRPO step ran 0.7-1.2 s slow, all of it in the prompt encoding of the fifth timed step, in five of six 5-step
-    runs without the freeze and in one of three with it (0.69 s). No collection ran in the slow steps and the CUDA
-    allocator neither retried nor called cudaMalloc in them: the cause is not known, and the freeze does not always
-    prevent it. `fit` unfreezes when the run ends."""
-    gc.collect()
-    gc.freeze()

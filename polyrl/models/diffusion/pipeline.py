@@ -24,10 +24,17 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyrl.errors import ConfigError
 from polyrl.models.diffusion.adapters import FAMILIES, EncodeFn, FlowAdapter, LatentShape, QwenImageAdapter, cfg_combine
 from polyrl.utils.device import to_dtype
+
+# The text encoder meets a new prompt length nearly every step. cuDNN's attention (an SDPA backend torch picks on
+# Hopper) builds an execution plan for each new shape: 1.09 s of CPU over the 28 layers of Qwen-Image's 7B encoder on
+# an H200, a 2.3 s prompt encoding in a 13 s FlowGRPO step (torch profiler, benchmarks/flow_session.sh encode5,
+# 2026-11-26). Flash and memory-efficient attention need no plan.
+TEXT_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 __all__ = ["EncodeFn", "FlowPolicy", "LatentShape", "cfg_combine", "load_pipeline_policy"]
 
@@ -75,7 +82,7 @@ class FlowPolicy:
         wanted = list(dict.fromkeys(prompts + ([self.negative_prompt] if self.true_cfg_scale > 1 else [])))
         missing = [p for p in wanted if p not in self._cache]
         if missing:
-            with torch.no_grad():
+            with torch.no_grad(), sdpa_kernel(TEXT_ATTENTION):
                 for p, cond in zip(missing, self.encode_fn(missing)):
                     self._cache[p] = tuple(t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
                                            for t in cond)  # fmt: skip

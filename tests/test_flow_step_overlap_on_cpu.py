@@ -1,6 +1,7 @@
-"""With an async reward scorer, FlowGRPO launches the update's first trained forward before it waits for the last
-chunk's rewards (the GPU computes while the CPU waits), and the update is the same bits as scoring first: with
-skip_zero_adv the first micro-batch is a guess, dropped when the rewards filter it differently."""
+"""Where a FlowGRPO step's time went besides the GPU's work. With an async reward scorer, the update's first trained
+forward is launched before the last chunk's rewards are waited for (the GPU computes while the CPU waits), and the
+update is the same bits as scoring first: with skip_zero_adv the first micro-batch is a guess, dropped when the rewards
+filter it differently. And the text encoder runs without cuDNN attention (a plan built per new prompt length)."""
 
 import tempfile
 
@@ -80,3 +81,14 @@ def test_first_forward_runs_before_the_rewards_are_waited_for_and_changes_nothin
     assert len(collects) == 2 and all(log[j - 1] == "forward" for j in collects), log  # a forward, then the wait
     extra = 2 if zero_first_group else 0  # a wrong guess per step: its forward is dropped
     assert log.count("forward") == len(sync_log) + extra
+
+
+def test_prompts_are_encoded_without_cudnn_attention():
+    """cuDNN's SDPA builds a plan per new text length (1.1 s for a 7B encoder on an H200): the text encoder runs
+    with the flash / memory-efficient / math backends only (pipeline.TEXT_ATTENTION)."""
+    policy = flow_quickstart.make_policy(FlowConfig(), tiny.build_transformer(seed=0), tiny.CharPromptEncoder(seed=0))
+    encode, seen = policy.encode_fn, []
+    policy.encode_fn = lambda prompts: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or encode(prompts)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    policy.cache_prompts(["draw a 3"])
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
