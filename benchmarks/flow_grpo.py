@@ -338,6 +338,8 @@ def main() -> None:
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls (the fp32 LoRA path)")
     ap.add_argument("--compile", action="store_true",
                     help="actor.use_torch_compile: torch.compile each block (update and rollout passes)")
+    ap.add_argument("--profile-encode", type=int, default=0, metavar="N",
+                    help="torch-profile timed step N's prompt encoding; its top ops by CPU and by CUDA time printed")
     ap.add_argument("--no-ckpt", action="store_true", help="no gradient checkpointing")
     ap.add_argument("--auto-memory", action="store_true",
                     help="gradient checkpointing on auto (off until an OOM turns it on; micro-batches halve after)")
