@@ -229,4 +229,3 @@ class TrainerCore:
         if metrics:
             self.val_history.append(metrics)
         return metrics
-
