@@ -36,9 +36,10 @@ ROW_BLOCK = 64  # more rows than this: blocks of 64 rows (a grid axis; a TABLE e
 CONFIG = dict(BN=64, BK=128, num_warps=4, num_stages=4, programs_per_sm=2, min_k_steps=2)
 # Launch configs per (N, K, rows rounded up to a power of two >= 16) that beat CONFIG (BM among them past 64 rows),
 # from `seed_workloads.py --gemms --splitk-table-out` (H100, 2026-11-26, 12 configs swept with e4m3 rows, cold
-# weights): the 1.5B decode GEMMs (qkv, o, gate_up, down) at 16 / 32 / 64 rows, and down at 128 / 256. Times there: gate_up 12.7 / 12.9 / 13.9 us (73 / 72 / 67% of copy bandwidth; `_scaled_mm` took
-# 17.6-18.8, bf16 cuBLAS 23.6-24.6), down 9.7 / 10.9 / 12.8 us (bf16 15.1-15.8, `_scaled_mm` 23.6), qkv and o
-# 5.5-7.2 us (bf16 5.4-6.0: too small to gain from FP8). Other shapes take CONFIG.
+# weights): the 1.5B decode GEMMs (qkv, o, gate_up, down) at 16 / 32 / 64 rows, and down at 128 / 256. Times
+# there: gate_up 12.7 / 12.9 / 13.9 us (73 / 72 / 67% of copy bandwidth; `_scaled_mm` took 17.6-18.8, bf16 cuBLAS
+# 23.6-24.6), down 9.7 / 10.9 / 12.8 us (bf16 15.1-15.8, `_scaled_mm` 23.6), qkv and o 5.5-7.2 us (bf16 5.4-6.0: too
+# small to gain from FP8). Other shapes take CONFIG.
 TABLE: dict[tuple[int, int, int], dict] = {
     (2048, 1536, 16): dict(BN=64, BK=256, programs_per_sm=4),
     (2048, 1536, 32): dict(BN=64, BK=256, programs_per_sm=2),
