@@ -288,9 +288,9 @@ class FlowGRPOTrainer(TrainerCore):
         images = self.policy.decode(rollout.traj.final_B)
         return torch.as_tensor(self.reward_fn(images, rollout.prompts, rollout.metadata), dtype=torch.float32)
 
-    def _advantages(self, batch, rollout: FlowSamples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's rewards (waited for, with an async scorer) and GRPO advantages: (every rank's scores, every
-        rank's advantages, this rank's advantages)."""
+    def _advantages(self, batch, rollout: FlowSamples) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+        """The step's rewards (waited for, with an async scorer) and GRPO advantages: (every rank's scores, their
+        groups, every rank's advantages, this rank's advantages)."""
         with self.timer.stage("reward"):
             scores_B = self.score(rollout)
         with self.timer.stage("adv"):
@@ -304,7 +304,7 @@ class FlowGRPOTrainer(TrainerCore):
                 all_scores, all_groups, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
                 global_std=a.global_std, adv_clip_max=self.cfg.actor_rollout_ref.actor.diffusion_loss.adv_clip_max,
             )  # fmt: skip
-        return all_scores, all_adv, all_adv[torch.tensor(rollout.sample_ids)]
+        return all_scores, all_groups, all_adv, all_adv[torch.tensor(rollout.sample_ids)]
 
     def update_actor(self, rollout: FlowSamples, adv_B: torch.Tensor | Callable[[], torch.Tensor],
                      skip_mini_batches: int = 0) -> dict[str, float]:
@@ -486,19 +486,18 @@ class FlowGRPOTrainer(TrainerCore):
                 gen = lambda: self.generate([batch[i] for i in mine], mine)  # noqa: E731
                 # an async scorer already holds the chunks made before an OOM: no retry then
                 rollout = gen() if self.async_scorer else self.oom.run("gen", gen, generators=[self._noise_gen])
-            # (all scores, all advantages, this rank's): with an async scorer the last chunk is still being scored,
-            # so the update's first forward is launched before they are waited for (`update_actor`)
+            # (all scores, their groups, all advantages, this rank's): with an async scorer the last chunk is still
+            # being scored, so the update's first forward is launched before they are waited for (`update_actor`)
             advantages = functools.cache(lambda: self._advantages(batch, rollout))
-            adv_B = (lambda: advantages()[2]) if self.async_scorer and REWARD_OVERLAP else advantages()[2]
+            adv_B = (lambda: advantages()[3]) if self.async_scorer and REWARD_OVERLAP else advantages()[3]
             with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
                 ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
                 metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)
-            all_scores, all_adv, _ = advantages()
+            all_scores, all_groups, all_adv, _ = advantages()
         self.global_step += 1
         self.profiler.step_end(self.global_step)
         dt = time.perf_counter() - t0
         group_std = all_scores.view(len(batch), ro.n).std(dim=1)
-        all_groups = [i // ro.n for i in range(len(all_scores))]
         metrics.update({
             "critic/rewards/mean": float(all_scores.mean()),
             "critic/rewards/std": float(all_scores.std()),
