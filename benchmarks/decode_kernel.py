@@ -42,7 +42,7 @@ from _record import append_row  # noqa: E402
 
 from polyrl.rollout.native import paged_decode as v1  # noqa: E402
 from polyrl.rollout.native import paged_decode_v2 as v2  # noqa: E402
-from polyrl.rollout.native.attention import FP8, V_PAGE_TRANSPOSED, AttnMeta, v_pages  # noqa: E402
+from polyrl.rollout.native.attention import FP8, AttnMeta  # noqa: E402
 
 MODELS = {"qwen-1.5b": (12, 2), "llama-8b": (32, 8)}  # q heads, kv heads
 D, BS, CTX, BATCHES = 128, 16, 16384, (64, 128)
@@ -100,7 +100,7 @@ class Cache:
         self.scales = (None, None)
 
     def to_fp8(self) -> None:
-        self.k, self.v = self.k.to(FP8), v_pages(self.v.to(FP8))  # randn fits e4m3's range; scales near 1 keep it so
+        self.k, self.v = self.k.to(FP8), self.v.to(FP8)  # randn fits e4m3's range; scales near 1 keep it so
         self.scales = tuple(torch.rand(self.k.shape[:3], device=DEV) * 0.5 + 0.75 for _ in range(2))
 
     def meta(self, batch: int, splits: int) -> AttnMeta:
@@ -200,16 +200,14 @@ def sass_report() -> None:
             c1 = v1.CONFIG_FP8 if fp8 else v1.CONFIG
             hb = v2.heads_per_program(heads, kv_heads)
             gp = max(16, triton.next_power_of_2(group))
-            runs = [("v1", v1._paged_decode_kernel, dict(G=group, GP=gp, TILE=c1["tile"], KVH=kv_heads,
-                                                         V_T=fp8 and V_PAGE_TRANSPOSED),
+            runs = [("v1", v1._paged_decode_kernel, dict(G=group, GP=gp, TILE=c1["tile"], KVH=kv_heads),
                      c1["num_warps"], c1["num_stages"], c1["tile"])]
             v2_configs = [v2.CONFIG_FP8 if fp8 else v2.CONFIG] + [dict(rows=256, num_warps=8, num_stages=3)] * fp8
             for c2 in v2_configs:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
                              dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
-                                  PAGES=rows // (BS * hb), KVH=kv_heads, V_T=fp8 and V_PAGE_TRANSPOSED,
-                                  VRUN=BS * hb if hb == kv_heads else hb), c2["num_warps"], c2["num_stages"], rows))
+                                  PAGES=rows // (BS * hb), KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
                 kernel = build(fn, consts, fp8, warps, stages)

@@ -9,9 +9,10 @@
 #   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
-#   OLD=dir bash benchmarks/fp8_fused_session.sh vt    # page-transposed e4m3 V: GPU tests, decode kernels and (a) FP8
-#   OLD=dir bash benchmarks/fp8_fused_session.sh vt_s1 # ... s1 at 64 sequences; OLD (a copy of an earlier tree's
-#                                                # polyrl/ and benchmarks/, untracked) runs the same beside it
+#   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
+#   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
+#                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
+#                                                # benchmarks | tar -x -C _ab_old`); each runs beside this tree
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,22 +63,24 @@ case "${1:?part}" in
       2>&1 | grep "^{\\|Error" | tee "$OUT/s1.txt"
     timeout 90 python3 benchmarks/seed_workloads.py --gemms --gemm-archs llama3.1-8b --gemm-rows 64,96,128,256 \
       --gemm-sweep-rows "" 2>&1 | grep "^gemm\|Error" | tee "$OUT/gemms_8b.txt" ;;
-  vt)  # e4m3 V pages stored transposed: the GPU tests that read or write the cache, the decode kernels at 16k context
-        # (this tree, then $OLD's), (a) in FP8 KV + W8 (both trees)
+  ab)  # the GPU tests that touch the decode path, the decode kernels at 16k context and (a) in FP8 KV + W8 and in
+        # bf16, this tree then $OLD's (page-transposed e4m3 V, 165ae83, was measured this way and reverted)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      -k "paged or v2 or fused_fp8_kv or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
     for tree in . "${OLD:-}"; do
       [ -n "$tree" ] || continue
-      PYTHONPATH=$tree timeout 100 python3 $tree/benchmarks/decode_kernel.py --budget-s 15 2>&1 | grep -v Warn \
-        | tail -22 | tee -a "$OUT/decode_kernel.txt"
-      PYTHONPATH=$tree timeout 110 python3 $tree/benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows_$([ "$tree" = . ] && echo new || echo old).md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/a.txt"
+      tag=$([ "$tree" = . ] && echo new || echo old)
+      PYTHONPATH=$tree timeout 100 python3 $tree/benchmarks/decode_kernel.py --budget-s 0 2>&1 | grep "^|" \
+        | sed "s/^/$tag /" | tee -a "$OUT/decode_kernel.txt"
+      PYTHONPATH=$tree timeout 150 python3 $tree/benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,bf16 \
+        --rows-out "$OUT/rows_$tag.md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/a.txt"
     done ;;
-  vt_s1)
+  ab_s1)
     for tree in . "${OLD:-}"; do
       [ -n "$tree" ] || continue
+      tag=$([ "$tree" = . ] && echo new || echo old)
       PYTHONPATH=$tree timeout 240 python3 $tree/benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 \
-        --rows-out "$OUT/rows_$([ "$tree" = . ] && echo new || echo old).md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/s1.txt"
+        --rows-out "$OUT/rows_$tag.md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/s1.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

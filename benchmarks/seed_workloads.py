@@ -314,7 +314,7 @@ def tune_fp8(bw: float) -> None:
     from decode_step_parts import random_paged_kv
 
     from polyrl.rollout.native import paged_decode as pd
-    from polyrl.rollout.native.attention import quantize_fp8_rows, v_pages
+    from polyrl.rollout.native.attention import quantize_fp8_rows
 
     H, KVH, D = 12, 2, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -330,7 +330,6 @@ def tune_fp8(bw: float) -> None:
         print(f"decode B={B} ctx={ctx}: bf16 {t_bf * 1e3:.0f} us ({nbf / t_bf / 1e6:,.0f} GB/s; copy-BW floor "
               f"{nbf / bw * 1e6:.0f} us)", flush=True)
         ref = pd.paged_decode(q.float(), (k8.float() * ks[..., None]), (v8.float() * vs[..., None]), meta, D**-0.5)
-        v8 = v_pages(v8)  # the layout an e4m3 V cache is stored in
         out = pd.paged_decode(q, k8, v8, meta, D**-0.5, ks, vs).float()
         print(f"  e4m3 rel err vs dequantised fp32 {((out - ref).norm() / ref.norm()).item():.2e}")
         best = (1e9, None)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_fp8_paged_decode_matches_dequantised_reference(dtype, splits):
     from paged_cases import decode_meta, dequantised, reference_decode, shuffled_block_table
 
-    from polyrl.rollout.native.attention import quantize_fp8_rows, v_pages
+    from polyrl.rollout.native.attention import quantize_fp8_rows
     from polyrl.rollout.native.paged_decode import paged_decode
 
     torch.manual_seed(0)
@@ -29,7 +29,7 @@ def test_fp8_paged_decode_matches_dequantised_reference(dtype, splits):
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
     bt = shuffled_block_table(ctx, slots, rows=9, width=70, num_blocks=NB, block_size=BS)
     q = torch.randn(len(ctx), H, D, dtype=dtype, device="cuda")
-    out = paged_decode(q, k8, v_pages(v8), decode_meta(bt, slots, ctx, splits, "cuda"), D**-0.5, ks, vs).double()
+    out = paged_decode(q, k8, v8, decode_meta(bt, slots, ctx, splits, "cuda"), D**-0.5, ks, vs).double()
     ref = reference_decode(q, dequantised(k8, ks), dequantised(v8, vs), bt, slots, ctx, BS)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i in range(len(ctx)):
@@ -40,7 +40,7 @@ def test_fp8_paged_decode_matches_dequantised_reference(dtype, splits):
 
 
 def test_fused_fp8_kv_write_matches_torch_quantiser():
-    from polyrl.rollout.native.attention import quantize_fp8_rows, token_major
+    from polyrl.rollout.native.attention import quantize_fp8_rows
     from polyrl.rollout.native.fused import rope_kv
 
     torch.manual_seed(0)
@@ -50,16 +50,16 @@ def test_fused_fp8_kv_write_matches_torch_quantiser():
     cos = torch.ones(64, D, device="cuda")  # identity rotation: the cache must hold the quantised K and V
     sin = torch.zeros(64, D, device="cuda")
     kc = torch.zeros(NB, BS, KVH, D, dtype=torch.float8_e4m3fn, device="cuda")
-    vc = torch.zeros(NB, D, BS, KVH, dtype=torch.float8_e4m3fn, device="cuda")  # e4m3 V pages are transposed
+    vc = torch.zeros_like(kc)
     ksc = torch.zeros(NB, BS, KVH, device="cuda")
     vsc = torch.zeros_like(ksc)
     slots = torch.randperm(NB * BS, device="cuda")[:T]
     rope_kv(qkv, pos, cos, sin, kc, vc, slots, H, KVH, D, k_scale=ksc, v_scale=vsc)
     k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-    for cache, scales, x in ((kc, ksc, k), (token_major(vc, True), vsc, v)):
+    for cache, scales, x in ((kc, ksc, k), (vc, vsc, v)):
         q_ref, s_ref = quantize_fp8_rows(x)
-        got = cache[slots // BS, slots % BS].float() * scales.view(-1, KVH)[slots][..., None]
+        got = cache.view(-1, KVH, D)[slots].float() * scales.view(-1, KVH)[slots][..., None]
         torch.testing.assert_close(scales.view(-1, KVH)[slots], s_ref, rtol=1e-6, atol=0)
         torch.testing.assert_close(got, q_ref.float() * s_ref[..., None], rtol=0.07, atol=1e-6)
 

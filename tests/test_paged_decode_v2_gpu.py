@@ -34,10 +34,6 @@ def _case(num_kv_heads, fp8, dtype):
         k, v = k.to(dtype), v.to(dtype)
     ks, vs = scales or (None, None)
     kd, vd = dequantised(k, ks), dequantised(v, vs)
-    if fp8:
-        from polyrl.rollout.native.attention import v_pages
-
-        v = v_pages(v)  # the kernels read e4m3 V page-transposed
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
     bt = shuffled_block_table(CTX, slots, rows=9, width=70, num_blocks=NB, block_size=BS)
 

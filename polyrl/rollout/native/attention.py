@@ -24,12 +24,6 @@ FP8 KV cache (`rollout.kv_cache_dtype=fp8`): e4m3 values with one fp32 scale per
 Writes quantise (amax over head_dim, /448, cast); reads upcast. On CPU the gather path does the same in torch, so the
 option works (and is tested) everywhere. The CUDA decode kernel reads the e4m3 bytes directly; prefill gathers the
 step's context (as in bf16) and upcasts that temporary.
-
-An e4m3 V cache is stored page-transposed, [num_blocks, head_dim, block_size, kv_heads] (`V_PAGE_TRANSPOSED`), K as
-above. P.V contracts over tokens, and with token-major rows sm_90 (no transposing ldmatrix for 8-bit data) makes the
-decode kernel gather V one byte per shared-memory load; with each page stored [head_dim, (token, head)] V is
-contiguous along the contraction, like K for q.K^T (paged_decode_v2.py has the instruction counts and timings). Block
-copies move whole blocks, so they do not care; the writers and readers here, in fused.py and in both decode kernels do.
 """
 
 from __future__ import annotations
@@ -110,35 +104,21 @@ class FP8Rows(NamedTuple):
         return self.q.shape
 
 
-V_PAGE_TRANSPOSED = True  # an e4m3 V cache is [num_blocks, head_dim, block_size, kv_heads] (module docstring)
-
-
-def v_pages(v_NBKD: torch.Tensor) -> torch.Tensor:
-    """e4m3 V pages [num_blocks, block_size, kv_heads, head_dim] in the cache's storage layout (a contiguous copy)."""
-    return v_NBKD.permute(0, 3, 1, 2).contiguous() if V_PAGE_TRANSPOSED else v_NBKD
-
-
-def token_major(cache: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """A cache as [num_blocks, block_size, kv_heads, head_dim] (a view, strided for a page-transposed V cache)."""
-    return cache.permute(0, 2, 3, 1) if transposed else cache
-
-
-def _write(cache, x_THD, slot_mapping_T, scale_cache, transposed=False) -> None:
+def _write(cache, x_THD, slot_mapping_T, scale_cache) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
     if scale_cache is None:
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping_T, x_THD)
+        flat.index_copy_(0, slot_mapping_T, x_THD)
         return
     q, s = quantize_fp8_rows(x_THD)
     # index_copy_ has no float8 kernel on CPU; the bytes are the same through a uint8 view
-    rows = token_major(cache.view(torch.uint8), transposed)
-    bs = rows.shape[1]
-    rows[slot_mapping_T // bs, slot_mapping_T % bs] = q.view(torch.uint8)
+    flat.view(torch.uint8).index_copy_(0, slot_mapping_T, q.view(torch.uint8))
     scale_cache.view(-1, scale_cache.shape[-1]).index_copy_(0, slot_mapping_T, s)
 
 
 def write_kv(k_cache, v_cache, k_THD, v_THD, slot_mapping_T, k_scale=None, v_scale=None) -> None:
     """Write new K/V at their slots; with scale caches (FP8 KV) each (token, head) row is quantised on the way."""
     _write(k_cache, k_THD, slot_mapping_T, k_scale)
-    _write(v_cache, v_THD, slot_mapping_T, v_scale, transposed=V_PAGE_TRANSPOSED)
+    _write(v_cache, v_THD, slot_mapping_T, v_scale)
 
 
 def paged_attention(q_THD, k_cache, v_cache, meta: AttnMeta, scale: float, k_scale=None, v_scale=None):
@@ -148,12 +128,11 @@ def paged_attention(q_THD, k_cache, v_cache, meta: AttnMeta, scale: float, k_sca
     return gather_attention(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
-def _gather(cache, scale_cache, slots_SK, dtype, transposed=False) -> torch.Tensor:
+def _gather(cache, scale_cache, slots_SK, dtype) -> torch.Tensor:
+    kvh, D = cache.shape[2:]
+    x = cache.view(-1, kvh, D)[slots_SK]  # [S, K, kvh, D]
     if scale_cache is None:
-        return cache.view(-1, *cache.shape[2:])[slots_SK]  # [S, K, kvh, D]
-    rows = token_major(cache, transposed)
-    bs, kvh = rows.shape[1:3]
-    x = rows[slots_SK // bs, slots_SK % bs]  # [S, K, kvh, D]
+        return x
     return (x.float() * scale_cache.view(-1, kvh)[slots_SK][..., None]).to(dtype)
 
 
@@ -163,7 +142,7 @@ def gather_attention(q_THD, k_cache, v_cache, meta: AttnMeta, scale: float, k_sc
     S, Q = meta.q_index.shape
     q_pad = torch.cat([q_THD, q_THD.new_zeros(1, H, D)])[meta.q_index]  # [S, Q, H, D]
     k = _gather(k_cache, k_scale, meta.gather_slots, q_THD.dtype)
-    v = _gather(v_cache, v_scale, meta.gather_slots, q_THD.dtype, transposed=V_PAGE_TRANSPOSED)
+    v = _gather(v_cache, v_scale, meta.gather_slots, q_THD.dtype)
     if kvh != H:  # explicit GQA expansion keeps SDPA on its fused kernels
         k = k.repeat_interleave(H // kvh, dim=2)
         v = v.repeat_interleave(H // kvh, dim=2)

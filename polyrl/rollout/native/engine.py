@@ -30,7 +30,7 @@ import torch
 
 from polyrl.rollout.base import Generation, SamplingParams, register_rollout
 from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
-                                             decode_kernel_module, V_PAGE_TRANSPOSED)
+                                             decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
@@ -248,9 +248,6 @@ class NativeEngine:
             layer.attn.k_cache, layer.attn.v_cache = self.kv[i, 0], self.kv[i, 1]
             if self.kv_fp8:
                 layer.attn.k_scale, layer.attn.v_scale = self.kv_scale[i, 0], self.kv_scale[i, 1]
-                if V_PAGE_TRANSPOSED:  # e4m3 V pages are [head_dim, block_size, kv_heads] (attention.py)
-                    layer.attn.v_cache = self.kv[i, 1].view(self.num_blocks, s.head_dim, self.block_size,
-                                                            s.num_kv_heads)
         self.blocks = BlockManager(self.num_blocks, self.block_size)
 
     def release_memory(self, offload_weights: bool = False) -> None:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8 as E4M3
-from polyrl.rollout.native.attention import V_PAGE_TRANSPOSED, FP8Rows
+from polyrl.rollout.native.attention import FP8Rows
 
 
 @triton.jit
@@ -82,9 +82,8 @@ def _rope(x1, x2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
-def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF_OFF: tl.constexpr, FP8: tl.constexpr):
-    # one token's kv heads (both rope halves, the second HALF_OFF elements after the first); FP8: one scale per head
-    # row = amax / 448, values cast to e4m3
+def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF: tl.constexpr, FP8: tl.constexpr):
+    # one token's kv heads (both rope halves); FP8: one scale per head row = amax / 448, values cast to e4m3
     if FP8:
         amax = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))
         sc = tl.maximum(amax, 1e-8) / 448.0
@@ -92,13 +91,13 @@ def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF_OFF: tl.constexpr, FP8: tl.c
         x1 = x1.to(tl.float32) / sc[:, None]
         x2 = x2.to(tl.float32) / sc[:, None]
     tl.store(C + dst, x1.to(C.dtype.element_ty), mask=km)
-    tl.store(C + dst + HALF_OFF, x2.to(C.dtype.element_ty), mask=km)
+    tl.store(C + dst + HALF, x2.to(C.dtype.element_ty), mask=km)
 
 
 @triton.jit
 def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
                     H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, D: tl.constexpr,
-                    HAS_NORM: tl.constexpr, FP8: tl.constexpr, V_T: tl.constexpr, BS: tl.constexpr):
+                    HAS_NORM: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dt = QKV.dtype.element_ty
@@ -133,19 +132,14 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
     vrow = krow + KVH * D
     v1 = tl.load(vrow + kh * D + h[None, :], mask=km, other=0.0)
     v2 = tl.load(vrow + kh * D + HALF + h[None, :], mask=km, other=0.0)
-    if V_T:  # e4m3 V pages stored [D, BS, KVH] (attention.py): element d of a row sits BS * KVH apart
-        vdst = (slot // BS) * (D * BS * KVH) + h[None, :] * (BS * KVH) + (slot % BS) * KVH + kh
-        _store_kv_row(VC, VS, vdst, srow, v1, v2, km, HALF * BS * KVH, FP8)
-    else:
-        _store_kv_row(VC, VS, dst, srow, v1, v2, km, HALF, FP8)
+    _store_kv_row(VC, VS, dst, srow, v1, v2, km, HALF, FP8)
 
 
 def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_mapping_T, num_heads, num_kv_heads,
             head_dim, q_norm_w=None, k_norm_w=None, eps=1e-6, k_scale=None, v_scale=None) -> torch.Tensor:
     """RoPE (after the optional per-head q/k RMSNorm) on q and k, K/V written to the cache; returns q [T, H, D].
 
-    With scale caches (FP8 KV) each (token, kv head) row is quantised as it is written (attention.py says why), and V
-    goes to its page-transposed layout.
+    With scale caches (FP8 KV) each (token, kv head) row is quantised as it is written (attention.py says why).
     """
     T = qkv_TX.shape[0]
     q = torch.empty(T, num_heads, head_dim, dtype=qkv_TX.dtype, device=qkv_TX.device)
@@ -156,7 +150,7 @@ def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_ma
         k_scale if fp8 else qkv_TX, v_scale if fp8 else qkv_TX,
         q_norm_w if has_norm else qkv_TX, k_norm_w if has_norm else qkv_TX, eps,
         H=num_heads, KVH=num_kv_heads, HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        D=head_dim, HAS_NORM=has_norm, FP8=fp8, V_T=fp8 and V_PAGE_TRANSPOSED, BS=k_cache.shape[1], num_warps=4,
+        D=head_dim, HAS_NORM=has_norm, FP8=fp8, num_warps=4,
     )
     return q
 

@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.attention import V_PAGE_TRANSPOSED
-
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
 
@@ -40,10 +38,10 @@ def _paged_decode_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, V_T: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # MULTI False (SPLITS == 1): O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32
-    # [T, H, SPLITS, D]. V_T: V pages stored [D, BS, KVH] (an e4m3 cache, attention.py), the same bytes per block as K
+    # [T, H, SPLITS, D]
     s = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -68,11 +66,7 @@ def _paged_decode_kernel(
         blk = tl.load(BT + row * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
         off = blk * stride_kb + (t % BS) * stride_kt + kh * stride_kh
         k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        if V_T:
-            voff = blk * stride_kb + (t % BS) * KVH + kh
-            v = tl.load(V + voff[:, None] + d[None, :] * (BS * KVH), mask=tm[:, None], other=0.0)
-        else:
-            v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
         if FP8:  # e4m3 bytes -> activation dtype in registers; the per-(token, head) scales fold in below
             soff = (blk * BS + t % BS) * KVH + kh
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
@@ -169,7 +163,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits)
     c = CONFIG_FP8 if fp8 else CONFIG
     knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32,
-                 FP8=fp8, KVH=kvh, V_T=fp8 and V_PAGE_TRANSPOSED,
+                 FP8=fp8, KVH=kvh,
                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:

@@ -54,7 +54,6 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.attention import V_PAGE_TRANSPOSED
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
@@ -64,7 +63,7 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
 @triton.jit
 def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff, col_tok, own_head,
           d, pg, N: tl.constexpr, BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-          MASKED: tl.constexpr, V_T: tl.constexpr, VRUN: tl.constexpr):
+          MASKED: tl.constexpr):
     """One online-softmax step over the N cache rows of PAGES whole pages from token `start`. MASKED: the step may
     run past `hi` (the split's last, partial step); the full steps skip every token mask (~20% fewer instructions)."""
     page = start // BS + pg
@@ -76,19 +75,13 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     # which hides it, so that the row loads vectorise and pipeline
     off = tl.multiple_of(tl.reshape(blk[:, None] * stride_kb + page_off[None, :], [N]), 16)
     soff = tl.reshape(blk[:, None] * (BS * KVH) + page_soff[None, :], [N])
-    if V_T:  # page-transposed V: the step's columns sit at the scales' in-page offsets, element d BS * KVH apart
-        vcol = tl.max_contiguous(tl.multiple_of(tl.reshape(blk[:, None] * stride_kb + page_soff[None, :], [N]), VRUN),
-                                 VRUN)
-        v_ptr = V + d[:, None] * (BS * KVH) + vcol[None, :]  # [D, N]
-    else:
-        v_ptr = V + off[:, None] + d[None, :]  # [N, D]
     if MASKED:
         tm = start + col_tok < hi
         k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(v_ptr, mask=tm[None, :] if V_T else tm[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
     else:
         k = tl.load(K + off[:, None] + d[None, :])
-        v = tl.load(v_ptr)
+        v = tl.load(V + off[:, None] + d[None, :])
     if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
         if MASKED:
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
@@ -116,8 +109,6 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     l = l * alpha + tl.sum(p, 1)
     if FP8:
         p = p * v_sc[None, :]
-    if V_T:
-        v = tl.trans(v)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -133,8 +124,7 @@ def _paged_decode_v2_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
-    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, V_T: tl.constexpr,
-    VRUN: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
     # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
@@ -174,10 +164,10 @@ def _paged_decode_v2_kernel(
     full = lo + tl.maximum(hi - lo, 0) // TILE * TILE  # whole steps end here; a partial one may follow
     for start in range(lo, full, TILE):
         m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
-                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False, V_T=V_T, VRUN=VRUN)
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False)
     if full < hi:
         m, l, acc = _step(q, m, l, acc, full, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
-                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True, V_T=V_T, VRUN=VRUN)
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True)
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
@@ -229,8 +219,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
         q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh, V_T=fp8 and V_PAGE_TRANSPOSED,
-        VRUN=bs * hb if hb == kvh else hb,  # contiguous V bytes in a page's D row: all its columns, or a head block's
+        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:
