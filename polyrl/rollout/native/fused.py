@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from polyrl.rollout.native.attention import FP8 as E4M3
 from polyrl.rollout.native.attention import FP8Rows
-from polyrl.rollout.native.pdl import pdl
 
 
 @triton.jit
@@ -35,9 +33,7 @@ def _store_rows(Y, S, row, c, m, y, FP8: tl.constexpr):
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, Y, RO, S, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                        FP8: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+                        FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
@@ -59,10 +55,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     y = torch.empty(T, N, dtype=E4M3 if fp8 else x.dtype, device=x.device)
     s = torch.empty(T, dtype=torch.float32, device=x.device) if fp8 else y
     res_out = torch.empty_like(x) if residual is not None else x
-    p = pdl(x)
     _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, s, eps, N=N,
-                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, FP8=fp8, PDL=p,
-                              num_warps=4, launch_pdl=p)
+                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, FP8=fp8, num_warps=4)
     return (FP8Rows(y, s) if fp8 else y), res_out
 
 
@@ -103,9 +97,7 @@ def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF: tl.constexpr, FP8: tl.const
 @triton.jit
 def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
                     H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, D: tl.constexpr,
-                    HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+                    HAS_NORM: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dt = QKV.dtype.element_ty
@@ -153,21 +145,18 @@ def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_ma
     q = torch.empty(T, num_heads, head_dim, dtype=qkv_TX.dtype, device=qkv_TX.device)
     has_norm = q_norm_w is not None
     fp8 = k_scale is not None
-    p = pdl(qkv_TX)
     _rope_kv_kernel[(T,)](
         qkv_TX, positions_T, cos_table, sin_table, slot_mapping_T, q, k_cache, v_cache,
         k_scale if fp8 else qkv_TX, v_scale if fp8 else qkv_TX,
         q_norm_w if has_norm else qkv_TX, k_norm_w if has_norm else qkv_TX, eps,
         H=num_heads, KVH=num_kv_heads, HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        D=head_dim, HAS_NORM=has_norm, FP8=fp8, PDL=p, num_warps=4, launch_pdl=p,
+        D=head_dim, HAS_NORM=has_norm, FP8=fp8, num_warps=4,
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, S, I: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+def _silu_mul_kernel(GU, Y, S, I: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -185,19 +174,15 @@ def silu_mul(gate_up_TX: torch.Tensor, fp8: bool = False):
     y = torch.empty(T, inter, dtype=E4M3 if fp8 else gate_up_TX.dtype, device=gate_up_TX.device)
     s = torch.empty(T, dtype=torch.float32, device=gate_up_TX.device) if fp8 else y
     BLOCK = triton.next_power_of_2(inter) if fp8 else 1024
-    p = pdl(gate_up_TX)
-    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, s, I=inter, BLOCK=BLOCK, FP8=fp8, PDL=p,
-                                                      num_warps=8 if fp8 else 4, launch_pdl=p)  # fmt: skip
+    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, s, I=inter, BLOCK=BLOCK, FP8=fp8,
+                                                      num_warps=8 if fp8 else 4)  # fmt: skip
     return FP8Rows(y, s) if fp8 else y
 
 
 @triton.jit
 def _sample_partial_kernel(L, PM, PS, PI, inv_temp, V, stride, per_chunk,
-                           NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
     # one program per (row, chunk of the vocabulary): the chunk's max and sum-exp (and, greedy, its argmax)
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     lo = ch * per_chunk
@@ -224,11 +209,9 @@ def _sample_partial_kernel(L, PM, PS, PI, inv_temp, V, stride, per_chunk,
 
 @triton.jit(do_not_specialize=["seed"])
 def _sample_pick_kernel(L, PM, PS, PI, TOK, LP, seed, inv_temp, V, stride, per_chunk,
-                        NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr = False):
+                        NCHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
     # one program per row: log-sum-exp from the chunks, then the token: argmax (greedy) or inverse CDF at one
     # uniform draw keyed by (seed, row), found chunk first and then inside that chunk
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, NCHUNK)
     m = tl.load(PM + row * NCHUNK + k)
@@ -285,20 +268,16 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple
     inv_temp = 1.0 if greedy else 1.0 / temperature
     BLOCK = 1024
     per_chunk = triton.cdiv(triton.cdiv(V, SAMPLE_CHUNKS), BLOCK) * BLOCK
-    p = pdl(logits_RV)
     _sample_partial_kernel[(R, SAMPLE_CHUNKS)](logits_RV, part[0], part[1], part_i, inv_temp, V, logits_RV.stride(0),
-                                               per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy, PDL=p,
-                                               num_warps=4, launch_pdl=p)
+                                               per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy,
+                                               num_warps=4)
     _sample_pick_kernel[(R,)](logits_RV, part[0], part[1], part_i, tok, lp, seed, inv_temp, V, logits_RV.stride(0),
-                              per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy, PDL=p, num_warps=4,
-                              launch_pdl=p)
+                              per_chunk, NCHUNK=SAMPLE_CHUNKS, BLOCK=BLOCK, GREEDY=greedy, num_warps=4)
     return tok, lp
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, S, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+def _quantize_rows_kernel(X, Q, S, K: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     x = tl.load(X + r * K + k, mask=k < K, other=0.0).to(tl.float32)
@@ -314,6 +293,5 @@ def quantize_fp8_rows_triton(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     x_MK = x_MK.contiguous()
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x_MK.device)
     s = torch.empty(M, dtype=torch.float32, device=x_MK.device)
-    p = pdl(x_MK)
-    _quantize_rows_kernel[(M,)](x_MK, q, s, K=K, BLOCK=triton.next_power_of_2(K), PDL=p, num_warps=8, launch_pdl=p)
+    _quantize_rows_kernel[(M,)](x_MK, q, s, K=K, BLOCK=triton.next_power_of_2(K), num_warps=8)
     return q, s

@@ -21,9 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
-
-from polyrl.rollout.native.pdl import pdl
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
@@ -41,12 +38,10 @@ def _paged_decode_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, PDL: tl.constexpr = False,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
     # MULTI False (SPLITS == 1): O is [T, H, D] in the activation dtype and LSE is unused; else O is fp32
     # [T, H, SPLITS, D]
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
     s = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -110,12 +105,9 @@ def _paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
-def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
     # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits. Empty splits (lse -1e30, from
     # splits past a short context) get weight 0 and their partials are never read, so many splits cost little there.
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SP)
     d = tl.arange(0, D)
@@ -137,9 +129,7 @@ def combine_splits(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> tor
     """Merge split-K partials o [T, H, SPLITS, D] (fp32) with their log-sum-exps [T, H, SPLITS] into out [T, H, D]."""
     T, H, splits, D = o.shape
     assert splits <= MAX_SPLITS, (splits, MAX_SPLITS)
-    p = pdl(o)
-    _combine_kernel[(T * H,)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D, CHUNK=16, PDL=p,
-                              num_warps=4, launch_pdl=p)
+    _combine_kernel[(T * H,)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D, CHUNK=16, num_warps=4)
     return out
 
 
@@ -173,7 +163,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
               meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits)
     c = CONFIG_FP8 if fp8 else CONFIG
     knobs = dict(D=D, BS=k_cache.shape[1], TILE=c["tile"], MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32,
-                 FP8=fp8, KVH=kvh, PDL=pdl(q_THD), launch_pdl=pdl(q_THD),
+                 FP8=fp8, KVH=kvh,
                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     _paged_decode_kernel[(T, kvh, splits)](*common, G=G, GP=max(16, triton.next_power_of_2(G)), **knobs)
     if splits == 1:

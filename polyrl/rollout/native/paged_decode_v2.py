@@ -53,10 +53,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
-from polyrl.rollout.native.pdl import pdl
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
@@ -126,10 +124,8 @@ def _paged_decode_v2_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
-    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, PDL: tl.constexpr = False,
+    MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr,
 ):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
     # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
     TILE: tl.constexpr = PAGES * BS  # tokens per step
@@ -223,7 +219,7 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
         q_THD.stride(0), q_THD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh, PDL=pdl(q_THD), launch_pdl=pdl(q_THD),
+        MULTI=splits > 1, IEEE=q_THD.dtype == torch.float32, FP8=fp8, KVH=kvh,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:

@@ -25,11 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from polyrl.rollout.native.attention import FP8Rows
 from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
-from polyrl.rollout.native.pdl import pdl
 
 MAX_ROWS = 256
 ROW_BLOCK = 64  # more rows than this: blocks of 64 rows (a grid axis; a TABLE entry may set BM)
@@ -71,9 +69,7 @@ def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.const
 @triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                    split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -147,10 +143,9 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
                            device=dev)
     counters = arrival_counters(dev, m_blocks * tiles)
-    p = pdl(xq)
     _splitk_kernel[(tiles, split, m_blocks)](
         xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
-        HAS_BIAS=bias is not None, PDL=p, num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=p)
+        HAS_BIAS=bias is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y

@@ -17,9 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
-
-from polyrl.rollout.native.pdl import pdl
 
 # fp8_linear routes at most W8A16_MAX_ROWS rows here (16, measured); the kernel serves up to MAX_ROWS, in tiles of
 # 16, 32 or 64 rows (the next power of two), so `seed_workloads.py --gemms` can time 17-64 rows against `_scaled_mm`
@@ -30,9 +27,7 @@ MAX_ROWS = 64
 @triton.jit
 def _w8a16_kernel(X, W, S, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # pdl.py: wait for the previous kernel before any load or store
-        gdc_wait()
+                  HAS_BIAS: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     n_ok = n < N
@@ -75,9 +70,8 @@ def w8a16_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor
     bm = c.get("BM") or max(16, triton.next_power_of_2(M))
     if bm < M or bm < 16 or bm & (bm - 1):
         raise ValueError(f"w8a16_matmul: BM={bm} must be a power of two >= 16 and >= the {M} rows")
-    p = pdl(x_MK)
     _w8a16_kernel[(triton.cdiv(N, c["BN"]),)](
         x_MK, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, M, N, K, x_MK.stride(0), w_NK.stride(0),
         y.stride(0), BM=bm, BN=c["BN"], BK=c["BK"], EVEN_K=K % c["BK"] == 0, HAS_BIAS=bias is not None,
-        PDL=p, num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=p)
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
