@@ -42,9 +42,8 @@ def test_decode_kernels_compile_with_run_time_splits(multi, fp8):
 
 
 def test_combine_compiles_and_no_kernel_specialises_on_splits():
-    sig = dict(O="*fp32", LSE="*fp32", OUT="*bf16", SPLITS="i32", SP="constexpr", D="constexpr", CHUNK="constexpr",
-               DB="constexpr")
-    consts = dict(SP=triton.next_power_of_2(v1.MAX_SPLITS), D=64, CHUNK=128, DB=32)
+    sig = dict(O="*fp32", LSE="*fp32", OUT="*bf16", SPLITS="i32", SP="constexpr", D="constexpr", CHUNK="constexpr")
+    consts = dict(SP=triton.next_power_of_2(v1.MAX_SPLITS), D=64, CHUNK=16)
     assert compile(ASTSource(fn=v1._combine_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
     for fn in (v1._paged_decode_kernel, v1._combine_kernel, v2._paged_decode_v2_kernel):
         splits = next(p for p in fn.params if p.name == "SPLITS")

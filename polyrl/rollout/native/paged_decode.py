@@ -105,18 +105,16 @@ def _paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
-def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, DB: tl.constexpr):
-    # one program per (token, head, DB columns of head_dim): out = sum_s softmax(lse)_s * o_s over the splits. Empty
-    # splits (lse -1e30, from splits past a short context) get weight 0 and their partials are never read, so many
-    # splits cost little there. Each loop step loads CHUNK splits at once: the loop is a chain of dependent memory
-    # round trips, which is what the long tail pays (238 splits in chunks of 16 took 12.7 us a layer at 1 x 27k, H100)
+def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+    # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits. Empty splits (lse -1e30, from
+    # splits past a short context) get weight 0 and their partials are never read, so many splits cost little there.
     r = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * DB + tl.arange(0, DB)
     sp = tl.arange(0, SP)
+    d = tl.arange(0, D)
     lse = tl.load(LSE + r * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
     total = tl.sum(tl.exp(lse - mx), 0)
-    acc = tl.zeros([DB], tl.float32)
+    acc = tl.zeros([D], tl.float32)
     for s0 in range(0, SPLITS, CHUNK):
         c = s0 + tl.arange(0, CHUNK)
         lc = tl.load(LSE + r * SPLITS + c, mask=c < SPLITS, other=float("-inf"))
@@ -131,15 +129,8 @@ def combine_splits(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> tor
     """Merge split-K partials o [T, H, SPLITS, D] (fp32) with their log-sum-exps [T, H, SPLITS] into out [T, H, D]."""
     T, H, splits, D = o.shape
     assert splits <= MAX_SPLITS, (splits, MAX_SPLITS)
-    db = min(D, COMBINE["DB"])
-    _combine_kernel[(T * H, D // db)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D,
-                                      CHUNK=COMBINE["CHUNK"], DB=db, num_warps=4)
+    _combine_kernel[(T * H,)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D, CHUNK=16, num_warps=4)
     return out
-
-
-# splits per loop step and head_dim columns per program of `_combine_kernel`: [128, 32] fp32 partials a step (16 KB),
-# two steps for the 238 splits of the last sequence of s1 (was one program per head in chunks of 16: 15 steps)
-COMBINE = dict(CHUNK=128, DB=32)
 
 
 # The most splits per sequence. The long tail of an RL batch decodes a few sequences with the longest contexts: at
