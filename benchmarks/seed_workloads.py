@@ -163,7 +163,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     for cname, cap in [(c, m) for c in configs for m in args.max_splits]:
         v1.MAX_SPLITS = v2.MAX_SPLITS = cap  # read when the engine captures its decode graphs
         eng = NativeEngine.from_hf(hf, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(256, seqs),
-                                   max_model_len=max_len, **CONFIGS[cname])
+                                   max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   **CONFIGS[cname])
         eng.update_weights(hf.state_dict().items())
         W, kv_tok = engine_bytes(eng)
         Wb, kvb = bf16_bytes(eng)
@@ -203,7 +204,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; preempted {r['num_preempted']}; paged-decode splits <= {cap}; {_small_gemms()}; "
+                f"{dt:.1f} s; prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
+                f"paged-decode splits <= {cap}; {_small_gemms()}; "
                 f"{gc_words} in the timed run"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
@@ -419,6 +421,8 @@ def main():
                     "w8a16 kernel (fp8_linear.W8A16_MAX_ROWS, 16 by default; the kernel serves up to 64)")
     ap.add_argument("--kernels", action="store_true", help="a kernel-time table of each timed run (with --profile: "
                     "of each regime)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="prefill chunk (rollout.max_num_batched_tokens; 8192 is the default)")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()

@@ -159,3 +159,21 @@ def test_fused_kv_writer_and_torch_path_agree_on_the_fp8_cache_layout():
         assert off.float().mean() < 0.02, (j, off.float().mean())
     gaps = [abs(r1[0] - r2[0]) for r1, r2 in zip(out[True].logprobs, out[False].logprobs)]
     assert max(gaps) < 0.05, gaps
+
+
+@pytest.mark.parametrize("splits", [5, 200, 256])  # 200 / 256: many loop steps of the combine
+def test_combine_merges_split_partials_exactly(splits):
+    """`combine_splits` against the log-sum-exp merge in float64, with empty splits (lse -1e30, their partials NaN)
+    mixed in."""
+    from polyrl.rollout.native.paged_decode import combine_splits
+
+    gen = torch.Generator().manual_seed(splits)
+    T, H, Dh = 3, 4, 64
+    o = torch.randn(T, H, splits, Dh, generator=gen)
+    lse = torch.randn(T, H, splits, generator=gen) * 3
+    lse[:, :, 1::3] = -1e30  # empty splits: their partials must not count
+    o[:, :, 1::3] = float("nan")  # ... nor be read
+    out = combine_splits(o, lse, torch.empty(T, H, Dh))
+    w = torch.softmax(lse.double(), -1)
+    ref = (torch.nan_to_num(o.double()) * w[..., None]).sum(2)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
