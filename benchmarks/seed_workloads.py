@@ -232,12 +232,15 @@ def _small_gemms() -> str:
 
 
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",
-                "llama3.1-8b"), sweep_rows=(16, 32, 64), table_out: str | None = None) -> None:
+                "llama3.1-8b"), sweep_rows=(16, 32, 64), table_out: str | None = None, names=None,
+                wide_sweep: bool = False) -> None:
     """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS; FP8 W8A8 through `_scaled_mm` (row
     quantisation + GEMM, and the GEMM alone as when add_rmsnorm / silu_mul quantise its input); at <= 64 rows the
     w8a16 kernel (bf16 x; the FP8 path at <= 16 rows before the split-K kernel); at <= splitk_fp8.MAX_ROWS the split-K
     kernel on e4m3 rows, and at `sweep_rows` the best launch config of a sweep (written to `table_out` as JSON,
-    which `--splitk-table` loads). Each with the share of copy bandwidth its weight bytes make.
+    which `--splitk-table` loads). Each with the share of copy bandwidth its weight bytes make. `names` picks GEMMs
+    (default all four); `wide_sweep` adds 32-row weight tiles, 8 warps and 3 / 5 pipeline stages to the sweep (48
+    configs instead of 12).
 
     Cold weights, as in the engine: a decode step reads 28+ layers' weights and the K/V between two reads of one
     weight, so none is in L2. Each GEMM runs over enough copies of its weight to fill twice the L2 (a 1.5B qkv is 6 MB
@@ -253,12 +256,17 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=4, programs_per_sm=pps, min_k_steps=2)
              for bn in (64, 128) for bk in (128, 256) for pps in (1, 2, 4)]
+    if wide_sweep:
+        sweep = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pps, min_k_steps=2)
+                 for bn in (32, 64) for bk in (128, 256) for pps in (1, 2, 4) for w in (4, 8) for st in (3, 5)]
     table = {}
     for arch in archs:
         _, h, inter, _, nh, kv, _, _ = ARCH[arch]
         D = h // nh
         shapes = {"qkv": (h, (nh + 2 * kv) * D), "o": (nh * D, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
         for name, (K, N) in shapes.items():
+            if names and name not in names:
+                continue
             copies = max(1, -(-2 * l2 // (2 * N * K)))
             lins = [torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
             f8s = [FP8Linear(lin) for lin in lins]
@@ -411,6 +419,8 @@ def main():
     ap.add_argument("--gemm-archs", default="r1-distill-1.5b,llama3.1-8b", help="--gemms: model shapes")
     ap.add_argument("--gemm-sweep-rows", default="16,32,64", help="--gemms: rows where the split-K kernel's launch "
                     "configs are swept (empty: none)")
+    ap.add_argument("--gemm-names", default=None, help="--gemms: only these of qkv,o,gate_up,down")
+    ap.add_argument("--gemm-wide-sweep", action="store_true", help="--gemms: sweep 48 split-K launch configs, not 12")
     ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
     ap.add_argument("--splitk-table", default=None, help="load split-K launch configs (--splitk-table-out's JSON)")
     ap.add_argument("--tune-fp8", action="store_true", help="only the decode-kernel launch sweep, bf16 vs e4m3")
@@ -443,7 +453,8 @@ def main():
     if args.gemms:
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
-                    args.splitk_table_out)
+                    args.splitk_table_out, tuple(args.gemm_names.split(",")) if args.gemm_names else None,
+                    args.gemm_wide_sweep)
         return
     if args.profile:
         profile(args.configs.split(","), args.max_splits, bw, args.kernels)
