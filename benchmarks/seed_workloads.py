@@ -361,9 +361,10 @@ def tune_fp8(bw: float) -> None:
 
 def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) -> None:
     """Decode step time in five regimes of s1's run, from its start to its last sequence: 64 x 8k-token contexts,
-    32 x 4k, 8 x 16k, 2 x 24k and 1 x 27k. A regime's step time is (generate N new tokens - generate 1) / (N - 1), so
-    prefill is not in it; it is printed with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth
-    that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
+    32 x 4k, 8 x 16k, 2 x 24k and 1 x 27k. A regime's step time is the engine's GPU time from its first decode step to
+    its last (`stats["decode_gpu_s"]`, CUDA events) over the decode steps, so prefill is not in it (until 2026-11-26 it
+    was (generate 256 new tokens - generate 32) / 224 by wall clock, which the long prefills made noisy); it is printed
+    with the bytes a step reads (weights + context K/V) and the share of the copy bandwidth that makes. `max_splits` runs each config with those caps on the paged-decode splits (the old cap was 16), so the
     long tail's occupancy shows. `kernels` adds a kernel-time table of each regime's whole run (prefill included)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
@@ -374,7 +375,7 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
     hf = build_hf("r1-distill-1.5b", 28672)
     gen = torch.Generator().manual_seed(0)
     regimes = {"wide": (64, 8192), "bulk": (32, 4096), "tail": (8, 16384), "end": (2, 24576), "last": (1, 27648)}
-    new, base = 256, 32
+    new = 256
 
     def timed(eng, prompts, n):
         torch.cuda.synchronize()
@@ -391,7 +392,8 @@ def profile(configs, max_splits: list[int], bw: float, kernels: bool = False) ->
             for regime, (seqs, prompt_len) in regimes.items():
                 prompts = torch.randint(0, hf.config.vocab_size, (seqs, prompt_len - new), generator=gen).tolist()
                 timed(eng, prompts, CAPTURE_AFTER + 8)  # warm-up: kernels, and this size's graph
-                step = (timed(eng, prompts, new) - timed(eng, prompts, base)) / (new - base)
+                timed(eng, prompts, new)
+                step = eng.stats["decode_gpu_s"] / eng.stats["num_decode_steps"]
                 nbytes = W + seqs * (prompt_len - new // 2) * kv_tok
                 splits = v2.choose_num_splits(seqs, eng.spec.num_kv_heads, eng.num_sms, eng.kv_fp8,
                                               num_heads=eng.spec.num_heads)

@@ -56,6 +56,7 @@ def test_fp32_greedy_matches_hf_with_graphs(kind):
         ref = _hf_greedy(m, p, 40)
         assert out.token_ids[2 * i] == ref and out.token_ids[2 * i + 1] == ref, (kind, i)
     assert eng.graphs is not None and eng.stats["max_batch"] <= 6
+    assert 0 < eng.stats["decode_gpu_s"] < 60  # GPU time of the decode steps (CUDA events; seed_workloads --profile)
 
 
 def test_bf16_graphs_equal_eager_and_logprobs_close_to_hf():
