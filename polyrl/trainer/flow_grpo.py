@@ -398,19 +398,13 @@ class FlowGRPOTrainer(TrainerCore):
     def _correct_rollout(self, rollout: FlowSamples) -> None:
         """pi_old of every trained step in the trained precision (actor micro-batches, the update's batch shapes), then
         the shared rollout correction over [samples, trained steps]: each step plays the part of an LLM token."""
-        cfg = self.cfg.actor_rollout_ref
-        algo, traj, sigmas = cfg.rollout.algo, rollout.traj, rollout.sigmas
+        traj = rollout.traj
         old_KB = torch.empty_like(traj.log_probs_KB)
-        micro = cfg.actor.ppo_micro_batch_size_per_gpu
+        micro = self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
         for lo in range(0, len(rollout.prompts), micro):
             mb = torch.arange(lo, min(lo + micro, len(rollout.prompts)))
-            prompts = [rollout.prompts[i] for i in mb.tolist()]
-            for k, i in enumerate(traj.step_indices):
-                x = traj.latents_KB[k, mb]
-                v = self.policy.velocity(x, sigmas[i].expand(len(mb)).to(x.device), prompts)
-                out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
-                                   sigma_max=float(sigmas[1]), x_next=traj.next_latents_KB[k, mb])  # fmt: skip
-                old_KB[k, mb] = out.log_prob_B.to(old_KB)
+            for k in range(len(traj.step_indices)):
+                old_KB[k, mb] = self._policy_step(rollout, mb, k)[0].log_prob_B.to(old_KB)
         old_BK, roll_BK = old_KB.t(), traj.log_probs_KB.t()
         mask_BK = torch.ones_like(old_BK)
         weights_BK, keep_BK, metrics = compute_rollout_correction(old_BK, roll_BK, mask_BK,
@@ -419,23 +413,26 @@ class FlowGRPOTrainer(TrainerCore):
         rollout.old_log_probs_KB, rollout.is_weights_BK, rollout.correction_metrics = old_KB, weights_BK, metrics
         rollout.keep_BK = keep_BK if self.cfg.algorithm.rollout_correction.rollout_rs is not None else None
 
+    def _policy_step(self, rollout: FlowSamples, mb: torch.Tensor, k: int, reference: bool = False):
+        """The policy's (or the reference's) SDE step on trained step k of samples `mb`, towards the sampled next
+        latent: (its output, its velocity). Grad as the caller's context has it."""
+        algo, traj, sigmas = self.cfg.actor_rollout_ref.rollout.algo, rollout.traj, rollout.sigmas
+        i = traj.step_indices[k]
+        x = traj.latents_KB[k, mb]
+        v = self.policy.velocity(x, sigmas[i].expand(len(mb)).to(x.device), [rollout.prompts[j] for j in mb.tolist()],
+                                 reference=reference)  # fmt: skip
+        out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
+                           sigma_max=float(sigmas[1]), x_next=None if reference else traj.next_latents_KB[k, mb])
+        return out, v
+
     def _trained_forward(self, rollout: FlowSamples, mb: torch.Tensor, k: int):
         """The policy's SDE step on trained step k of samples `mb`, with grad: (its output, the KL to the reference
         per sample or None)."""
-        actor, algo = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.algo
-        traj, sigmas = rollout.traj, rollout.sigmas
-        i, sigma_max = traj.step_indices[k], float(sigmas[1])
-        prompts = [rollout.prompts[j] for j in mb.tolist()]
-        x = traj.latents_KB[k, mb]
-        sigma_B = sigmas[i].expand(len(mb)).to(x.device)
-        v = self.policy.velocity(x, sigma_B, prompts)
-        out = sde_lib.step(algo.sde_type, x, v, sigmas[i], sigmas[i + 1], noise_level=algo.noise_level,
-                           sigma_max=sigma_max, x_next=traj.next_latents_KB[k, mb])  # fmt: skip
+        actor = self.cfg.actor_rollout_ref.actor
+        out, v = self._policy_step(rollout, mb, k)
         kl_B = None
         if actor.use_kl_loss:
-            v_ref = self.policy.velocity(x, sigma_B, prompts, reference=True)
-            ref = sde_lib.step(algo.sde_type, x, v_ref, sigmas[i], sigmas[i + 1],
-                               noise_level=algo.noise_level, sigma_max=sigma_max)  # fmt: skip
+            ref, v_ref = self._policy_step(rollout, mb, k, reference=True)
             kl_B = sde_lib.kl_to_ref(actor.kl_loss_type, mean=out.mean, ref_mean=ref.mean, std=out.std,
                                      v=v, ref_v=v_ref)  # fmt: skip
         return out, kl_B
