@@ -89,3 +89,41 @@ def test_the_kernel_serves_every_row_count_fp8_linear_routes_to_it():
     from polyrl.rollout.native.splitk_fp8 import MAX_ROWS
 
     assert max(SPLITK_WIDE.values()) <= MAX_ROWS
+
+
+@pytest.mark.parametrize("M", [1, 17, 100])
+@pytest.mark.parametrize("N,K", [(40, 256), (33, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_form_makes_and_quantises_silu_mul_as_the_emulation_does(M, N, K, dtype):
+    """`splitk_fp8_glu_matmul`: silu(gate) * up from gate_up's output, quantised per (row, 128 columns) inside the
+    GEMM (K split, ragged last block, row blocks past 64), against fp8_linear's emulation (the CPU path's numbers).
+    The interpreter's own e4m3 cast rounds some values to a neighbour (test_fused_fp8_input_interp_on_cpu.py), so the
+    tight case quantises exactly: gate 20 (silu(20) is 20 in fp32) and up on e4m3 values, each block's amax 448
+    times a power of two, so every block's scale is exact and the e4m3 values are the up values. A wrong block,
+    half or scale is off by far more. Random values check silu against the unquantised product; the GPU test is
+    tight on those too."""
+    from polyrl.rollout.native import splitk_fp8
+    from polyrl.rollout.native.counters import arrival_counters
+    from polyrl.rollout.native.fp8_linear import GLU_BLOCK, fp8_glu_matmul
+
+    gen = torch.Generator().manual_seed(M + N + K)
+    w8, s, _, b = _case(M, N, K, M + N + K)
+    config = {**SMALL, "BK": 64}  # the kernel takes GLU_BLOCK whatever BK says
+    tiles, split, _, m_blocks = splitk_fp8.plan(M, N, K, {**config, "BK": GLU_BLOCK}, num_sms=8,
+                                                bm=min(splitk_fp8.ROW_BLOCK, max(16, triton.next_power_of_2(M))))
+    assert split > 1  # the reduction is part of what this tests
+    up = torch.randn(M, K, generator=gen).to(torch.float8_e4m3fn).float()
+    up[:, ::GLU_BLOCK] = 448.0  # each block's amax
+    up *= 2.0 ** torch.randint(-3, 3, (M, -(-K // GLU_BLOCK)), generator=gen).repeat_interleave(GLU_BLOCK, 1)[:, :K]
+    exact_gu = torch.cat([torch.full((M, K), 20.0), up], 1).to(dtype)
+    random_gu = (torch.randn(M, 2 * K, generator=gen) * 2).to(dtype)
+    for gu, tol in ((exact_gu, 1e-5), (random_gu, 0.15)):
+        y = splitk_fp8.splitk_fp8_glu_matmul(gu, w8, s, b, torch.float32, config=config)
+        emulated = fp8_glu_matmul(gu, w8, s, b, torch.float32)
+        g, u = gu.double().chunk(2, dim=-1)
+        exact = (torch.nn.functional.silu(g) * u) @ (w8.double() * s.double()[:, None]).t() + b.double()
+        assert ((y - emulated).norm() / emulated.norm()).item() < tol
+        assert ((emulated.double() - exact).norm() / exact.norm()).item() < max(tol, 3e-2)
+    n = tiles * m_blocks
+    assert arrival_counters(y.device, n)[:n].eq(0).all()
+    assert torch.equal(splitk_fp8.splitk_fp8_glu_matmul(gu, w8, s, b, torch.float32, config=config), y)
