@@ -9,8 +9,6 @@
 #   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
-#   bash benchmarks/fp8_fused_session.sh glu     # silu_mul inside the FP8 down GEMM: GPU tests, down GEMMs, (a) A/B
-#   TABLE=json bash benchmarks/fp8_fused_session.sh glu_s1  # s1 at 64 sequences without / with it
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -83,23 +81,6 @@ case "${1:?part}" in
       tag=$([ "$tree" = . ] && echo new || echo old)
       PYTHONPATH=$tree timeout 240 python3 $tree/benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 \
         --rows-out "$OUT/rows_$tag.md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/s1.txt"
-    done ;;
-  glu)  # silu_mul made inside the FP8 down GEMM (POLYRL_FP8_FUSED_GLU): its GPU tests, the 1.5B down both ways with a
-        # launch sweep ($OUT/splitk_table.json), (a) in FP8 without and with it
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "glu or splitk or engine" \
-      2>&1 | tail -3 | tee "$OUT/tests.txt"
-    timeout 200 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-names down \
-      --gemm-rows 1,16,32,64,128,256 --gemm-sweep-rows 16,32,64,256 --splitk-table-out "$OUT/splitk_table.json" 2>&1 \
-      | grep "^gemm\|^device\|Error" | tee "$OUT/gemms.txt"
-    for glu in 0 1; do
-      POLYRL_FP8_FUSED_GLU=$glu timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/glu=$glu /" | tee -a "$OUT/a.txt"
-    done ;;
-  glu_s1)  # s1 at 64 sequences without and with the fused GLU (TABLE=path loads a --splitk-table-out JSON)
-    for glu in 0 1; do
-      POLYRL_FP8_FUSED_GLU=$glu timeout 250 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
-        --configs fp8kv_w8 ${TABLE:+--splitk-table $TABLE} --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" \
-        | sed "s/^/glu=$glu /" | tee -a "$OUT/s1.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -249,9 +249,8 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
     import triton
     import triton.testing
 
-    from polyrl.rollout.native import fp8_linear, splitk_fp8, w8a16
+    from polyrl.rollout.native import splitk_fp8, w8a16
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
-    from polyrl.rollout.native.fused import silu_mul
     from polyrl.rollout.native.fp8_linear import FP8Linear, _rows_matmul, _scaled_mm_rowwise
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -304,25 +303,9 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                         best = min(((_bench_or_inf(lambda: splitk(c)), c) for c in configs), key=lambda tc: tc[0])
                         line += f", best of sweep {pct(best[0])} {best[1]}"
                         table[f"{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
-                    if name == "down" and fp8_linear.splitk_serves(M, N, K):  # silu_mul + down, or down makes it
-                        gu = torch.randn(M, 2 * K, dtype=torch.bfloat16, device="cuda")
-
-                        def glu(c=None):
-                            return per_call(lambda i: splitk_fp8.splitk_fp8_glu_matmul(
-                                gu, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16, c))
-                        t_two = per_call(lambda i: splitk_fp8.splitk_fp8_matmul(
-                            silu_mul(gu, fp8=True), f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16))
-                        line += f", silu_mul + splitk {t_two:.1f} us, glu splitk {pct(glu())}"
-                        if M in sweep_rows:
-                            configs = [c for c in sweep if c["BK"] == 128]
-                            if M > splitk_fp8.ROW_BLOCK:
-                                configs = [{**c, "BM": bm} for c in configs for bm in (64, 128)]
-                            best = min(((_bench_or_inf(lambda: glu(c)), c) for c in configs), key=lambda tc: tc[0])
-                            line += f", glu best of sweep {pct(best[0])} {best[1]}"
-                            table[f"glu,{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
-                    if table_out and table:  # after every sweep: a run cut short keeps what it measured
-                        with open(table_out, "w") as f:
-                            json.dump(table, f, indent=1)
+                        if table_out:  # after every sweep: a run cut short keeps what it measured
+                            with open(table_out, "w") as f:
+                                json.dump(table, f, indent=1)
                 print(line, flush=True)
 
 
@@ -465,9 +448,7 @@ def main():
         from polyrl.rollout.native import splitk_fp8
 
         with open(args.splitk_table) as f:
-            for key, c in json.load(f).items():  # "N,K,rows", or "glu,N,K,rows" for the down GEMM fed gate_up
-                *glu, n, k, rows = key.split(",")
-                (splitk_fp8.GLU_TABLE if glu else splitk_fp8.TABLE)[int(n), int(k), int(rows)] = c
+            splitk_fp8.TABLE.update({tuple(int(v) for v in key.split(",")): c for key, c in json.load(f).items()})
     dev_name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -224,38 +224,3 @@ def test_fp8_linear_pads_rows_to_the_gemm_alignment_and_returns_the_true_width()
     x = torch.randn(5, 32)
     y = f8(x)
     assert y.shape == (5, 104) and ((y - lin(x)).norm() / lin(x).norm()).item() < 0.06
-
-
-def test_glu_blocks_quantise_each_128_columns_and_route_where_split_k_serves_down(monkeypatch):
-    """The down projection's fused input (fp8_linear.fp8_glu_matmul): silu(gate) * up quantised with one scale per
-    (row, 128 columns), a ragged last block padded with zeros; more accurate than one scale per row when a row's
-    blocks differ by more than e4m3's range; taken exactly where the split-K kernel serves down (`fuses_glu`), on every device."""
-    from torch import nn
-
-    from polyrl.rollout.native import fp8_linear
-    from polyrl.rollout.native.fp8_linear import FP8Linear, fp8_glu_matmul, fuses_glu, quantize_fp8_blocks
-
-    x = torch.cat([torch.full((2, 128), 4.0), torch.full((2, 44), 0.001)], 1)
-    x[1, 130] = -0.5
-    q, s = quantize_fp8_blocks(x, 128)
-    assert q.shape == (2, 2, 128) and s.shape == (2, 2)
-    assert torch.allclose(s, torch.tensor([[4.0, 0.001], [4.0, 0.5]]) / FP8_MAX)
-    assert q[:, 1, 44:].float().eq(0).all() and q[1, 1, 2].float() == -FP8_MAX
-    torch.manual_seed(0)
-    gu = torch.randn(3, 2 * 300)
-    gu[:, 300:428] *= 1e4  # the first block's up values 1e4x the rest: one scale a row leaves those subnormal
-    w = torch.randn(24, 300) * 0.05
-    w[:, :128] = 0  # ... and the output is theirs alone
-    w8, ws = quantize_fp8_rows(w)
-    gate, up = gu.double().chunk(2, 1)
-    exact = (nn.functional.silu(gate) * up) @ (w8.double() * ws.double()[:, None]).t()
-    blocks = fp8_glu_matmul(gu, w8, ws, None, torch.float32)
-    hq, hs = quantize_fp8_rows(nn.functional.silu(gu[:, :300]) * gu[:, 300:])
-    rows = fp8_linear._rows_matmul(hq, hs, w8, ws, None, torch.float32)
-    assert (blocks - exact).norm() < 0.5 * (rows - exact).norm()
-
-    down = FP8Linear(nn.Linear(8960, 1536, bias=False, device="meta").to_empty(device="cpu"))
-    assert fuses_glu(down, 1) and fuses_glu(down, 256) and not fuses_glu(down, 257)
-    assert not fuses_glu(nn.Linear(8960, 1536, bias=False, device="meta"), 1)
-    monkeypatch.setattr(fp8_linear, "FUSED_GLU", False)
-    assert not fuses_glu(down, 1)

@@ -54,11 +54,6 @@ SPLITK_MAX_ROWS = 64
 # Past SPLITK_MAX_ROWS (row blocks of 64, each rereading the weight) only where measured to win: weight (N, K) -> up
 # to this many rows (`splitk_serves`)
 SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128}  # the 1.5B and 8B down projections
-# silu(gate) * up goes into the down projection's split-K GEMM as gate_up's bf16 output, made and quantised to e4m3
-# there per (row, GLU_BLOCK columns) (`fuses_glu`), so a layer's silu_mul launch is gone. POLYRL_FP8_FUSED_GLU=0 keeps
-# silu_mul (per-row scales).
-FUSED_GLU = os.environ.get("POLYRL_FP8_FUSED_GLU", "1") == "1"
-GLU_BLOCK = 128  # columns per activation scale, one K step of the kernel (DeepSeek-V3's 1 x 128 activation tiles)
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -89,16 +84,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.pad:
             return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
-        return self._unpad(fp8_matmul(x, self.weight, self.weight_scale, None, self.out_dtype))
-
-    def forward_glu(self, gate_up_TX: torch.Tensor) -> torch.Tensor:
-        """This GEMM (a down projection) of silu(gate) * up, from the gate_up GEMM's output [T, 2K] (`fuses_glu`)."""
-        if not self.pad:
-            return fp8_glu_matmul(gate_up_TX, self.weight, self.weight_scale, self.bias, self.out_dtype)
-        return self._unpad(fp8_glu_matmul(gate_up_TX, self.weight, self.weight_scale, None, self.out_dtype))
-
-    def _unpad(self, y: torch.Tensor) -> torch.Tensor:
-        y = y[..., : self.out_features].contiguous()
+        y = fp8_matmul(x, self.weight, self.weight_scale, None, self.out_dtype)[..., : self.out_features].contiguous()
         return y if self.bias is None else y + self.bias
 
 
@@ -145,38 +131,6 @@ def splitk_serves(rows: int, n: int, k: int) -> bool:
     `_scaled_mm` has tiles for every SM it is as fast or faster: the 1.5B gate_up 18.8-22.9 us against split-K's
     18.3-28.0, the 8B qkv 15.0-16.4 against 17.7-22.1, the 8B o 13.8-13.9 against 14.4-23.5."""
     return rows <= SPLITK_MAX_ROWS or rows <= SPLITK_WIDE.get((n, k), 0)
-
-
-def fuses_glu(down: nn.Module, rows: int) -> bool:
-    """Whether a decode step of `rows` rows hands this down projection gate_up's output (`FP8Linear.forward_glu`)
-    instead of silu_mul's: where the split-K kernel serves it (FUSED_GLU and SPLITK on). The same rule on every
-    device, so the CPU emulation quantises as the GPU does."""
-    return FUSED_GLU and SPLITK and isinstance(down, FP8Linear) and splitk_serves(rows, *down.weight.shape)
-
-
-def fp8_glu_matmul(gate_up_TX: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """(silu(gate) * up) W^T (+ b), the activation rounded to gate_up's dtype as silu_mul rounds it, then quantised to
-    e4m3 with one scale per (row, GLU_BLOCK columns): splitk_fp8.py's kernel on CUDA (one launch), the same numbers in
-    fp32 elsewhere."""
-    if gate_up_TX.is_cuda:
-        from polyrl.rollout.native.splitk_fp8 import splitk_fp8_glu_matmul
-
-        return splitk_fp8_glu_matmul(gate_up_TX, w_NK, w_scale_N, bias, out_dtype)
-    gate, up = gate_up_TX.chunk(2, dim=-1)
-    h = nn.functional.silu(gate) * up
-    K = h.shape[-1]
-    q, s = quantize_fp8_blocks(h, GLU_BLOCK)
-    x = (q.float() * s[..., None]).flatten(-2)[..., :K]
-    y = (x @ (w_NK.float() * w_scale_N[:, None]).t()).to(out_dtype)
-    return y if bias is None else y + bias
-
-
-def quantize_fp8_blocks(x_MK: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values [M, ceil(K / block), block] (K zero-padded) and fp32 scales [M, ceil(K / block)], one per block of
-    `block` columns of a row: `quantize_fp8_rows` per block."""
-    x = nn.functional.pad(x_MK.float(), (0, -x_MK.shape[-1] % block)).unflatten(-1, (-1, block))
-    return quantize_fp8_rows(x)
 
 
 def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from polyrl.rollout.native.attention import AttnMeta, paged_attention, write_kv
-from polyrl.rollout.native.fp8_linear import fuses_glu
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -145,10 +144,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x):
-        gate_up = self.gate_up(x)
-        if fuses_glu(self.down, x.shape[0]):  # an FP8 down projection makes silu(gate) * up itself (fp8_linear.py)
-            return self.down.forward_glu(gate_up)
-        gate, up = gate_up.split(self.inter, dim=-1)
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
         return self.down(nn.functional.silu(gate) * up)
 
 
@@ -203,14 +199,12 @@ class CausalLM(nn.Module):
         first, rows = self.layers[0], x.shape[0]
         fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
                                                                              first.mlp.down))  # fmt: skip
-        glu = fuses_glu(first.mlp.down, rows)  # silu_mul made inside the FP8 down GEMM
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
-            gate_up = layer.mlp.gate_up(h)
-            x = layer.mlp.down.forward_glu(gate_up) if glu else layer.mlp.down(silu_mul(gate_up, fp8=fp8_down))
+            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h), fp8=fp8_down))
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8Rows
 from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
-from polyrl.rollout.native.fp8_linear import GLU_BLOCK
 
 MAX_ROWS = 256
 ROW_BLOCK = 64  # more rows than this: blocks of 64 rows (a grid axis; a TABLE entry may set BM)
@@ -59,32 +58,18 @@ TABLE: dict[tuple[int, int, int], dict] = {
 }
 
 
-# The down projection fed silu(gate) * up straight from gate_up's bf16 output (`splitk_fp8_glu_matmul`) quantises it
-# per (row, GLU_BLOCK columns), one K step each; launch configs per TABLE key that beat TABLE's for that form
-GLU_TABLE: dict[tuple[int, int, int], dict] = {}
-
-
 @triton.jit
-def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
-    y = acc * tl.load(WS + n, mask=n_ok, other=0.0)[:, None]
-    if not GLU:  # x's row scales (GLU: the block scales are in acc already)
-        y = y * tl.load(XS + m, mask=m_ok, other=0.0)[None, :]
+def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr):
+    y = acc * tl.load(WS + n, mask=n_ok, other=0.0)[:, None] * tl.load(XS + m, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(Y + m[None, :] * stride_ym + n[:, None], y.to(Y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
-def _mma(w, xt, acc, DOT_FP8: tl.constexpr):
-    if DOT_FP8:
-        return tl.dot(w, xt, acc)
-    return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)  # Triton's CPU interpreter: e4m3 values are exact in fp16
-
-
-@triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                    split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -101,23 +86,17 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
         x_ptr = X + m[None, :] * stride_xm + k[:, None]  # x^T: [BK, BM]
         if EVEN:  # whole K steps and whole column blocks
             w = tl.load(w_ptr)
-            x_ok = m_ok[None, :]
+            xt = tl.load(x_ptr, mask=m_ok[None, :], other=0.0)
         else:
             k_ok = k < k_hi
             w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x_ok = m_ok[None, :] & k_ok[:, None]
-        if GLU:  # x^T is silu(gate) * up of bf16 [gate | up] rows, made and quantised here per (row, BK block)
-            g = tl.load(x_ptr, mask=x_ok, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + K, mask=x_ok, other=0.0).to(tl.float32)
-            dt = X.dtype.element_ty
-            h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)  # silu_mul's rounding
-            sc = tl.maximum(tl.max(tl.abs(h), 0), 1e-8) / 448.0  # [BM]
-            acc += _mma(w, (h / sc[None, :]).to(W.dtype.element_ty), tl.zeros([BN, BM], tl.float32),
-                        DOT_FP8) * sc[None, :]
-        else:
-            acc = _mma(w, tl.load(x_ptr, mask=x_ok, other=0.0), acc, DOT_FP8)
+            xt = tl.load(x_ptr, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_FP8:
+            acc = tl.dot(w, xt, acc)
+        else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
+            acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
     if not SPLIT_K:
-        _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS, GLU)
+        _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
     else:
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
         out_block = pid_m * tl.num_programs(0) + pid_n  # this program's [BN, BM] tile of y
@@ -128,7 +107,7 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
             for s in range(split):
                 acc += tl.load(block + s * (BN * BM) + tile, cache_modifier=".cg")
             reset_arrivals(C, out_block)
-            _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS, GLU)
+            _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
 
 
 def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = ROW_BLOCK) -> tuple[int, int, int, int]:
@@ -148,35 +127,16 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     scale per row. `config` overrides CONFIG's and TABLE's keys; BM (the row block, a power of two >= 16) defaults to
     the next power of two of M, at most ROW_BLOCK."""
     xq = x.q.contiguous()
-    return _launch(xq, x.scale, xq.shape[1], w_NK, w_scale_N, bias, out_dtype, {**TABLE.get(_key(xq, w_NK), {}),
-                                                                               **(config or {})})
-
-
-def splitk_fp8_glu_matmul(gate_up_MX: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor,
-                          bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """(silu(gate) * up) W^T (+ b) from the gate_up GEMM's bf16 output [M, 2K] (gate first): the activation is made
-    and quantised to e4m3 inside the GEMM, one scale per (row, GLU_BLOCK columns), so no silu_mul launch and no
-    activation round trip. Same launch plan as `splitk_fp8_matmul` (GLU_TABLE's configs), with BK = GLU_BLOCK."""
-    gu = gate_up_MX.contiguous()
-    key = _key(gu, w_NK)
-    c = {**TABLE.get(key, {}), **GLU_TABLE.get(key, {}), **(config or {}), "BK": GLU_BLOCK}
-    return _launch(gu, w_scale_N, gu.shape[1] // 2, w_NK, w_scale_N, bias, out_dtype, c, glu=True)
-
-
-def _key(x_MK: torch.Tensor, w_NK: torch.Tensor) -> tuple[int, int, int]:
-    """TABLE's key: (N, K, rows rounded up to a power of two >= 16)."""
-    return w_NK.shape[0], w_NK.shape[1], max(16, triton.next_power_of_2(x_MK.shape[0]))
-
-
-def _launch(x, x_scale, K, w_NK, w_scale_N, bias, out_dtype, config, glu=False):
-    M, N = x.shape[0], w_NK.shape[0]
+    M, K = xq.shape
+    N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
-    c = {**CONFIG, **config}
-    bm = c.get("BM") or min(ROW_BLOCK, max(16, triton.next_power_of_2(M)))
+    rows = max(16, triton.next_power_of_2(M))
+    c = {**CONFIG, **TABLE.get((N, K, rows), {}), **(config or {})}
+    bm = c.get("BM") or min(ROW_BLOCK, rows)
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
-    dev = x.device
+    dev = xq.device
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
     tiles, split, k_per, m_blocks = plan(M, N, K, c, num_sms, bm)
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
@@ -184,8 +144,8 @@ def _launch(x, x_scale, K, w_NK, w_scale_N, bias, out_dtype, config, glu=False):
                            device=dev)
     counters = arrival_counters(dev, m_blocks * tiles)
     _splitk_kernel[(tiles, split, m_blocks)](
-        x, x_scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
-        x.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
+        xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
+        xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
-        HAS_BIAS=bias is not None, GLU=glu, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        HAS_BIAS=bias is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
