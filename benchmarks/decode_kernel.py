@@ -165,7 +165,8 @@ def sass_report() -> None:
 
     def build(fn, consts, fp8, warps, stages):
         kv, sc = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
-        types = dict(ptr, K=kv, V=kv, KS=sc, VS=sc, O="*fp32")  # O: split partials (SPLITS=2)
+        types = dict(ptr, K=kv, V=kv, KS=sc, VS=sc, O="*fp32", POS="*i64", COS="*fp32", SIN="*fp32",
+                     SLOT="*i64")  # O: split partials (SPLITS=2); the rope inputs unused (ROPE=False)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if n not in consts and n not in ("scale", "CL")}
@@ -207,7 +208,8 @@ def sass_report() -> None:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
                              dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
-                                  PAGES=rows // (BS * hb), KVH=kv_heads), c2["num_warps"], c2["num_stages"], rows))
+                                  PAGES=rows // (BS * hb), KVH=kv_heads, ROPE=False), c2["num_warps"],
+                             c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
                 kernel = build(fn, consts, fp8, warps, stages)

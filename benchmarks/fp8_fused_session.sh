@@ -9,6 +9,7 @@
 #   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
+#   bash benchmarks/fp8_fused_session.sh rope    # v2 doing rope_kv's work: GPU tests, (a) and s1 without / with it
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -81,6 +82,19 @@ case "${1:?part}" in
       tag=$([ "$tree" = . ] && echo new || echo old)
       PYTHONPATH=$tree timeout 240 python3 $tree/benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 \
         --rows-out "$OUT/rows_$tag.md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/s1.txt"
+    done ;;
+  rope)  # v2 doing rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE): GPU tests, then (a) and s1 in FP8 KV
+         # + W8 without and with it, in one call
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
+      -k "rope or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    for rope in 0 1; do
+      POLYRL_DECODE_FUSED_ROPE=$rope timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" | tee -a "$OUT/a.txt"
+    done
+    for rope in 0 1; do
+      POLYRL_DECODE_FUSED_ROPE=$rope timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
+        --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" \
+        | tee -a "$OUT/s1.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -177,3 +177,44 @@ def test_combine_merges_split_partials_exactly(splits):
     w = torch.softmax(lse.double(), -1)
     ref = (torch.nan_to_num(o.double()) * w[..., None]).sum(2)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("heads", [(4, 2), (12, 2), (8, 8)])
+def test_rope_form_is_rope_kv_then_decode(kv, splits, heads):
+    """`paged_decode_rope` (the qkv GEMM's output in; RoPE on q and k, the new token's K/V written by the split that
+    holds it, then decode, in one launch) against fused.py's rope_kv followed by `paged_decode`: the same output and
+    the same cache, new rows and scales included (an empty row, CUDA-graph padding, writes nothing)."""
+    from polyrl.rollout.native import paged_decode_v2 as v2
+    from polyrl.rollout.native.fused import rope_kv
+
+    H, KVH = heads
+    fp8 = kv == "fp8"
+    k, v, scales, bt, seq_slots, meta = _cache(CTX, KVH, fp8, seed=5)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.bfloat16}[kv]
+    if kv == "fp16":
+        k, v = k.to(dtype), v.to(dtype)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(len(CTX), (H + 2 * KVH) * D, generator=gen).to(dtype)
+    ctx = np.array(CTX)
+    pos = torch.tensor(np.maximum(ctx - 1, 0))
+    slots = torch.tensor([bt[r, (n - 1) // BS] * BS + (n - 1) % BS if n else 0 for r, n in zip(seq_slots, ctx)])
+    freqs = torch.arange(512.0)[:, None] * (10000.0 ** (-torch.arange(0, D, 2) / D))[None, :]
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    caches = {}
+    for fused in (False, True):
+        kc, vc = k.clone(), v.clone()
+        ks, vs = (s.clone() for s in scales) if fp8 else (None, None)
+        m = meta(splits)
+        m.slot_mapping = slots
+        if fused:
+            out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, m, D**-0.5, H, ks, vs)
+        else:
+            q = rope_kv(qkv, pos, cos, sin, kc, vc, slots, H, KVH, D, k_scale=ks, v_scale=vs)
+            ref = v2.paged_decode(q, kc, vc, m, D**-0.5, ks, vs)
+        caches[fused] = [x[1:] for x in (kc, vc, ks, vs) if x is not None]  # block 0: rope_kv's padding-row write
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b)
+               for a, b in zip(caches[True], caches[False]))
+    assert not torch.equal(caches[True][0], k[1:])  # the new rows were written

@@ -29,6 +29,7 @@ step's context (as in bf16) and upcasts that temporary.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,6 +62,9 @@ DECODE_KERNELS = {"v1": "polyrl.rollout.native.paged_decode", "v2": "polyrl.roll
 
 
 DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
+# v2 takes the qkv GEMM's output and does rope_kv's work itself (`paged_decode_v2.paged_decode_rope`; models without
+# q/k norms): one launch fewer a layer. POLYRL_DECODE_FUSED_ROPE=0 keeps the rope_kv launch.
+FUSED_ROPE = os.environ.get("POLYRL_DECODE_FUSED_ROPE", "1") == "1"
 
 
 def decode_kernel_module(name: str):

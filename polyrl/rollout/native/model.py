@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from polyrl.rollout.native.attention import AttnMeta, paged_attention, write_kv
+from polyrl.rollout.native.attention import FUSED_ROPE, AttnMeta, paged_attention, write_kv
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -128,6 +128,12 @@ class Attention(nn.Module):
         from polyrl.rollout.native.fused import rope_kv
 
         T = x_TD.shape[0]
+        if meta.use_kernel and meta.decode_kernel == "v2" and self.q_norm is None and FUSED_ROPE:
+            from polyrl.rollout.native.paged_decode_v2 import paged_decode_rope
+
+            o = paged_decode_rope(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta,
+                                  self.head_dim**-0.5, self.num_heads, self.k_scale, self.v_scale)
+            return self.o(o.reshape(T, self.q_size))
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
