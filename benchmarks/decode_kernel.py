@@ -208,7 +208,7 @@ def sass_report() -> None:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
                              dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
-                                  PAGES=rows // (BS * hb), KVH=kv_heads, ROPE=False), c2["num_warps"],
+                                  PAGES=rows // (BS * hb), KVH=kv_heads, ROPE=False, PTX=True), c2["num_warps"],
                              c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)

@@ -85,8 +85,8 @@ case "${1:?part}" in
     done ;;
   rope)  # v2 doing rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE): GPU tests, then (a) and s1 in FP8 KV
          # + W8 without and with it, in one call
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      -k "rope or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
+      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
     for rope in 0 1; do
       POLYRL_DECODE_FUSED_ROPE=$rope timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" | tee -a "$OUT/a.txt"

@@ -37,10 +37,25 @@ def test_decode_kernels_compile_with_run_time_splits(multi, fp8):
     one = dict(GP=16, TILE=128 if fp8 else 64, **common)
     two = dict(HB=1, R=16, PAGES=8 if fp8 else 4, **common)
     rope = dict(POS="*i64", COS="*fp32", SIN="*fp32", SLOT="*i64")
-    for fn, consts, extra in ((v1._paged_decode_kernel, one, {}), (v2._paged_decode_v2_kernel, dict(two, ROPE=False),
-                              rope), (v2._paged_decode_v2_kernel, dict(two, ROPE=True), rope)):
+    for fn, consts, extra in ((v1._paged_decode_kernel, one, {}),
+                              (v2._paged_decode_v2_kernel, dict(two, ROPE=False, PTX=True), rope),
+                              (v2._paged_decode_v2_kernel, dict(two, ROPE=True, PTX=True), rope)):
         sig = {**types, **extra, **{k: "constexpr" for k in consts}}
-        assert compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+        ptx = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+        assert ("mul.rn.f32" in ptx) == consts.get("ROPE", False)  # RoPE's products rounded on their own
+
+
+def test_rope_products_are_not_fused_into_bf16_fmas():
+    """rope_kv rounds each RoPE product to bf16 before the add, as HF does: no `fma.rn.bf16` (which rounds a * b + c
+    once, one ulp off in ~10% of values, H100 2026-11-26) and an opaque `mul.rn.f32` per product."""
+    from polyrl.rollout.native import fused
+
+    sig = dict(QKV="*bf16", POS="*i64", COS="*fp32", SIN="*fp32", SLOT="*i64", QO="*bf16", KC="*bf16", VC="*bf16",
+               KS="*bf16", VS="*bf16", QW="*bf16", KW="*bf16", eps="fp32")
+    consts = dict(H=12, KVH=2, HP=16, KVHP=2, D=128, HAS_NORM=False, FP8=False, PTX=True)
+    sig.update({k: "constexpr" for k in consts})
+    ptx = compile(ASTSource(fn=fused._rope_kv_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+    assert "fma.rn.bf16" not in ptx and "mul.rn.f32" in ptx
 
 
 def test_combine_compiles_and_no_kernel_specialises_on_splits():

@@ -169,6 +169,13 @@ def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads):
     out, cache = run(True)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
+    if not fp8:  # the new K rows are HF's RoPE in bf16: each product rounded, then the sum
+        x = qkv[:, H * D:(H + KVH) * D].view(-1, KVH, D).float()
+        c, s = (t[pos].bfloat16().float()[:, None] for t in (cos, sin))
+        rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+        hf = ((x * c).bfloat16().float() + (rot * s).bfloat16().float()).bfloat16()
+        written = cache[0].view(torch.bfloat16).view(-1, KVH, D)[new - BS]
+        assert torch.equal(written[CTX > 0], hf[CTX > 0])
     graph = torch.cuda.CUDAGraph()
     kc, vc = k.clone(), v.clone()
     ks, vs = (s.clone() for s in scales) if fp8 else (None, None)

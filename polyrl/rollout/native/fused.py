@@ -75,9 +75,22 @@ def _head_norm(x1, x2, W, eps, HALF: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _rope(x1, x2, c, s, dt: tl.constexpr):
-    o1 = (x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)
-    o2 = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+def rounded_product(a, b, dt: tl.constexpr, PTX: tl.constexpr):
+    """a * b rounded to dt on its own, as torch rounds it. A plain `(a * b).to(dt)` feeding an add is not: the compiler
+    turns the pair into one bf16 FMA (`fma.rn.bf16`, a single rounding of a * b + c), which put RoPE one ulp off HF's
+    in ~10% of q and k values (H100, 2026-11-26). PTX: an opaque `mul.rn.f32` (CUDA); the interpreter does not fuse."""
+    if PTX:
+        p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        p = a * b
+    return p.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rope(x1, x2, c, s, dt: tl.constexpr, PTX: tl.constexpr):
+    o1 = rounded_product(x1, c, dt, PTX) + rounded_product(-x2, s, dt, PTX)
+    o2 = rounded_product(x2, c, dt, PTX) + rounded_product(x1, s, dt, PTX)
     return o1.to(dt), o2.to(dt)
 
 
@@ -97,7 +110,7 @@ def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF: tl.constexpr, FP8: tl.const
 @triton.jit
 def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
                     H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, D: tl.constexpr,
-                    HAS_NORM: tl.constexpr, FP8: tl.constexpr):
+                    HAS_NORM: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dt = QKV.dtype.element_ty
@@ -114,7 +127,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
     q2 = tl.load(row + qh * D + HALF + h[None, :], mask=qm, other=0.0).to(tl.float32)
     if HAS_NORM:
         q1, q2 = _head_norm(q1, q2, QW, eps, HALF, D)
-    o1, o2 = _rope(q1, q2, c, s, dt)
+    o1, o2 = _rope(q1, q2, c, s, dt, PTX)
     tl.store(QO + t * H * D + qh * D + h[None, :], o1, mask=qm)
     tl.store(QO + t * H * D + qh * D + HALF + h[None, :], o2, mask=qm)
     # k heads -> cache (roped), v heads -> cache
@@ -125,7 +138,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
     k2 = tl.load(krow + kh * D + HALF + h[None, :], mask=km, other=0.0).to(tl.float32)
     if HAS_NORM:
         k1, k2 = _head_norm(k1, k2, KW, eps, HALF, D)
-    o1, o2 = _rope(k1, k2, c, s, dt)
+    o1, o2 = _rope(k1, k2, c, s, dt, PTX)
     dst = slot * KVH * D + kh * D + h[None, :]
     srow = slot * KVH + tl.arange(0, KVHP)
     _store_kv_row(KC, KS, dst, srow, o1, o2, km, HALF, FP8)
@@ -150,7 +163,7 @@ def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_ma
         k_scale if fp8 else qkv_TX, v_scale if fp8 else qkv_TX,
         q_norm_w if has_norm else qkv_TX, k_norm_w if has_norm else qkv_TX, eps,
         H=num_heads, KVH=num_kv_heads, HP=triton.next_power_of_2(num_heads), KVHP=triton.next_power_of_2(num_kv_heads),
-        D=head_dim, HAS_NORM=has_norm, FP8=fp8, num_warps=4,
+        D=head_dim, HAS_NORM=has_norm, FP8=fp8, PTX=qkv_TX.is_cuda, num_warps=4,
     )
     return q
 

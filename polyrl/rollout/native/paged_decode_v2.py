@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.rollout.native.fused import rounded_product
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
@@ -117,13 +118,13 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
 
 
 @triton.jit
-def _rope_rows(ptr, d, dp, c, sn, sign, mask):
+def _rope_rows(ptr, d, dp, c, sn, sign, mask, PTX: tl.constexpr):
     """Rows of one token's heads with RoPE applied (full-width cos/sin; `dp` each column's rotation partner), rounded
     at fused.py's `_rope` points so the values are rope_kv's bit for bit."""
     dt = ptr.dtype.element_ty
     x = tl.load(ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(ptr + dp[None, :], mask=mask, other=0.0).to(tl.float32)
-    return ((x * c).to(dt).to(tl.float32) + (sign * xp * sn).to(dt).to(tl.float32)).to(dt)
+    return (rounded_product(x, c, dt, PTX) + rounded_product(sign * xp, sn, dt, PTX)).to(dt)
 
 
 @triton.jit
@@ -146,6 +147,7 @@ def _paged_decode_v2_kernel(
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
     MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, ROPE: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
     # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
@@ -172,11 +174,12 @@ def _paged_decode_v2_kernel(
         dp = (d + D // 2) % D
         sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
         row = Q + s * stride_qt
-        q = _rope_rows(row + heads[:, None] * stride_qh, d, dp, c, sn, sign, q_ok[:, None])
+        q = _rope_rows(row + heads[:, None] * stride_qh, d, dp, c, sn, sign, q_ok[:, None], PTX)
         if (lo <= ctx - 1) & (ctx - 1 < hi):
             slot = tl.load(SLOT + s).to(tl.int64)
             kvh = hb * HB + tl.arange(0, HB)
-            k_new = _rope_rows(row + (G * KVH + kvh)[:, None] * stride_qh, d, dp, c, sn, sign, kvh[:, None] < KVH)
+            k_new = _rope_rows(row + (G * KVH + kvh)[:, None] * stride_qh, d, dp, c, sn, sign, kvh[:, None] < KVH,
+                               PTX)
             v_new = tl.load(row + ((G + 1) * KVH + kvh)[:, None] * stride_qh + d[None, :])
             addr = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh[:, None] * stride_kh + d[None, :]
             _write_new_kv(K, KS, addr, slot * KVH + kvh, k_new, FP8)
@@ -274,7 +277,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        MULTI=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, KVH=kvh, ROPE=rope is not None,
+        MULTI=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, KVH=kvh, ROPE=rope is not None, PTX=q.is_cuda,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:
