@@ -73,6 +73,15 @@ def _fp8_inputs(cname: str) -> str:
         "; FP8 GEMM inputs quantised by each GEMM (POLYRL_FP8_FUSED_INPUT=0)"
 
 
+def _fused_rope(eng) -> str:
+    """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), for the row."""
+    from polyrl.rollout.native import attention
+
+    if eng.decode_kernel != "v2" or eng.model.layers[0].attn.q_norm is not None:
+        return ""
+    return " with RoPE and the K/V write" if attention.FUSED_ROPE else " (rope_kv launch kept)"
+
+
 def build_hf(arch: str, max_pos: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -205,7 +214,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
                 f"{dt:.1f} s; prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
-                f"paged-decode splits <= {cap}; {_small_gemms()}; "
+                f"paged-decode {eng.decode_kernel}{_fused_rope(eng)}, splits <= {cap}; {_small_gemms()}; "
                 f"{gc_words} in the timed run"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "

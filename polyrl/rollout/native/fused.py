@@ -3,7 +3,8 @@
 Why: at decode batch 256 each torch elementwise op is a separate 3-8 us kernel, and a layer had ~40 of them (RMSNorm
 alone is 7); measured on an H200 they cost more than the weight and KV reads together. Three kernels replace them:
   add_rmsnorm      residual add + RMSNorm (one pass per row)
-  rope_kv          optional q/k RMSNorm (Qwen3) + RoPE on q and k + K/V cache write, one program per token
+  rope_kv          optional q/k RMSNorm (Qwen3) + RoPE on q and k + K/V cache write, one program per token (decode
+                   with the v2 kernel does this in its own launch: paged_decode_v2.paged_decode_rope)
   silu_mul         silu(gate) * up
 Each rounds to the activation dtype at the same points as the HF modules (e.g. RMSNorm casts to bf16 before the weight
 multiply, RoPE rounds each product), so bf16 logprobs stay close to the trainer's and fp32 stays exact.
