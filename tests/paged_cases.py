@@ -51,3 +51,30 @@ def reference_decode(q: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, bt: 
         att = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kk) * D**-0.5, -1)
         out[i] = torch.einsum("hk,khd->hd", att, vv)
     return out
+
+
+def rope_decode_step(qkv, k, v, scales, bt, seq_slots, ctx, splits, num_heads, block_size, fused, device="cpu"):
+    """One decode step from the qkv GEMM's output on copies of the caches: v2's `paged_decode_rope` (fused) or fused.py's
+    rope_kv then v2's `paged_decode`. Each row's new token is at position ctx - 1 (an empty row: CUDA-graph padding at
+    slot 0). Returns (output, the caches' bytes past block 0 (where rope_kv writes padding rows), positions, new slots,
+    cos, sin)."""
+    from polyrl.rollout.native import paged_decode_v2 as v2
+    from polyrl.rollout.native.fused import rope_kv
+
+    D = k.shape[-1]
+    ctx = np.asarray(ctx)
+    pos = torch.tensor(np.maximum(ctx - 1, 0), device=device)
+    new = torch.tensor([bt[r, (n - 1) // block_size] * block_size + (n - 1) % block_size if n else 0
+                        for r, n in zip(seq_slots, ctx)], device=device)
+    freqs = torch.arange(4096.0)[:, None] * (1e4 ** (-torch.arange(0, D, 2) / D))[None, :]
+    cos, sin = (f(torch.cat([freqs, freqs], -1)).to(device) for f in (torch.cos, torch.sin))
+    kc, vc = k.clone(), v.clone()
+    ks, vs = (s.clone() for s in scales) if scales is not None else (None, None)
+    meta = decode_meta(bt, seq_slots, ctx, splits, device)
+    meta.slot_mapping = new
+    if fused:
+        out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, num_heads, ks, vs)
+    else:
+        q = rope_kv(qkv, pos, cos, sin, kc, vc, new, num_heads, k.shape[2], D, k_scale=ks, v_scale=vs)
+        out = v2.paged_decode(q, kc, vc, meta, D**-0.5, ks, vs)
+    return out, [x[1:].view(torch.uint8) for x in (kc, vc, ks, vs) if x is not None], pos, new, cos, sin

@@ -135,11 +135,11 @@ def _gap_to_trainer(m, prompts, gen) -> float:
 @pytest.mark.parametrize("heads", [(12, 2), (32, 8)])
 def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads):
     """`paged_decode_rope` (RoPE, the new token's K/V write and decode in one launch) against rope_kv followed by
-    `paged_decode`: the same output bits and the same cache bytes, also replayed in a CUDA graph."""
-    from paged_cases import decode_meta, shuffled_block_table
+    `paged_decode`: the same output bits and the same cache bytes, the new K rows HF's bf16 RoPE, also replayed in a
+    CUDA graph."""
+    from paged_cases import decode_meta, rope_decode_step, shuffled_block_table
 
     from polyrl.rollout.native import paged_decode_v2 as v2
-    from polyrl.rollout.native.fused import rope_kv
 
     H, KVH = heads
     fp8 = kv == "fp8"
@@ -147,26 +147,8 @@ def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads):
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
     bt = shuffled_block_table(CTX, slots, rows=9, width=70, num_blocks=k.shape[0], block_size=BS)
     qkv = torch.randn(len(CTX), (H + 2 * KVH) * D, dtype=torch.bfloat16, device="cuda") * 2
-    pos = torch.tensor(np.maximum(CTX - 1, 0), device="cuda")
-    new = torch.tensor([bt[r, (n - 1) // BS] * BS + (n - 1) % BS if n else 0 for r, n in zip(slots, CTX)],
-                       device="cuda")
-    freqs = torch.arange(2048.0)[:, None] * (1e6 ** (-torch.arange(0, D, 2) / D))[None, :]
-    cos, sin = (f(torch.cat([freqs, freqs], -1)).cuda() for f in (torch.cos, torch.sin))
-
-    def run(fused):
-        kc, vc = k.clone(), v.clone()
-        ks, vs = (s.clone() for s in scales) if fp8 else (None, None)
-        meta = decode_meta(bt, slots, CTX, splits, "cuda")
-        meta.slot_mapping = new
-        if fused:
-            out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, H, ks, vs)
-        else:
-            q = rope_kv(qkv, pos, cos, sin, kc, vc, new, H, KVH, D, k_scale=ks, v_scale=vs)
-            out = v2.paged_decode(q, kc, vc, meta, D**-0.5, ks, vs)
-        return out, [x[1:].view(torch.uint8) for x in (kc, vc, ks, vs) if x is not None]  # block 0: padding's write
-
-    ref, ref_cache = run(False)
-    out, cache = run(True)
+    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, False, "cuda")
+    out, cache, pos, new, cos, sin = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, True, "cuda")
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
     if not fp8:  # the new K rows are HF's RoPE in bf16: each product rounded, then the sum

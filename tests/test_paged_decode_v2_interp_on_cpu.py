@@ -186,35 +186,18 @@ def test_rope_form_is_rope_kv_then_decode(kv, splits, heads):
     """`paged_decode_rope` (the qkv GEMM's output in; RoPE on q and k, the new token's K/V written by the split that
     holds it, then decode, in one launch) against fused.py's rope_kv followed by `paged_decode`: the same output and
     the same cache, new rows and scales included (an empty row, CUDA-graph padding, writes nothing)."""
-    from polyrl.rollout.native import paged_decode_v2 as v2
-    from polyrl.rollout.native.fused import rope_kv
+    from paged_cases import rope_decode_step
 
     H, KVH = heads
     fp8 = kv == "fp8"
-    k, v, scales, bt, seq_slots, meta = _cache(CTX, KVH, fp8, seed=5)
+    k, v, scales, bt, seq_slots, _ = _cache(CTX, KVH, fp8, seed=5)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.bfloat16}[kv]
     if kv == "fp16":
         k, v = k.to(dtype), v.to(dtype)
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(len(CTX), (H + 2 * KVH) * D, generator=gen).to(dtype)
-    ctx = np.array(CTX)
-    pos = torch.tensor(np.maximum(ctx - 1, 0))
-    slots = torch.tensor([bt[r, (n - 1) // BS] * BS + (n - 1) % BS if n else 0 for r, n in zip(seq_slots, ctx)])
-    freqs = torch.arange(512.0)[:, None] * (10000.0 ** (-torch.arange(0, D, 2) / D))[None, :]
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    caches = {}
-    for fused in (False, True):
-        kc, vc = k.clone(), v.clone()
-        ks, vs = (s.clone() for s in scales) if fp8 else (None, None)
-        m = meta(splits)
-        m.slot_mapping = slots
-        if fused:
-            out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, m, D**-0.5, H, ks, vs)
-        else:
-            q = rope_kv(qkv, pos, cos, sin, kc, vc, slots, H, KVH, D, k_scale=ks, v_scale=vs)
-            ref = v2.paged_decode(q, kc, vc, m, D**-0.5, ks, vs)
-        caches[fused] = [x[1:] for x in (kc, vc, ks, vs) if x is not None]  # block 0: rope_kv's padding-row write
+    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, False)
+    out, cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, True)
     assert torch.equal(out, ref)
-    assert all(torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b)
-               for a, b in zip(caches[True], caches[False]))
-    assert not torch.equal(caches[True][0], k[1:])  # the new rows were written
+    assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
+    assert not torch.equal(cache[0], k[1:].view(torch.uint8))  # the new rows were written
