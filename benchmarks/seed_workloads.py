@@ -15,7 +15,8 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
 Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
 GEMM FP8, not only the large ones); each with a `_v2` suffix runs the second paged-decode kernel
 (rollout.engine_kwargs.native.decode_kernel=v2). add_rmsnorm / silu_mul quantise the FP8 GEMMs'
-inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which).
+inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which). Each (shape, sequences, config) runs in its own process
+(`--one-process` runs them all in this one): in a shared process the later configs ran up to 18% slower.
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
 rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
 counted, but in our time): exact for these shapes, where all sequences run from the first step (max_num_seqs >= sequences).
@@ -446,7 +447,13 @@ def main():
                     help="prefill chunk (rollout.max_num_batched_tokens; 8192 is the default)")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--one-process", action="store_true", help="run every shape and config in this process (by "
+                    "default each runs in its own: later configs ran slower in a shared one)")
     args = ap.parse_args()
+    runs = [(shape, seqs, c) for shape in args.shapes.split(",") for seqs in _seqs(shape, args.seqs)
+            for c in args.configs.split(",")]
+    if not (args.one_process or args.gemms or args.profile or args.tune_fp8) and len(runs) > 1:
+        return _each_in_its_own_process(runs, args)
     args.max_splits = [int(x) for x in args.max_splits.split(",")]
     if args.w8a16_rows is not None:
         from polyrl.rollout.native import fp8_linear, w8a16
@@ -475,16 +482,43 @@ def main():
         return
     results, rows = [], []
     for shape in args.shapes.split(","):
-        for seqs in ([int(x) for x in args.seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]):
+        for seqs in _seqs(shape, args.seqs):
             results += run_shape(shape, seqs, args.configs.split(","), bw, args, dev_name, rows)
+    _summary(results, args.json_out)
+
+
+def _seqs(shape: str, seqs: str) -> list[int]:
+    """Sequences per GPU: --seqs for s1; s2 runs 128, a runs 256."""
+    return [int(x) for x in seqs.split(",")] if shape == "s1" else [128 if shape == "s2" else 256]
+
+
+def _each_in_its_own_process(runs, args) -> None:
+    """Each (shape, sequences, config) in a fresh process, this script again with --one-process. In one process the
+    later configs ran slower: s2 fp8kv_w8 as the third config 5,115 tok/s, alone 6,266 (H100, 2026-11-26; the cause,
+    likely memory an earlier engine leaves behind, was not measured)."""
+    import subprocess
+    import tempfile
+
+    results = []
+    for shape, seqs, config in runs:
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "run.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--shapes", shape, "--seqs",
+                            str(seqs), "--configs", config, "--json-out", out, "--one-process"], check=True)
+            with open(out) as f:
+                results += json.load(f)
+    _summary(results, args.json_out)
+
+
+def _summary(results, json_out) -> None:
     print("\n| shape | seqs | config | max splits | s | new tok/s | roofline | % roofline | % bf16 roofline | vs seed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         vs = f"{r['tokens_per_s'] / 3497:.2f}x" if r["shape"] == "s1" and r["seqs"] == 64 else "-"
         print(f"| {r['shape']} | {r['seqs']} | {r['config']} | {r['max_splits']} | {r['seconds']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | {r['roofline']:,.0f} | {r['frac_roofline']:.0%} | {r['frac_roofline_bf16']:.0%} | {vs} |")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    if json_out:
+        with open(json_out, "w") as f:
             json.dump(results, f, indent=1)
 
 
