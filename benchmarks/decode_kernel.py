@@ -166,10 +166,10 @@ def sass_report() -> None:
     def build(fn, consts, fp8, warps, stages):
         kv, sc = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
         types = dict(ptr, K=kv, V=kv, KS=sc, VS=sc, O="*fp32", POS="*i64", COS="*fp32", SIN="*fp32",
-                     SLOT="*i64")  # O: split partials (SPLITS=2); the rope inputs unused (ROPE=False)
+                     SLOT="*i64", QW="*bf16", KW="*bf16", eps="fp32")  # O: split partials (SPLITS=2); rope unused
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and n not in ("scale", "CL")}
+                 if n not in consts and n not in ("scale", "CL", "eps")}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
@@ -208,8 +208,8 @@ def sass_report() -> None:
                 rows = max(c2["rows"], BS * hb)
                 runs.append(("v2", v2._paged_decode_v2_kernel,
                              dict(G=group, HB=hb, R=max(16, triton.next_power_of_2(hb * group)),
-                                  PAGES=rows // (BS * hb), KVH=kv_heads, ROPE=False, PTX=True), c2["num_warps"],
-                             c2["num_stages"], rows))
+                                  PAGES=rows // (BS * hb), KVH=kv_heads, ROPE=False, HAS_NORM=False, PTX=True),
+                             c2["num_warps"], c2["num_stages"], rows))
             for name, fn, consts, warps, stages, rows in runs:
                 consts = dict(consts, D=D, BS=BS, SPLITS=2, IEEE=False, FP8=fp8)
                 kernel = build(fn, consts, fp8, warps, stages)

@@ -53,11 +53,12 @@ def reference_decode(q: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor, bt: 
     return out
 
 
-def rope_decode_step(qkv, k, v, scales, bt, seq_slots, ctx, splits, num_heads, block_size, fused, device="cpu"):
+def rope_decode_step(qkv, k, v, scales, bt, seq_slots, ctx, splits, num_heads, block_size, fused, device="cpu",
+                     norms=None):
     """One decode step from the qkv GEMM's output on copies of the caches: v2's `paged_decode_rope` (fused) or fused.py's
-    rope_kv then v2's `paged_decode`. Each row's new token is at position ctx - 1 (an empty row: CUDA-graph padding at
-    slot 0). Returns (output, the caches' bytes past block 0 (where rope_kv writes padding rows), positions, new slots,
-    cos, sin)."""
+    rope_kv then v2's `paged_decode`; `norms` (q and k RMSNorm weights, Qwen3) first. Each row's new token is at
+    position ctx - 1 (an empty row: CUDA-graph padding at slot 0). Returns (output, the caches' bytes past block 0
+    (where rope_kv writes padding rows), positions, new slots, cos, sin)."""
     from polyrl.rollout.native import paged_decode_v2 as v2
     from polyrl.rollout.native.fused import rope_kv
 
@@ -72,9 +73,10 @@ def rope_decode_step(qkv, k, v, scales, bt, seq_slots, ctx, splits, num_heads, b
     ks, vs = (s.clone() for s in scales) if scales is not None else (None, None)
     meta = decode_meta(bt, seq_slots, ctx, splits, device)
     meta.slot_mapping = new
+    qn, kn = norms or (None, None)
     if fused:
-        out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, num_heads, ks, vs)
+        out = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, num_heads, ks, vs, qn, kn, 1e-6)
     else:
-        q = rope_kv(qkv, pos, cos, sin, kc, vc, new, num_heads, k.shape[2], D, k_scale=ks, v_scale=vs)
+        q = rope_kv(qkv, pos, cos, sin, kc, vc, new, num_heads, k.shape[2], D, qn, kn, 1e-6, k_scale=ks, v_scale=vs)
         out = v2.paged_decode(q, kc, vc, meta, D**-0.5, ks, vs)
     return out, [x[1:].view(torch.uint8) for x in (kc, vc, ks, vs) if x is not None], pos, new, cos, sin

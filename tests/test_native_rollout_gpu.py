@@ -59,6 +59,26 @@ def test_fp32_greedy_matches_hf_with_graphs(kind):
     assert 0 < eng.stats["decode_gpu_s"] < 60  # GPU time of the decode steps (CUDA events; seed_workloads --profile)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_decode_kernel_doing_rope_kv_gives_the_same_rollout(kind, monkeypatch):
+    """An FP8-KV engine (v2 paged decode) with RoPE and the K/V write inside the decode launch (the default,
+    POLYRL_DECODE_FUSED_ROPE) and with rope_kv's own launch: the same tokens and log-probs, bit for bit, in CUDA graphs
+    (Qwen3's q/k norms included)."""
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine, model
+
+    m = _tiny(kind, torch.bfloat16)
+    prompts = _prompts(6, 5, 90)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=5)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(model, "FUSED_ROPE", fused)
+        eng = NativeEngine.from_hf(m, num_kv_tokens=1 << 14, kv_cache_dtype="fp8", decode_kernel="v2")
+        outs.append(eng.generate(prompts, sp))
+        assert eng.graphs is not None
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+
+
 def test_bf16_graphs_equal_eager_and_logprobs_close_to_hf():
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine

@@ -36,10 +36,10 @@ def test_decode_kernels_compile_with_run_time_splits(multi, fp8):
     common = dict(G=3, D=64, BS=16, MULTI=multi, IEEE=False, FP8=fp8, KVH=3)
     one = dict(GP=16, TILE=128 if fp8 else 64, **common)
     two = dict(HB=1, R=16, PAGES=8 if fp8 else 4, **common)
-    rope = dict(POS="*i64", COS="*fp32", SIN="*fp32", SLOT="*i64")
+    rope = dict(POS="*i64", COS="*fp32", SIN="*fp32", SLOT="*i64", QW="*bf16", KW="*bf16", eps="fp32")
     for fn, consts, extra in ((v1._paged_decode_kernel, one, {}),
-                              (v2._paged_decode_v2_kernel, dict(two, ROPE=False, PTX=True), rope),
-                              (v2._paged_decode_v2_kernel, dict(two, ROPE=True, PTX=True), rope)):
+                              (v2._paged_decode_v2_kernel, dict(two, ROPE=False, HAS_NORM=False, PTX=True), rope),
+                              (v2._paged_decode_v2_kernel, dict(two, ROPE=True, HAS_NORM=multi, PTX=True), rope)):
         sig = {**types, **extra, **{k: "constexpr" for k in consts}}
         ptx = compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
         assert ("mul.rn.f32" in ptx) == consts.get("ROPE", False)  # RoPE's products rounded on their own

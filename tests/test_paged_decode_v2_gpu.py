@@ -132,11 +132,11 @@ def _gap_to_trainer(m, prompts, gen) -> float:
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 4, 200])
-@pytest.mark.parametrize("heads", [(12, 2), (32, 8)])
-def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads):
-    """`paged_decode_rope` (RoPE, the new token's K/V write and decode in one launch) against rope_kv followed by
-    `paged_decode`: the same output bits and the same cache bytes, the new K rows HF's bf16 RoPE, also replayed in a
-    CUDA graph."""
+@pytest.mark.parametrize("heads,norm", [((12, 2), False), ((32, 8), False), ((32, 8), True)])  # True: Qwen3's norms
+def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads, norm):
+    """`paged_decode_rope` (q/k norm with `norm`, RoPE, the new token's K/V write and decode in one launch) against
+    rope_kv followed by `paged_decode`: the same output bits and the same cache bytes, the new K rows HF's bf16 RoPE
+    (and RMSNorm: within one bf16 step, its fp32 sum runs in another order), also replayed in a CUDA graph."""
     from paged_cases import decode_meta, rope_decode_step, shuffled_block_table
 
     from polyrl.rollout.native import paged_decode_v2 as v2
@@ -147,25 +147,34 @@ def test_rope_form_is_rope_kv_then_decode_bit_for_bit(kv, splits, heads):
     slots = np.array([3, 0, 6, 2, 1, 8, 5])
     bt = shuffled_block_table(CTX, slots, rows=9, width=70, num_blocks=k.shape[0], block_size=BS)
     qkv = torch.randn(len(CTX), (H + 2 * KVH) * D, dtype=torch.bfloat16, device="cuda") * 2
-    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, False, "cuda")
-    out, cache, pos, new, cos, sin = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, True, "cuda")
+    norms = tuple(1 + torch.randn(D, device="cuda").bfloat16() * 0.1 for _ in range(2)) if norm else None
+    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, False, "cuda", norms)
+    out, cache, pos, new, cos, sin = rope_decode_step(qkv, k, v, scales, bt, slots, CTX, splits, H, BS, True, "cuda",
+                                                      norms)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
     if not fp8:  # the new K rows are HF's RoPE in bf16: each product rounded, then the sum
         x = qkv[:, H * D:(H + KVH) * D].view(-1, KVH, D).float()
+        if norm:  # HF's Qwen3RMSNorm
+            x = norms[1].float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float()
+            x = x.bfloat16().float()
         c, s = (t[pos].bfloat16().float()[:, None] for t in (cos, sin))
         rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
         hf = ((x * c).bfloat16().float() + (rot * s).bfloat16().float()).bfloat16()
         written = cache[0].view(torch.bfloat16).view(-1, KVH, D)[new - BS]
-        assert torch.equal(written[CTX > 0], hf[CTX > 0])
+        if norm:
+            torch.testing.assert_close(written[CTX > 0].float(), hf[CTX > 0].float(), rtol=2**-7, atol=2**-7)
+        else:
+            assert torch.equal(written[CTX > 0], hf[CTX > 0])
     graph = torch.cuda.CUDAGraph()
     kc, vc = k.clone(), v.clone()
     ks, vs = (s.clone() for s in scales) if fp8 else (None, None)
     meta = decode_meta(bt, slots, CTX, splits, "cuda")
     meta.slot_mapping = new
-    v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, H, ks, vs)  # compiled before the capture
+    qn, kn = norms or (None, None)
+    v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, H, ks, vs, qn, kn)  # compiled before the capture
     with torch.cuda.graph(graph):
-        y = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, H, ks, vs)
+        y = v2.paged_decode_rope(qkv, pos, cos, sin, kc, vc, meta, D**-0.5, H, ks, vs, qn, kn)
     y.zero_()
     graph.replay()
     assert torch.equal(y, ref)

@@ -182,10 +182,12 @@ def test_combine_merges_split_partials_exactly(splits):
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 3, 40])
 @pytest.mark.parametrize("heads", [(4, 2), (12, 2), (8, 8)])
-def test_rope_form_is_rope_kv_then_decode(kv, splits, heads):
-    """`paged_decode_rope` (the qkv GEMM's output in; RoPE on q and k, the new token's K/V written by the split that
-    holds it, then decode, in one launch) against fused.py's rope_kv followed by `paged_decode`: the same output and
-    the same cache, new rows and scales included (an empty row, CUDA-graph padding, writes nothing)."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_form_is_rope_kv_then_decode(kv, splits, heads, norm):
+    """`paged_decode_rope` (the qkv GEMM's output in; Qwen3's q/k norm with `norm`, RoPE on q and k, the new token's
+    K/V written by the split that holds it, then decode, in one launch) against fused.py's rope_kv followed by
+    `paged_decode`: the same output and the same cache, new rows and scales included (an empty row, CUDA-graph
+    padding, writes nothing)."""
     from paged_cases import rope_decode_step
 
     H, KVH = heads
@@ -196,8 +198,9 @@ def test_rope_form_is_rope_kv_then_decode(kv, splits, heads):
         k, v = k.to(dtype), v.to(dtype)
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(len(CTX), (H + 2 * KVH) * D, generator=gen).to(dtype)
-    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, False)
-    out, cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, True)
+    norms = tuple(1 + torch.randn(D, generator=gen).to(dtype) * 0.1 for _ in range(2)) if norm else None
+    ref, ref_cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, False, norms=norms)
+    out, cache, *_ = rope_decode_step(qkv, k, v, scales, bt, seq_slots, CTX, splits, H, BS, True, norms=norms)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
     assert not torch.equal(cache[0], k[1:].view(torch.uint8))  # the new rows were written

@@ -62,20 +62,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
-def _head_norm(x1, x2, W, eps, HALF: tl.constexpr, D: tl.constexpr):
-    # RMSNorm over one head given its two halves (fp32 in, activation-dtype-rounded fp32 out)
-    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
-    r = tl.rsqrt(var + eps)[:, None]
-    h = tl.arange(0, HALF)
-    w1 = tl.load(W + h).to(tl.float32)[None, :]
-    w2 = tl.load(W + HALF + h).to(tl.float32)[None, :]
-    dt = W.dtype.element_ty
-    y1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    y2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    return y1, y2
-
-
-@triton.jit
 def rounded_product(a, b, dt: tl.constexpr, PTX: tl.constexpr):
     """a * b rounded to dt on its own, as torch rounds it. A plain `(a * b).to(dt)` feeding an add is not: the compiler
     turns the pair into one bf16 FMA (`fma.rn.bf16`, a single rounding of a * b + c), which put RoPE one ulp off HF's
@@ -89,23 +75,35 @@ def rounded_product(a, b, dt: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _rope(x1, x2, c, s, dt: tl.constexpr, PTX: tl.constexpr):
-    o1 = rounded_product(x1, c, dt, PTX) + rounded_product(-x2, s, dt, PTX)
-    o2 = rounded_product(x2, c, dt, PTX) + rounded_product(x1, s, dt, PTX)
-    return o1.to(dt), o2.to(dt)
+def rope_heads(row, heads, mask, pos, COS, SIN, W, eps, D: tl.constexpr, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
+    """Heads `heads` of one token's qkv row ([n, D], `mask` [n, 1]) after the optional per-head RMSNorm (Qwen3's q/k
+    norm, weight W) and RoPE at position `pos`, in the activation dtype, rounded where HF rounds. Whole rows: each
+    column is loaded with its rotation partner (d + D/2 mod D). rope_kv and v2's paged_decode_rope both use it, so the
+    two give the same bits."""
+    dt = row.dtype.element_ty
+    d = tl.arange(0, D)
+    dp = (d + D // 2) % D
+    x = tl.load(row + heads[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + heads[:, None] * D + dp[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # fp32 RMSNorm rounded to dt, then times the weight (HF's Qwen3RMSNorm); the partner shares r
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        x = ((x * r).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        xp = ((xp * r).to(dt).to(tl.float32) * tl.load(W + dp).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    c = tl.load(COS + pos * D + d).to(dt).to(tl.float32)[None, :]
+    s = tl.load(SIN + pos * D + d).to(dt).to(tl.float32)[None, :]
+    sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
+    return (rounded_product(x, c, dt, PTX) + rounded_product(sign * xp, s, dt, PTX)).to(dt)
 
 
 @triton.jit
-def _store_kv_row(C, S, dst, srow, x1, x2, km, HALF: tl.constexpr, FP8: tl.constexpr):
-    # one token's kv heads (both rope halves); FP8: one scale per head row = amax / 448, values cast to e4m3
+def store_kv_rows(C, S, addr, srow, x, mask, FP8: tl.constexpr):
+    """Whole K or V head rows [n, D] into the cache at `addr` (`mask` [n, 1]); FP8: one scale per row, amax / 448
+    (`srow` its index in the scale cache), values cast to e4m3."""
     if FP8:
-        amax = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))
-        sc = tl.maximum(amax, 1e-8) / 448.0
-        tl.store(S + srow, sc, mask=tl.sum(km.to(tl.int32), 1) > 0)
-        x1 = x1.to(tl.float32) / sc[:, None]
-        x2 = x2.to(tl.float32) / sc[:, None]
-    tl.store(C + dst, x1.to(C.dtype.element_ty), mask=km)
-    tl.store(C + dst + HALF, x2.to(C.dtype.element_ty), mask=km)
+        sc = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 1), 1e-8) / 448.0
+        tl.store(S + srow, sc, mask=tl.max(mask.to(tl.int32), 1) > 0)
+        x = x.to(tl.float32) / sc[:, None]
+    tl.store(C + addr, x.to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -113,40 +111,22 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, SLOT, QO, KC, VC, KS, VS, QW, KW, eps,
                     H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, KVHP: tl.constexpr, D: tl.constexpr,
                     HAS_NORM: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = D // 2
-    dt = QKV.dtype.element_ty
     pos = tl.load(POS + t)
     slot = tl.load(SLOT + t).to(tl.int64)
-    h = tl.arange(0, HALF)
-    c = tl.load(COS + pos * D + h).to(dt).to(tl.float32)[None, :]
-    s = tl.load(SIN + pos * D + h).to(dt).to(tl.float32)[None, :]
+    d = tl.arange(0, D)
     row = QKV + t * (H + 2 * KVH) * D
-    # q heads
-    qh = tl.arange(0, HP)[:, None]
-    qm = qh < H
-    q1 = tl.load(row + qh * D + h[None, :], mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(row + qh * D + HALF + h[None, :], mask=qm, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        q1, q2 = _head_norm(q1, q2, QW, eps, HALF, D)
-    o1, o2 = _rope(q1, q2, c, s, dt, PTX)
-    tl.store(QO + t * H * D + qh * D + h[None, :], o1, mask=qm)
-    tl.store(QO + t * H * D + qh * D + HALF + h[None, :], o2, mask=qm)
+    qh = tl.arange(0, HP)
+    qm = (qh < H)[:, None]
+    q = rope_heads(row, qh, qm, pos, COS, SIN, QW, eps, D, HAS_NORM, PTX)
+    tl.store(QO + t * H * D + qh[:, None] * D + d[None, :], q, mask=qm)
     # k heads -> cache (roped), v heads -> cache
-    kh = tl.arange(0, KVHP)[:, None]
-    km = kh < KVH
-    krow = row + H * D
-    k1 = tl.load(krow + kh * D + h[None, :], mask=km, other=0.0).to(tl.float32)
-    k2 = tl.load(krow + kh * D + HALF + h[None, :], mask=km, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        k1, k2 = _head_norm(k1, k2, KW, eps, HALF, D)
-    o1, o2 = _rope(k1, k2, c, s, dt, PTX)
-    dst = slot * KVH * D + kh * D + h[None, :]
-    srow = slot * KVH + tl.arange(0, KVHP)
-    _store_kv_row(KC, KS, dst, srow, o1, o2, km, HALF, FP8)
-    vrow = krow + KVH * D
-    v1 = tl.load(vrow + kh * D + h[None, :], mask=km, other=0.0)
-    v2 = tl.load(vrow + kh * D + HALF + h[None, :], mask=km, other=0.0)
-    _store_kv_row(VC, VS, dst, srow, v1, v2, km, HALF, FP8)
+    kh = tl.arange(0, KVHP)
+    km = (kh < KVH)[:, None]
+    addr = slot * KVH * D + kh[:, None] * D + d[None, :]
+    k = rope_heads(row + H * D, kh, km, pos, COS, SIN, KW, eps, D, HAS_NORM, PTX)
+    store_kv_rows(KC, KS, addr, slot * KVH + kh, k, km, FP8)
+    v = tl.load(row + (H + KVH) * D + kh[:, None] * D + d[None, :], mask=km, other=0.0)
+    store_kv_rows(VC, VS, addr, slot * KVH + kh, v, km, FP8)
 
 
 def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_mapping_T, num_heads, num_kv_heads,

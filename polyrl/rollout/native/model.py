@@ -128,14 +128,14 @@ class Attention(nn.Module):
         from polyrl.rollout.native.fused import rope_kv
 
         T = x_TD.shape[0]
-        if meta.use_kernel and meta.decode_kernel == "v2" and self.q_norm is None and FUSED_ROPE:
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        if meta.use_kernel and meta.decode_kernel == "v2" and FUSED_ROPE:  # rope_kv's work inside the decode launch
             from polyrl.rollout.native.paged_decode_v2 import paged_decode_rope
 
             o = paged_decode_rope(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta,
-                                  self.head_dim**-0.5, self.num_heads, self.k_scale, self.v_scale)
+                                  self.head_dim**-0.5, self.num_heads, self.k_scale, self.v_scale, qn, kn, eps)
             return self.o(o.reshape(T, self.q_size))
-        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = rope_kv(self.qkv(x_TD), positions_T, cos_table, sin_table, self.k_cache, self.v_cache, meta.slot_mapping,
                     self.num_heads, self.num_kv_heads, self.head_dim, qn, kn, eps, self.k_scale, self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.k_scale, self.v_scale)

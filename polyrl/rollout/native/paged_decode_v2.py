@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.fused import rounded_product
+from polyrl.rollout.native.fused import rope_heads, store_kv_rows
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
@@ -124,37 +124,16 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     return m_new, l, acc
 
 
-@triton.jit
-def _rope_rows(ptr, d, dp, c, sn, sign, mask, PTX: tl.constexpr):
-    """Rows of one token's heads with RoPE applied (full-width cos/sin; `dp` each column's rotation partner), rounded
-    at fused.py's `_rope` points so the values are rope_kv's bit for bit."""
-    dt = ptr.dtype.element_ty
-    x = tl.load(ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + dp[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (rounded_product(x, c, dt, PTX) + rounded_product(sign * xp, sn, dt, PTX)).to(dt)
-
-
-@triton.jit
-def _write_new_kv(C, S, addr, srow, x, FP8: tl.constexpr):
-    """The step's new K or V rows [HB, D] into the cache (FP8: per-row amax / 448 scales, as fused.py's writer)."""
-    if FP8:
-        sc = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 1), 1e-8) / 448.0
-        tl.store(S + srow, sc)
-        tl.store(C + addr, (x.to(tl.float32) / sc[:, None]).to(C.dtype.element_ty))
-    else:
-        tl.store(C + addr, x.to(C.dtype.element_ty))
-
-
 @triton.jit(do_not_specialize=["SPLITS"])
 def _paged_decode_v2_kernel(
-    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale, POS, COS, SIN, SLOT,
+    Q, K, V, KS, VS, SeqSlots, BT, CL, O, LSE, scale, POS, COS, SIN, SLOT, QW, KW, eps,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt,
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
     MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, ROPE: tl.constexpr,
-    PTX: tl.constexpr,
+    HAS_NORM: tl.constexpr, PTX: tl.constexpr,
 ):
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
     # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
@@ -176,21 +155,17 @@ def _paged_decode_v2_kernel(
     q_ok = r < HB * G
     if ROPE:  # Q is the qkv GEMM's output row: RoPE on q here, and the split holding the new token writes its K/V
         pos = tl.load(POS + s)
-        c = tl.load(COS + pos * D + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
-        sn = tl.load(SIN + pos * D + d).to(Q.dtype.element_ty).to(tl.float32)[None, :]
-        dp = (d + D // 2) % D
-        sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
-        row = Q + s * stride_qt
-        q = _rope_rows(row + heads[:, None] * stride_qh, d, dp, c, sn, sign, q_ok[:, None], PTX)
+        row = Q + s * stride_qt  # heads of D elements (stride_qh == D)
+        q = rope_heads(row, heads, q_ok[:, None], pos, COS, SIN, QW, eps, D, HAS_NORM, PTX)
         if (lo <= ctx - 1) & (ctx - 1 < hi):
             slot = tl.load(SLOT + s).to(tl.int64)
             kvh = hb * HB + tl.arange(0, HB)
-            k_new = _rope_rows(row + (G * KVH + kvh)[:, None] * stride_qh, d, dp, c, sn, sign, kvh[:, None] < KVH,
-                               PTX)
-            v_new = tl.load(row + ((G + 1) * KVH + kvh)[:, None] * stride_qh + d[None, :])
+            every = kvh[:, None] < KVH
             addr = (slot // BS) * stride_kb + (slot % BS) * stride_kt + kvh[:, None] * stride_kh + d[None, :]
-            _write_new_kv(K, KS, addr, slot * KVH + kvh, k_new, FP8)
-            _write_new_kv(V, VS, addr, slot * KVH + kvh, v_new, FP8)
+            k_new = rope_heads(row, G * KVH + kvh, every, pos, COS, SIN, KW, eps, D, HAS_NORM, PTX)
+            store_kv_rows(K, KS, addr, slot * KVH + kvh, k_new, every, FP8)
+            v_new = tl.load(row + ((G + 1) * KVH + kvh)[:, None] * stride_qh + d[None, :])
+            store_kv_rows(V, VS, addr, slot * KVH + kvh, v_new, every, FP8)
         tl.debug_barrier()  # the new rows are in the cache before this program's steps read them
     else:
         q = tl.load(Q + s * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
@@ -252,16 +227,21 @@ def paged_decode(q_THD: torch.Tensor, k_cache, v_cache, meta: AttnMeta, scale: f
 
 
 def paged_decode_rope(qkv_TX: torch.Tensor, positions_T, cos_table, sin_table, k_cache, v_cache, meta: AttnMeta,
-                      scale: float, num_heads: int, k_scale=None, v_scale=None) -> torch.Tensor:
-    """`paged_decode` from the qkv GEMM's output [T, (H + 2 KVH) D]: RoPE on q, and the new token's roped K and its V
-    written to the cache (quantised with an FP8 cache), in the same launch, so rope_kv's launch is gone. The program
-    whose split holds the new token writes it, then reads it back like any other token; the values are rope_kv's."""
+                      scale: float, num_heads: int, k_scale=None, v_scale=None, q_norm_w=None, k_norm_w=None,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """`paged_decode` from the qkv GEMM's output [T, (H + 2 KVH) D]: RoPE on q (after Qwen3's q/k norm if given), and
+    the new token's roped K and its V written to the cache (quantised with an FP8 cache), in the same launch, so
+    rope_kv's launch is gone. The program whose split holds the new token writes it, then reads it back like any
+    other token; the values are rope_kv's (the same `fused.rope_heads`)."""
     D = k_cache.shape[-1]
+    norms = (q_norm_w, k_norm_w) if q_norm_w is not None else (qkv_TX, qkv_TX)
     return _launch(qkv_TX, qkv_TX.stride(0), D, num_heads, D, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                   rope=(positions_T, cos_table, sin_table, meta.slot_mapping))
+                   rope=(positions_T, cos_table, sin_table, meta.slot_mapping, *norms, eps),
+                   has_norm=q_norm_w is not None)
 
 
-def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scale, v_scale, rope=None):
+def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scale, v_scale, rope=None,
+            has_norm=False):
     T = q.shape[0]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     if bs & (bs - 1):
@@ -277,14 +257,15 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         lse = torch.empty(T, H, splits, device=q.device, dtype=torch.float32)
     fp8 = k_scale is not None
     c = CONFIG_FP8 if fp8 else CONFIG
-    pos, cos, sin, slots = rope if rope is not None else (q,) * 4
+    rope_args = rope if rope is not None else (q,) * 6 + (0.0,)  # POS, COS, SIN, SLOT, QW, KW, eps
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, meta.seq_slots,
-        meta.block_tables, meta.context_lens, o, lse, scale, pos, cos, sin, slots,
+        meta.block_tables, meta.context_lens, o, lse, scale, *rope_args,
         stride_qt, stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
-        MULTI=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, KVH=kvh, ROPE=rope is not None, PTX=q.is_cuda,
+        MULTI=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, KVH=kvh, ROPE=rope is not None,
+        HAS_NORM=has_norm, PTX=q.is_cuda,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:
