@@ -10,6 +10,7 @@
 #   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
 #   bash benchmarks/fp8_fused_session.sh rope    # v2 doing rope_kv's work: GPU tests, (a) and s1 without / with it
+#   bash benchmarks/fp8_fused_session.sh rope_qwen3  # the shared rope_heads: GPU tests, s1 and (a) at the defaults
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -96,5 +97,13 @@ case "${1:?part}" in
         --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" \
         | tee -a "$OUT/s1.txt"
     done ;;
+  rope_qwen3)  # rope_heads shared by rope_kv and v2 (Qwen3 norms too): decode-path GPU tests, then s1 and (a) at the
+               # defaults (bf16 (a) runs rope_kv on v1), one process each
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
+      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+      2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.md" \
+      2>&1 | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
