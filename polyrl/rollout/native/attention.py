@@ -62,9 +62,9 @@ DECODE_KERNELS = {"v1": "polyrl.rollout.native.paged_decode", "v2": "polyrl.roll
 
 
 DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
-# v2 takes the qkv GEMM's output and does rope_kv's work itself (`paged_decode_v2.paged_decode_rope`; models without
-# q/k norms): one launch fewer a layer, s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls, (a) +1.2% / -0.6%
-# (H100, FP8 KV + W8, 2026-11-26). POLYRL_DECODE_FUSED_ROPE=0 keeps the rope_kv launch.
+# v2 takes the qkv GEMM's output and does rope_kv's work itself (`paged_decode_v2.paged_decode_rope`, Qwen3's q/k norms
+# included): one launch fewer a layer, s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls (8,816 in a third
+# run), (a) +1.2% / -0.6% (H100, FP8 KV + W8, 2026-11-26). POLYRL_DECODE_FUSED_ROPE=0 keeps the rope_kv launch.
 FUSED_ROPE = os.environ.get("POLYRL_DECODE_FUSED_ROPE", "1") == "1"
 
 

@@ -39,12 +39,12 @@ the cache writer, the prefill gather and v1 to agree on the layout). Converting 
 Not done: TMA / tensor descriptors (Hopper's TMA cannot gather scattered pages into one tile; one descriptor load per
 page would shrink the dots to a page).
 
-RoPE and the K/V write in the same launch (`paged_decode_rope`, the engine's path for models without q/k norms): the
-kernel reads the qkv GEMM's output, every program applies RoPE to its q rows (each column with its rotation partner,
-rounded as fused.py's rope_kv rounds, so the values are the same bits), and the program whose split holds the new
-token ropes, quantises and writes that token's K/V before its first step reads the cache. So rope_kv's launch (one
-program per token, 2-3 us at decode sizes) is gone from every layer: s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in
-two A/B calls on an H100 (2026-11-26), (a) within noise.
+RoPE and the K/V write in the same launch (`paged_decode_rope`, the engine's path with this kernel; Qwen3's q/k norms
+too): the kernel reads the qkv GEMM's output, every program applies RoPE to its q rows (fused.py's `rope_heads`, which
+rope_kv uses too, so the values are the same bits), and the program whose split holds the new token ropes, quantises
+and writes that token's K/V before its first step reads the cache. So rope_kv's launch (one program per token, 2-3 us
+at decode sizes) is gone from every layer: s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls on an H100
+(2026-11-26), (a) within noise.
 
 Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
 e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 is 0.76-1.00x v1 (v1 already
