@@ -139,7 +139,7 @@ def combine_chunk(splits: int) -> int:
     """Splits the combine merges per loop step: 16 (the bulk of a rollout, a few splits), or enough for the whole
     split count up to 128 in the long tail. Each step's loads wait on nothing but the program's start, yet the loop
     issues them one step at a time: at 1 row x 27k context (238 splits) the combine took 12.7 us a layer in 15 steps
-    of 16 (H100, 2026-11-26), ~15% of such a decode step."""
+    of 16 (H100, 2026-11-26), ~15% of such a decode step. With this: s1 8,837 tok/s against 8,789, same call."""
     return 16 if splits <= 16 else min(128, triton.next_power_of_2(splits))
 
 
