@@ -19,6 +19,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+decode_gpu_tests() {  # the GPU tests that touch the decode path, within $1 seconds
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
+    tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+}
 case "${1:?part}" in
   check)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
@@ -67,8 +71,7 @@ case "${1:?part}" in
       --gemm-sweep-rows "" 2>&1 | grep "^gemm\|Error" | tee "$OUT/gemms_8b.txt" ;;
   ab)  # the GPU tests that touch the decode path, the decode kernels at 16k context and (a) in FP8 KV + W8 and in
         # bf16, this tree then $OLD's (page-transposed e4m3 V, 165ae83, was measured this way and reverted)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    decode_gpu_tests 150
     for tree in . "${OLD:-}"; do
       [ -n "$tree" ] || continue
       tag=$([ "$tree" = . ] && echo new || echo old)
@@ -86,8 +89,7 @@ case "${1:?part}" in
     done ;;
   rope)  # v2 doing rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE): GPU tests, then (a) and s1 in FP8 KV
          # + W8 without and with it, in one call
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    decode_gpu_tests 200
     for rope in 0 1; do
       POLYRL_DECODE_FUSED_ROPE=$rope timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" | tee -a "$OUT/a.txt"
@@ -99,8 +101,7 @@ case "${1:?part}" in
     done ;;
   rope_qwen3)  # rope_heads shared by rope_kv and v2 (Qwen3 norms too): decode-path GPU tests, then s1 and (a) at the
                # defaults (bf16 (a) runs rope_kv on v1), one process each
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py tests/test_fp8_rollout_gpu.py \
-      tests/test_native_rollout_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    decode_gpu_tests 200
     timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
     timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.md" \

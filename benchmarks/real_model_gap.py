@@ -109,14 +109,14 @@ def main():
     from polyrl.rollout.native import NativeEngine
 
     results = {}
+    max_len = max(map(len, prompts)) + args.new + 16
     mlp_line = hf.config.hidden_size * hf.config.intermediate_size - 1  # down's size; gate_up is twice it
     for cname in args.configs.split(","):
         t0 = time.perf_counter()
         kw = dict(CONFIGS[cname])
         min_elements = mlp_line if kw.pop("mlp_only", False) else args.fp8_min_elements
-        eng = NativeEngine.from_hf(hf, device=args.device, max_num_seqs=len(prompts) * args.n,
-                                   max_model_len=max(map(len, prompts)) + args.new + 16,
-                                   num_kv_tokens=len(prompts) * args.n * (max(map(len, prompts)) + args.new + 16),
+        eng = NativeEngine.from_hf(hf, device=args.device, max_num_seqs=len(prompts) * args.n, max_model_len=max_len,
+                                   num_kv_tokens=len(prompts) * args.n * max_len,
                                    fp8_min_elements=min_elements, **kw)
         m = gap(hf, eng, prompts, args.n, args.new)
         results[cname] = m

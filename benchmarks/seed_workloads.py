@@ -78,7 +78,7 @@ def _fused_rope(eng) -> str:
     """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), for the row."""
     from polyrl.rollout.native import attention
 
-    if eng.decode_kernel != "v2" or eng.model.layers[0].attn.q_norm is not None:
+    if eng.decode_kernel != "v2":  # the condition Attention.forward_fused routes on (q/k norms included)
         return ""
     return " with RoPE and the K/V write" if attention.FUSED_ROPE else " (rope_kv launch kept)"
 
