@@ -91,12 +91,12 @@ class Cache:
     """Random K/V pages for max(BATCHES) sequences of CTX tokens (block 0 left free, as the engine's scratch block) in
     random page order; bf16 first, then `to_fp8()` replaces them with e4m3 values and per-(token, head) scales."""
 
-    def __init__(self, kv_heads: int):
-        b = max(BATCHES)
-        nb = b * CTX // BS
+    def __init__(self, kv_heads: int, batch: int | None = None, ctx: int | None = None):
+        b, self.ctx = batch or max(BATCHES), ctx or CTX
+        nb = b * self.ctx // BS
         self.k = torch.randn(nb + 1, BS, kv_heads, D, dtype=ACT, device=DEV)
         self.v = torch.randn_like(self.k)
-        self.bt = (torch.randperm(nb, device=DEV) + 1).view(b, CTX // BS).to(torch.int32)
+        self.bt = (torch.randperm(nb, device=DEV) + 1).view(b, self.ctx // BS).to(torch.int32)
         self.scales = (None, None)
 
     def to_fp8(self) -> None:
@@ -105,8 +105,8 @@ class Cache:
 
     def meta(self, batch: int, splits: int) -> AttnMeta:
         return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(batch, device=DEV),
-                        block_tables=self.bt[:batch], context_lens=torch.full((batch,), CTX, dtype=torch.int32,
-                                                                              device=DEV),
+                        block_tables=self.bt[:batch], context_lens=torch.full((batch,), self.ctx,
+                                                                              dtype=torch.int32, device=DEV),
                         num_splits=splits, use_kernel=True)
 
 
@@ -145,6 +145,65 @@ def sweep(cache: Cache, sms: int, deadline: float) -> None:
     v2.CONFIG_FP8.update(committed)
     if best[1]:
         print(f"  best rows/warps/stages/programs_per_sm {best[1]}: {best[0]:.0f} us")
+
+
+# (model, batch, context, split counts to force) for `regime_sweep`: shape (a) (B = 256 at 768 context tokens, its
+# mean: rollout.py's 256-token prompts and 1,024 new tokens); s1 at 128 and 64 sequences and its tail; s2's Llama-8B
+# heads at 128 sequences of ~1-4k context
+REGIMES = [("qwen-1.5b", 256, 768, (1, 2, 4)), ("qwen-1.5b", 128, 16384, (2, 4, 8)),
+           ("qwen-1.5b", 64, 16384, (4, 8, 16, 32)), ("qwen-1.5b", 32, 16384, (8, 16, 32, 64)),
+           ("qwen-1.5b", 16, 16384, (16, 32, 64, 128)), ("qwen-1.5b", 8, 16384, (32, 64, 128)),
+           ("qwen-1.5b", 1, 27648, (128, 256)), ("llama-8b", 128, 2048, (1, 2, 4, 8)),
+           ("llama-8b", 32, 4096, (2, 4, 8, 16)), ("llama-8b", 8, 4096, (8, 16, 32, 64))]
+# (cache rows per step, warps, stages)
+REGIME_CONFIGS = [(128, 4, 3), (32, 1, 3), (64, 1, 3)]
+
+
+def regime_sweep(sms: int, deadline: float) -> None:
+    """v2's e4m3 launch configs with forced split counts in the engine's regimes (REGIMES), against the committed
+    launch (its own split choice) and v1 bf16 for scale. Splits > 1 include the combine launch. us per layer;
+    bandwidth as the bytes read over the time (`bytes_moved`)."""
+    committed = dict(v2.CONFIG_FP8)
+    print(f"\n== v2 e4m3 regimes (committed {committed})", flush=True)
+    for model, batch, ctx, split_opts in REGIMES:
+        if time.time() > deadline:
+            print("  (budget reached: stopped)")
+            break
+        heads, kv_heads = MODELS[model]
+        cache = Cache(kv_heads, batch, ctx)
+        q = torch.randn(batch, heads, D, dtype=ACT, device=DEV)
+        bf = run_kernel("v1", cache, q, sms)
+        nb_bf = bytes_moved(batch, ctx, heads, kv_heads, False)
+        cache.to_fp8()
+        nbytes = bytes_moved(batch, ctx, heads, kv_heads, True)
+        ref = run_kernel("v2", cache, q, sms)
+        launch = v2.fp8_config(batch, kv_heads // v2.heads_per_program(heads, kv_heads), sms)
+        print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us ({nb_bf / bf[0] / 1e6:.2f} TB/s), e4m3 "
+              f"committed {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})", flush=True)
+        results = []
+        for rows, warps, stages in REGIME_CONFIGS:
+            for forced in split_opts:
+                v2.CONFIG_FP8.update(rows=rows, num_warps=warps, num_stages=stages)
+                chooser, few = v2.choose_num_splits, v2.FEW_WARPS
+                v2.choose_num_splits = lambda *a, n=forced, **k: n  # noqa: E731
+                v2.FEW_WARPS = False  # the launch takes CONFIG_FP8 as set here
+                try:
+                    us, out, _ = run_kernel("v2", cache, q, sms)
+                finally:
+                    v2.choose_num_splits, v2.FEW_WARPS = chooser, few
+                    v2.CONFIG_FP8.clear()
+                    v2.CONFIG_FP8.update(committed)
+                err = ((out.float() - ref[1].float()).norm() / ref[1].float().norm()).item() if us else float("nan")
+                label = f"rows {rows} warps {warps} stages {stages} splits {forced}"
+                print(f"    {label}: " + (f"{us:.1f} us ({nbytes / us / 1e6:.2f} TB/s) rel err {err:.1e}" if us
+                                          else f"failed: {out}"), flush=True)
+                if us:
+                    results.append((us, label))
+        if results:
+            us, label = min(results)
+            print(f"  best: {label}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s) against committed {ref[0]:.1f}",
+                  flush=True)
+        del cache
 
 
 def sass_report() -> None:
@@ -240,6 +299,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
                     "the script's flow, measures nothing")
     ap.add_argument("--sass", action="store_true", help="no GPU: static sm_90 loop statistics of both kernels")
+    ap.add_argument("--regimes", action="store_true", help="only a v2 e4m3 launch and split sweep in shape (a)'s "
+                    "and s1's regimes")
     args = ap.parse_args()
     if args.sass:
         sass_report()
@@ -255,6 +316,9 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
           flush=True)
+    if args.regimes:
+        regime_sweep(sms, t0 + args.budget_s)
+        return
     print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
           "| v2 vs v1 rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

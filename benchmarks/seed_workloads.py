@@ -308,8 +308,7 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                                                                                torch.bfloat16, c))
                     line += f", splitk fed {pct(splitk())}"
                     if M in sweep_rows:
-                        configs = sweep if M <= splitk_fp8.ROW_BLOCK else [{**c, "BM": bm} for c in sweep
-                                                                            for bm in (64, 128)]
+                        configs = sweep if M <= splitk_fp8.ROW_BLOCK else _wide_row_configs(M)
                         best = min(((_bench_or_inf(lambda: splitk(c)), c) for c in configs), key=lambda tc: tc[0])
                         line += f", best of sweep {pct(best[0])} {best[1]}"
                         table[f"{N},{K},{max(16, triton.next_power_of_2(M))}"] = best[1]
@@ -317,6 +316,14 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                             with open(table_out, "w") as f:
                                 json.dump(table, f, indent=1)
                 print(line, flush=True)
+
+
+def _wide_row_configs(M: int) -> list[dict]:
+    """Split-K launch configs past 64 rows: row blocks of 64 to all the rows at once (BM 256 reads each weight tile
+    once; its [BN, 256] fp32 accumulator wants 8 warps at BN 128)."""
+    return [dict(BN=bn, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pps, min_k_steps=2, BM=bm)
+            for bm in (64, 128, 256) if bm <= max(64, M) for bn in (64, 128) for bk in (128, 256) for pps in (1, 2)
+            for w, st in ((4, 4), (8, 3)) if not (bn == 128 and bk == 256 and bm == 256)]
 
 
 def _bench_or_inf(fn) -> float:

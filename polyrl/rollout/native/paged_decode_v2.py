@@ -55,6 +55,8 @@ cache and v1 for bf16. End to end (seed_workloads.py): s1 at 64 sequences 5,930 
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,6 +209,12 @@ def _paged_decode_v2_kernel(
 # `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
 CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
+# e4m3 with too few (sequence, head block) programs to fill CONFIG_FP8's slots unsplit: one-warp programs of one page a
+# step, many splits (`fp8_config`). A program's steps then need no cross-warp reduction or layout exchange
+# (the softmax row max and sum, P into the P.V operand), which is what a four-warp program of 16 q rows waits on.
+CONFIG_FP8_FEW = dict(rows=32, num_warps=1, num_stages=3, programs_per_sm=8)
+FEW_WARPS = os.environ.get("POLYRL_DECODE_FEW_WARPS", "1") == "1"
+FEW_MAX_SPLITS = 64  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead (its combine is shorter)
 
 
 def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
@@ -256,7 +264,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         o = torch.empty(T, H, splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q.device, dtype=torch.float32)
     fp8 = k_scale is not None
-    c = CONFIG_FP8 if fp8 else CONFIG
+    c = fp8_config(T, kvh // hb, _num_sms(q.device)) if fp8 else CONFIG
     rope_args = rope if rope is not None else (q,) * 6 + (0.0,)  # POS, COS, SIN, SLOT, QW, KW, eps
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, meta.seq_slots,
@@ -280,6 +288,26 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = F
     a batch that fills the GPU with v1 can leave half of it idle, or a second wave nearly empty, with v2.
     num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
     blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
-    slots = (CONFIG_FP8 if fp8 else CONFIG)["programs_per_sm"] * num_sms
-    fill = lambda n: n * batch * blocks / (slots * -(-n * batch * blocks // slots))  # noqa: E731
+    config = fp8_config(batch, blocks, num_sms) if fp8 else CONFIG
+    return _fewest_filling_splits(batch * blocks, config["programs_per_sm"] * num_sms)
+
+
+def _fewest_filling_splits(programs: int, slots: int) -> int:
+    fill = lambda n: n * programs / (slots * -(-n * programs // slots))  # noqa: E731
     return next((n for n in range(1, MAX_SPLITS + 1) if fill(n) >= 0.9), max(range(1, MAX_SPLITS + 1), key=fill))
+
+
+def fp8_config(batch: int, blocks: int, num_sms: int) -> dict:
+    """The e4m3 launch for `batch` sequences of `blocks` head blocks: CONFIG_FP8 where its programs fill the GPU
+    unsplit (shape (a)'s 256 rows) or need more than FEW_MAX_SPLITS of CONFIG_FP8_FEW's (the last few rows of a long
+    tail), CONFIG_FP8_FEW between (s1's bulk). The engine's split choice and the launch both follow it."""
+    programs = batch * blocks
+    if not FEW_WARPS or _fewest_filling_splits(programs, CONFIG_FP8["programs_per_sm"] * num_sms) == 1:
+        return CONFIG_FP8
+    few = _fewest_filling_splits(programs, CONFIG_FP8_FEW["programs_per_sm"] * num_sms)
+    return CONFIG_FP8_FEW if few <= FEW_MAX_SPLITS else CONFIG_FP8
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
