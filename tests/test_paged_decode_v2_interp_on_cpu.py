@@ -126,6 +126,27 @@ def test_v2_splits_fill_whole_waves():
     assert v2.choose_num_splits(1, 2, 132, num_heads=12) * 2 > 0.9 * 132
 
 
+def test_fp8_launch_by_batch(monkeypatch):
+    """132 SMs: an e4m3 cache takes one-warp programs (CONFIG_FP8_FEW) where the four-warp launch would need splits
+    and the one-warp one needs at most FEW_MAX_SPLITS (s1's bulk, 32-128 Qwen sequences); the four-warp launch where
+    it fills the GPU unsplit (shape (a)'s 256 rows) or where the one-warp one would need more splits (the last few
+    rows). The split count follows the chosen launch's programs per SM, so the engine's split choice and the launch
+    agree. POLYRL_DECODE_FEW_WARPS=0 (FEW_WARPS False) keeps the four-warp launch everywhere."""
+    from polyrl.rollout.native import paged_decode_v2 as v2
+
+    few, four = v2.CONFIG_FP8_FEW, v2.CONFIG_FP8
+    cases = [(256, 12, 2, four, 1), (128, 12, 2, few, 8), (64, 12, 2, few, 15), (32, 12, 2, few, 30),
+             (16, 12, 2, four, 15), (1, 12, 2, four, 238), (128, 32, 8, four, 1), (32, 32, 8, few, 15),
+             (8, 32, 8, four, 15)]
+    for batch, heads, kv_heads, config, splits in cases:
+        blocks = kv_heads // v2.heads_per_program(heads, kv_heads)
+        assert v2.fp8_config(batch, blocks, 132) is config, (batch, heads, kv_heads)
+        assert v2.choose_num_splits(batch, kv_heads, 132, True, heads) == splits, (batch, heads, kv_heads)
+    monkeypatch.setattr(v2, "FEW_WARPS", False)
+    assert v2.fp8_config(64, 1, 132) is four
+    assert v2.choose_num_splits(64, 2, 132, True, 12) == 4
+
+
 def test_fused_kv_writer_and_torch_path_agree_on_the_fp8_cache_layout():
     """An FP8-KV engine on the CUDA path's fused kernels (rope_kv quantises and writes K and V), interpreted, against
     the torch path (write_kv / gather): the same cache contents up to the interpreter's e4m3 cast (it rounds some values

@@ -214,7 +214,7 @@ CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # (the softmax row max and sum, P into the P.V operand), which is what a four-warp program of 16 q rows waits on.
 CONFIG_FP8_FEW = dict(rows=32, num_warps=1, num_stages=3, programs_per_sm=8)
 FEW_WARPS = os.environ.get("POLYRL_DECODE_FEW_WARPS", "1") == "1"
-FEW_MAX_SPLITS = 64  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead (its combine is shorter)
+FEW_MAX_SPLITS = 32  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead
 
 
 def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
