@@ -75,12 +75,17 @@ def _fp8_inputs(cname: str) -> str:
 
 
 def _fused_rope(eng) -> str:
-    """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), for the row."""
+    """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), and its e4m3 launch
+    (POLYRL_DECODE_FEW_WARPS), for the row."""
     from polyrl.rollout.native import attention
+
+    from polyrl.rollout.native import paged_decode_v2
 
     if eng.decode_kernel != "v2":  # the condition Attention.forward_fused routes on (q/k norms included)
         return ""
-    return " with RoPE and the K/V write" if attention.FUSED_ROPE else " (rope_kv launch kept)"
+    few = (f", one-warp programs at <= {paged_decode_v2.FEW_MAX_SPLITS} splits where four-warp ones would split"
+           if eng.kv_fp8 and paged_decode_v2.FEW_WARPS else ", four-warp programs only" if eng.kv_fp8 else "")
+    return (" with RoPE and the K/V write" if attention.FUSED_ROPE else " (rope_kv launch kept)") + few
 
 
 def build_hf(arch: str, max_pos: int):
