@@ -46,6 +46,17 @@ and writes that token's K/V before its first step reads the cache. So rope_kv's 
 at decode sizes) is gone from every layer: s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls on an H100
 (2026-11-26), (a) within noise.
 
+One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 only; POLYRL_DECODE_FEW_WARPS=0 turns
+it off): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
+softmax's row max and sum and the move of P into the P.V operand cross warps through shared memory every step. A
+one-warp program of one page a step does none of that; with 4-8x more programs (more splits) it reads the cache
+faster wherever the four-warp launch needed splits anyway. `benchmarks/decode_kernel.py --regimes` (H100, one layer,
+2026-11-26): Qwen-1.5B heads at B = 64 x 16k 203 against 214 us, B = 128 x 16k 388 against 419; no better at shape
+(a)'s 256 rows (the four-warp launch fills the GPU unsplit: 45.6 us against 55.5+) nor at the last few rows, and
+worse where one-warp programs would need many splits of a short context (Llama-8B heads at 8 x 4k: 42.1 us with 60
+splits against 35.8), hence FEW_MAX_SPLITS. End to end (seed_workloads.py, A/B in one call): s1 at 64 sequences
+8,825 -> 9,124 and 8,864 -> 9,256 tok/s, s2 5,397 -> 5,998.
+
 Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
 e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 is 0.76-1.00x v1 (v1 already
 reads bf16 at 85-91%). So `decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for an FP8
