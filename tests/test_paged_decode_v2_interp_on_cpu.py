@@ -182,10 +182,10 @@ def test_fused_kv_writer_and_torch_path_agree_on_the_fp8_cache_layout():
     assert max(gaps) < 0.05, gaps
 
 
-@pytest.mark.parametrize("splits", [5, 200, 256])  # 200 / 256: many loop steps of the combine
+@pytest.mark.parametrize("splits", [5, 16, 200, 256])  # <= 16: one pass; 200 / 256: many loop steps of the combine
 def test_combine_merges_split_partials_exactly(splits):
     """`combine_splits` against the log-sum-exp merge in float64, with empty splits (lse -1e30, their partials NaN)
-    mixed in."""
+    mixed in, and a row whose splits are all empty (a zero-length row: zeros out)."""
     from polyrl.rollout.native.paged_decode import combine_splits
 
     gen = torch.Generator().manual_seed(splits)
@@ -194,10 +194,13 @@ def test_combine_merges_split_partials_exactly(splits):
     lse = torch.randn(T, H, splits, generator=gen) * 3
     lse[:, :, 1::3] = -1e30  # empty splits: their partials must not count
     o[:, :, 1::3] = float("nan")  # ... nor be read
+    lse[2, 1] = -1e30
+    o[2, 1] = 0.0  # an empty row's splits write zeros
     out = combine_splits(o, lse, torch.empty(T, H, Dh))
     w = torch.softmax(lse.double(), -1)
     ref = (torch.nan_to_num(o.double()) * w[..., None]).sum(2)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert out[2, 1].abs().max() == 0
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
