@@ -59,11 +59,9 @@ def test_rope_products_are_not_fused_into_bf16_fmas():
 
 
 def test_combine_compiles_and_no_kernel_specialises_on_splits():
-    sig = dict(O="*fp32", LSE="*fp32", OUT="*bf16", SPLITS="i32", SP="constexpr", D="constexpr", CHUNK="constexpr",
-               ONE_PASS="constexpr")
-    # the bulk's chunk in one pass and looped, and the long tail's (`combine_chunk`)
-    for chunk, warps, one_pass in ((16, 4, True), (16, 4, False), (128, 8, False)):
-        consts = dict(SP=triton.next_power_of_2(v1.MAX_SPLITS), D=128, CHUNK=chunk, ONE_PASS=one_pass)
+    sig = dict(O="*fp32", LSE="*fp32", OUT="*bf16", SPLITS="i32", SP="constexpr", D="constexpr", CHUNK="constexpr")
+    for chunk, warps in ((16, 4), (128, 8)):  # the bulk's chunk, and the long tail's (`combine_chunk`)
+        consts = dict(SP=triton.next_power_of_2(v1.MAX_SPLITS), D=128, CHUNK=chunk)
         assert compile(ASTSource(fn=v1._combine_kernel, signature=sig, constexprs=consts), target=SM90,
                        options=dict(num_warps=warps)).asm["ptx"]
     assert [v1.combine_chunk(n) for n in (2, 16, 17, 30, 119, 238)] == [16, 16, 32, 32, 128, 128]

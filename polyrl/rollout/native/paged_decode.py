@@ -105,36 +105,23 @@ def _paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
-def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                    ONE_PASS: tl.constexpr):
+def _combine_kernel(O, LSE, OUT, SPLITS, SP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
     # one program per (token, head): out = sum_s softmax(lse)_s * o_s over the splits. Empty splits (lse -1e30, from
-    # splits past a short context) get weight 0; in the loop their partials are never read, so many splits cost little
-    # in the long tail. ONE_PASS (every split in one chunk, the bulk of a rollout): the LSEs and the partials load
-    # together, one round trip instead of three dependent ones.
+    # splits past a short context) get weight 0 and their partials are never read, so many splits cost little there.
     r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SP)
     d = tl.arange(0, D)
-    if ONE_PASS:
-        c = tl.arange(0, CHUNK)
-        ok = c < SPLITS
-        lc = tl.load(LSE + r * SPLITS + c, mask=ok, other=float("-inf"))
-        o = tl.load(O + (r * SPLITS + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
-        e = tl.exp(lc - tl.max(lc, 0))
-        w = tl.where(lc > -1e29, e, 0.0)
-        acc = tl.sum(tl.where(w[:, None] > 0, o, 0.0) * w[:, None], 0)
-        total = tl.sum(e, 0)
-    else:
-        sp = tl.arange(0, SP)
-        lse = tl.load(LSE + r * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        total = tl.sum(tl.exp(lse - mx), 0)
-        acc = tl.zeros([D], tl.float32)
-        for s0 in range(0, SPLITS, CHUNK):
-            c = s0 + tl.arange(0, CHUNK)
-            lc = tl.load(LSE + r * SPLITS + c, mask=c < SPLITS, other=float("-inf"))
-            live = (c < SPLITS) & (lc > -1e29)
-            w = tl.where(live, tl.exp(lc - mx), 0.0)
-            o = tl.load(O + (r * SPLITS + c[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
-            acc += tl.sum(o * w[:, None], 0)
+    lse = tl.load(LSE + r * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - mx), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, SPLITS, CHUNK):
+        c = s0 + tl.arange(0, CHUNK)
+        lc = tl.load(LSE + r * SPLITS + c, mask=c < SPLITS, other=float("-inf"))
+        live = (c < SPLITS) & (lc > -1e29)
+        w = tl.where(live, tl.exp(lc - mx), 0.0)
+        o = tl.load(O + (r * SPLITS + c[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     tl.store(OUT + r * D + d, (acc / total).to(OUT.dtype.element_ty))
 
 
@@ -144,7 +131,7 @@ def combine_splits(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> tor
     assert splits <= MAX_SPLITS, (splits, MAX_SPLITS)
     chunk = combine_chunk(splits)
     _combine_kernel[(T * H,)](o, lse, out, splits, SP=triton.next_power_of_2(MAX_SPLITS), D=D, CHUNK=chunk,
-                              ONE_PASS=splits <= chunk, num_warps=4 if chunk <= 32 else 8)
+                              num_warps=4 if chunk <= 32 else 8)
     return out
 
 
