@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out BENCHMARKS.md] [--budget-s 45]
     TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke --rows-out /tmp/r.md
     PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
+    PYTHONPATH=. python benchmarks/decode_kernel.py --regimes --budget-s 120  # v2 e4m3 launches by engine regime
 
 Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
 (as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
@@ -299,8 +300,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
                     "the script's flow, measures nothing")
     ap.add_argument("--sass", action="store_true", help="no GPU: static sm_90 loop statistics of both kernels")
-    ap.add_argument("--regimes", action="store_true", help="only a v2 e4m3 launch and split sweep in shape (a)'s "
-                    "and s1's regimes")
+    ap.add_argument("--regimes", action="store_true", help="only v2's e4m3 launch configs and split counts in the "
+                    "engine's regimes (REGIMES: shape (a), s1's bulk and tail, s2's Llama-8B heads)")
     args = ap.parse_args()
     if args.sass:
         sass_report()

@@ -77,9 +77,7 @@ def _fp8_inputs(cname: str) -> str:
 def _fused_rope(eng) -> str:
     """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), and its e4m3 launch
     (POLYRL_DECODE_FEW_WARPS), for the row."""
-    from polyrl.rollout.native import attention
-
-    from polyrl.rollout.native import paged_decode_v2
+    from polyrl.rollout.native import attention, paged_decode_v2
 
     if eng.decode_kernel != "v2":  # the condition Attention.forward_fused routes on (q/k norms included)
         return ""

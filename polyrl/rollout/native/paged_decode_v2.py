@@ -311,7 +311,8 @@ def _fewest_filling_splits(programs: int, slots: int) -> int:
 def fp8_config(batch: int, blocks: int, num_sms: int) -> dict:
     """The e4m3 launch for `batch` sequences of `blocks` head blocks: CONFIG_FP8 where its programs fill the GPU
     unsplit (shape (a)'s 256 rows) or need more than FEW_MAX_SPLITS of CONFIG_FP8_FEW's (the last few rows of a long
-    tail), CONFIG_FP8_FEW between (s1's bulk). The engine's split choice and the launch both follow it."""
+    tail), CONFIG_FP8_FEW between (s1's bulk). The engine's split choice and the launch both follow it (any launch
+    merges any split count correctly; a mismatch would only cost speed)."""
     programs = batch * blocks
     if not FEW_WARPS or _fewest_filling_splits(programs, CONFIG_FP8["programs_per_sm"] * num_sms) == 1:
         return CONFIG_FP8
