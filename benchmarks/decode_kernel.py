@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out BENCHMARKS.md] [--budget-s 45]
     TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke --rows-out /tmp/r.md
     PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
-    PYTHONPATH=. python benchmarks/decode_kernel.py --regimes --budget-s 120  # v2 e4m3 launches by engine regime
+    PYTHONPATH=. python benchmarks/decode_kernel.py --regimes [bf16] --budget-s 120  # v2 launches by engine regime
 
 Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
 (as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
@@ -157,15 +157,18 @@ REGIMES = [("qwen-1.5b", 256, 768, (1, 2, 4)), ("qwen-1.5b", 128, 16384, (2, 4, 
            ("qwen-1.5b", 1, 27648, (128, 256)), ("llama-8b", 128, 2048, (1, 2, 4, 8)),
            ("llama-8b", 32, 4096, (2, 4, 8, 16)), ("llama-8b", 8, 4096, (8, 16, 32, 64))]
 # (cache rows per step, warps, stages)
-REGIME_CONFIGS = [(128, 4, 3), (32, 1, 3), (64, 1, 3)]
+REGIME_CONFIGS = [(128, 4, 3), (64, 4, 3), (32, 1, 3), (64, 1, 3)]  # (64, 4, 3): the bf16 CONFIG
 
 
-def regime_sweep(sms: int, deadline: float) -> None:
-    """v2's e4m3 launch configs with forced split counts in the engine's regimes (REGIMES), against the committed
-    launch (its own split choice) and v1 bf16 for scale. Splits > 1 include the combine launch. us per layer;
-    bandwidth as the bytes read over the time (`bytes_moved`)."""
-    committed = dict(v2.CONFIG_FP8)
-    print(f"\n== v2 e4m3 regimes (committed {committed})", flush=True)
+def regime_sweep(sms: int, deadline: float, kv: str = "e4m3") -> None:
+    """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
+    runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3, v1 for bf16), with
+    v1 bf16 for scale. Splits > 1 include the combine launch. us per layer; bandwidth as the bytes read over the time
+    (`bytes_moved`)."""
+    fp8 = kv == "e4m3"
+    config = v2.CONFIG_FP8 if fp8 else v2.CONFIG
+    committed = dict(config)
+    print(f"\n== v2 {kv} regimes (committed {committed})", flush=True)
     for model, batch, ctx, split_opts in REGIMES:
         if time.time() > deadline:
             print("  (budget reached: stopped)")
@@ -174,17 +177,20 @@ def regime_sweep(sms: int, deadline: float) -> None:
         cache = Cache(kv_heads, batch, ctx)
         q = torch.randn(batch, heads, D, dtype=ACT, device=DEV)
         bf = run_kernel("v1", cache, q, sms)
-        nb_bf = bytes_moved(batch, ctx, heads, kv_heads, False)
-        cache.to_fp8()
-        nbytes = bytes_moved(batch, ctx, heads, kv_heads, True)
-        ref = run_kernel("v2", cache, q, sms)
-        launch = v2.fp8_config(batch, kv_heads // v2.heads_per_program(heads, kv_heads), sms)
-        print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us ({nb_bf / bf[0] / 1e6:.2f} TB/s), e4m3 "
-              f"committed {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})", flush=True)
+        print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us "
+              f"({bytes_moved(batch, ctx, heads, kv_heads, False) / bf[0] / 1e6:.2f} TB/s, splits {bf[2]})", flush=True)
+        nbytes = bytes_moved(batch, ctx, heads, kv_heads, fp8)
+        ref = bf
+        if fp8:
+            cache.to_fp8()
+            ref = run_kernel("v2", cache, q, sms)
+            launch = v2.fp8_config(batch, kv_heads // v2.heads_per_program(heads, kv_heads), sms)
+            print(f"    e4m3 committed: {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})",
+                  flush=True)
         results = []
         for rows, warps, stages in REGIME_CONFIGS:
             for forced in split_opts:
-                v2.CONFIG_FP8.update(rows=rows, num_warps=warps, num_stages=stages)
+                config.update(rows=rows, num_warps=warps, num_stages=stages)
                 chooser, few = v2.choose_num_splits, v2.FEW_WARPS
                 v2.choose_num_splits = lambda *a, n=forced, **k: n  # noqa: E731
                 v2.FEW_WARPS = False  # the launch takes CONFIG_FP8 as set here
@@ -192,17 +198,17 @@ def regime_sweep(sms: int, deadline: float) -> None:
                     us, out, _ = run_kernel("v2", cache, q, sms)
                 finally:
                     v2.choose_num_splits, v2.FEW_WARPS = chooser, few
-                    v2.CONFIG_FP8.clear()
-                    v2.CONFIG_FP8.update(committed)
+                    config.clear()
+                    config.update(committed)
                 err = ((out.float() - ref[1].float()).norm() / ref[1].float().norm()).item() if us else float("nan")
-                label = f"rows {rows} warps {warps} stages {stages} splits {forced}"
+                label = f"v2 {kv} rows {rows} warps {warps} stages {stages} splits {forced}"
                 print(f"    {label}: " + (f"{us:.1f} us ({nbytes / us / 1e6:.2f} TB/s) rel err {err:.1e}" if us
                                           else f"failed: {out}"), flush=True)
                 if us:
                     results.append((us, label))
         if results:
             us, label = min(results)
-            print(f"  best: {label}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s) against committed {ref[0]:.1f}",
+            print(f"  best: {label}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s) against the default's {ref[0]:.1f}",
                   flush=True)
         del cache
 
@@ -300,8 +306,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
                     "the script's flow, measures nothing")
     ap.add_argument("--sass", action="store_true", help="no GPU: static sm_90 loop statistics of both kernels")
-    ap.add_argument("--regimes", action="store_true", help="only v2's e4m3 launch configs and split counts in the "
-                    "engine's regimes (REGIMES: shape (a), s1's bulk and tail, s2's Llama-8B heads)")
+    ap.add_argument("--regimes", nargs="?", const="e4m3", choices=("e4m3", "bf16"), help="only v2's launch configs "
+                    "and split counts for this cache dtype in the engine's regimes (REGIMES: shape (a), s1's bulk and "
+                    "tail, s2's Llama-8B heads)")
     args = ap.parse_args()
     if args.sass:
         sass_report()
@@ -318,7 +325,7 @@ def main() -> None:
     print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
           flush=True)
     if args.regimes:
-        regime_sweep(sms, t0 + args.budget_s)
+        regime_sweep(sms, t0 + args.budget_s, args.regimes)
         return
     print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
           "| v2 vs v1 rel err |")
