@@ -55,7 +55,7 @@ faster wherever the four-warp launch needed splits anyway. `benchmarks/decode_ke
 (a)'s 256 rows (the four-warp launch fills the GPU unsplit: 45.6 us against 55.5+) nor at the last few rows, and
 worse where one-warp programs would need many splits of a short context (Llama-8B heads at 8 x 4k: 42.1 us with 60
 splits against 35.8), hence FEW_MAX_SPLITS. End to end (seed_workloads.py, A/B in one call): s1 at 64 sequences
-8,825 -> 9,124 and 8,864 -> 9,256 tok/s, s2 5,397 -> 5,998.
+8,825 -> 9,124 and 8,864 -> 9,256 tok/s (the latter with a 64-split cap), s2 5,397 -> 5,998.
 
 Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
 e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 is 0.76-1.00x v1 (v1 already
