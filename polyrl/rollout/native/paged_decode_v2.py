@@ -303,6 +303,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = F
     return _fewest_filling_splits(batch * blocks, config["programs_per_sm"] * num_sms)
 
 
+@functools.cache  # the launch asks for every layer of an eager decode step: a pure function of two ints
 def _fewest_filling_splits(programs: int, slots: int) -> int:
     fill = lambda n: n * programs / (slots * -(-n * programs // slots))  # noqa: E731
     return next((n for n in range(1, MAX_SPLITS + 1) if fill(n) >= 0.9), max(range(1, MAX_SPLITS + 1), key=fill))
