@@ -28,6 +28,7 @@ step's context (as in bf16) and upcasts that temporary.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -84,6 +85,12 @@ def choose_decode_kernel(name: str, kv_fp8: bool, block_size: int) -> tuple[str,
     if kv_fp8 and block_size & (block_size - 1) == 0:
         return "v2", "FP8 KV cache: v2 reads e4m3 pages 1.24-1.32x faster than v1 (H100)"
     return "v1", "bf16 KV cache: v1 is the faster kernel there" if not kv_fp8 else "v2 needs a power-of-two block size"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The GPU's SM count, which the decode kernels size their grids by; 8 off CUDA (Triton's CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 FP8 = torch.float8_e4m3fn

@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.rollout.native.attention import sm_count
 from polyrl.rollout.native.fused import rope_heads, store_kv_rows
 from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
 
@@ -275,7 +276,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         o = torch.empty(T, H, splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q.device, dtype=torch.float32)
     fp8 = k_scale is not None
-    c = fp8_config(T, kvh // hb, _num_sms(q.device)) if fp8 else CONFIG
+    c = fp8_config(T, kvh // hb, sm_count(q.device)) if fp8 else CONFIG
     rope_args = rope if rope is not None else (q,) * 6 + (0.0,)  # POS, COS, SIN, SLOT, QW, KW, eps
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, meta.seq_slots,
@@ -320,7 +321,3 @@ def fp8_config(batch: int, blocks: int, num_sms: int) -> dict:
     few = _fewest_filling_splits(programs, CONFIG_FP8_FEW["programs_per_sm"] * num_sms)
     return CONFIG_FP8_FEW if few <= FEW_MAX_SPLITS else CONFIG_FP8
 
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8

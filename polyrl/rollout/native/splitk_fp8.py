@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.rollout.native.attention import FP8Rows
+from polyrl.rollout.native.attention import FP8Rows, sm_count
 from polyrl.rollout.native.counters import arrival_counters, last_to_arrive, reset_arrivals
 
 MAX_ROWS = 256
@@ -137,8 +137,7 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
     dev = xq.device
-    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-    tiles, split, k_per, m_blocks = plan(M, N, K, c, num_sms, bm)
+    tiles, split, k_per, m_blocks = plan(M, N, K, c, sm_count(dev), bm)
     y = torch.empty(M, N, dtype=out_dtype, device=dev)
     partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
                            device=dev)
