@@ -157,19 +157,25 @@ REGIMES = [("qwen-1.5b", 256, 768, (1, 2, 4)), ("qwen-1.5b", 128, 16384, (2, 4, 
            ("qwen-1.5b", 1, 27648, (128, 256)), ("llama-8b", 128, 2048, (1, 2, 4, 8)),
            ("llama-8b", 32, 4096, (2, 4, 8, 16)), ("llama-8b", 8, 4096, (8, 16, 32, 64))]
 # (cache rows per step, warps, stages)
-REGIME_CONFIGS = [(128, 4, 3), (64, 4, 3), (32, 1, 3), (64, 1, 3)]  # (64, 4, 3): the bf16 CONFIG
+REGIME_CONFIGS = [(128, 4, 3), (64, 4, 3), (32, 1, 3), (64, 1, 3)]  # (128, 4, 3): CONFIG and CONFIG_FP8
+# with --regime-batches (a few regimes): more warps per SM, for a regime the four-warp launch fills unsplit (a)
+WIDE_CONFIGS = [(256, 8, 3), (128, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 4), (64, 4, 4)]
 
 
-def regime_sweep(sms: int, deadline: float, kv: str = "e4m3") -> None:
+def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "") -> None:
     """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
-    runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3, v1 for bf16), with
-    v1 bf16 for scale. Splits > 1 include the combine launch. us per layer; bandwidth as the bytes read over the time
-    (`bytes_moved`)."""
+    runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3; v1 for bf16 before
+    2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per layer; bandwidth as the bytes read over the time
+    (`bytes_moved`). `batches` (comma-separated) keeps those regimes only and adds WIDE_CONFIGS."""
     fp8 = kv == "e4m3"
     config = v2.CONFIG_FP8 if fp8 else v2.CONFIG
     committed = dict(config)
     print(f"\n== v2 {kv} regimes (committed {committed})", flush=True)
+    keep = {int(b) for b in batches.split(",") if b}
+    configs = REGIME_CONFIGS + WIDE_CONFIGS * bool(keep)
     for model, batch, ctx, split_opts in REGIMES:
+        if keep and batch not in keep:
+            continue
         if time.time() > deadline:
             print("  (budget reached: stopped)")
             break
@@ -188,7 +194,7 @@ def regime_sweep(sms: int, deadline: float, kv: str = "e4m3") -> None:
             print(f"    e4m3 committed: {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})",
                   flush=True)
         results = []
-        for rows, warps, stages in REGIME_CONFIGS:
+        for rows, warps, stages in configs:
             for forced in split_opts:
                 config.update(rows=rows, num_warps=warps, num_stages=stages)
                 chooser, few = v2.choose_num_splits, v2.FEW_WARPS
@@ -309,6 +315,8 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="?", const="e4m3", choices=("e4m3", "bf16"), help="only v2's launch configs "
                     "and split counts for this cache dtype in the engine's regimes (REGIMES: shape (a), s1's bulk and "
                     "tail, s2's Llama-8B heads)")
+    ap.add_argument("--regime-batches", default="", help="with --regimes: only the regimes of these batch sizes "
+                    "(e.g. 256 for shape (a)), with more launch configs (WIDE_CONFIGS)")
     args = ap.parse_args()
     if args.sass:
         sass_report()
@@ -325,7 +333,7 @@ def main() -> None:
     print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
           flush=True)
     if args.regimes:
-        regime_sweep(sms, t0 + args.budget_s, args.regimes)
+        regime_sweep(sms, t0 + args.budget_s, args.regimes, args.regime_batches)
         return
     print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
           "| v2 vs v1 rel err |")

@@ -11,6 +11,13 @@
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
 #   bash benchmarks/fp8_fused_session.sh rope    # v2 doing rope_kv's work: GPU tests, (a) and s1 without / with it
 #   bash benchmarks/fp8_fused_session.sh rope_qwen3  # the shared rope_heads: GPU tests, s1 and (a) at the defaults
+#   bash benchmarks/fp8_fused_session.sh probe_a # v2's bf16 launches by regime (s1's bf16 tail), then (a)'s kernel
+#                                                # tables on this GPU, fp8kv_w8 and bf16
+#   bash benchmarks/fp8_fused_session.sh bf16_v2 # v2 for a bf16 cache: GPU tests, (a)'s e4m3 launches with more warps
+#                                                # an SM, the 1.5B FP8 GEMMs past 64 rows, (a) bf16 on v1 and v2
+#   bash benchmarks/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v1 and v2, one process each
+#   bash benchmarks/fp8_fused_session.sh bf16_check # s2 in bf16 on v1 and v2 (the default now), the GPU tests of the
+#                                                # engine and v2, learning in bf16 (3 seeds)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -106,5 +113,36 @@ case "${1:?part}" in
       2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
     timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.md" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
+  probe_a)
+    timeout 200 python3 benchmarks/decode_kernel.py --regimes bf16 --budget-s 170 2>&1 | tee "$OUT/regimes_bf16.txt"
+    for c in fp8kv_w8 bf16; do
+      timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c --kernels --rows-out "$OUT/rows.md" \
+        2>&1 | tail -45 | tee "$OUT/a_kernels_$c.txt"
+    done ;;
+  bf16_v2)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/tests.txt"
+    timeout 80 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 70 2>&1 \
+      | tee "$OUT/regimes_a.txt"
+    timeout 80 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 64,128,256 \
+      --gemm-sweep-rows "" 2>&1 | grep "^gemm\|^device\|rror" | tee "$OUT/gemms.txt"
+    for c in bf16 bf16_v2; do
+      timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs $c --rows-out "$OUT/rows.md" 2>&1 \
+        | grep "^{\|rror" | tee -a "$OUT/a.txt"
+    done ;;
+  s1_bf16)
+    for c in bf16_v2 bf16; do
+      timeout 280 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs $c --rows-out "$OUT/rows.md" \
+        2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
+    done ;;
+  bf16_check)
+    for c in bf16 bf16_v1; do
+      timeout 100 python3 benchmarks/seed_workloads.py --shapes s2 --configs $c --rows-out "$OUT/rows.md" 2>&1 \
+        | grep "^{\|rror" | tee -a "$OUT/s2.txt"
+    done
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_paged_decode_v2_gpu.py \
+      2>&1 | tail -3 | tee "$OUT/tests.txt"
+    timeout 220 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --configs bf16 --rows-out "$OUT/rows.md" 2>&1 \
+      | tail -8 | tee "$OUT/learn.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -13,8 +13,8 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
       response <= 4,096). The seed gives no generation-only throughput (its 1,562 tok/s/GPU is the whole step).
   a   rollout.py's (a): Qwen2.5-1.5B, B=256 x 256 prompt tokens x 1,024 new tokens.
 Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
-GEMM FP8, not only the large ones); each with a `_v2` suffix runs the second paged-decode kernel
-(rollout.engine_kwargs.native.decode_kernel=v2). add_rmsnorm / silu_mul quantise the FP8 GEMMs'
+GEMM FP8, not only the large ones); each with a `_v1` or `_v2` suffix runs that paged-decode kernel
+(rollout.engine_kwargs.native.decode_kernel; the default `auto` takes v2). add_rmsnorm / silu_mul quantise the FP8 GEMMs'
 inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which). Each (shape, sequences, config) runs in its own process
 (`--one-process` runs them all in this one): in a shared process the later configs ran up to 18% slower.
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
@@ -61,7 +61,7 @@ CONFIGS = {"bf16": {}, "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_
            "fp8kv_w8gu": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_min_elements=1 << 24),
            # the recipe engine_kwargs.native.fp8_lm_head=True: the untied LM head in FP8 too
            "fp8kv_w8head": dict(kv_cache_dtype="fp8", quantization="fp8", fp8_lm_head=True)}
-CONFIGS.update({f"{name}_v2": dict(kw, decode_kernel="v2") for name, kw in list(CONFIGS.items())})
+CONFIGS.update({f"{name}_{k}": dict(kw, decode_kernel=k) for name, kw in list(CONFIGS.items()) for k in ("v1", "v2")})
 
 
 def _fp8_inputs(cname: str) -> str:
@@ -296,11 +296,15 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 t_fed = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale, None,
                                                         torch.bfloat16))
 
+                t_swap = per_call(lambda i: torch._scaled_mm(  # the transposed problem: W x^T, [N, M] out
+                    f8s[i].weight, rows.q.t(), scale_a=f8s[i].weight_scale[:, None], scale_b=rows.scale[None, :],
+                    out_dtype=torch.bfloat16)) if M % 16 == 0 else float("nan")
+
                 def pct(t, nbytes=N * K):
                     return f"{t:.1f} us ({t_bf / t:.2f}x, {nbytes / t * 1e6 / bw:.0%} BW)"
 
                 line = (f"gemm {arch} {name} M={M} K={K} N={N} ({copies} cold copies): bf16 {pct(t_bf, 2 * N * K)}, "
-                        f"w8a8 {pct(t_mm)}, w8a8 fed {pct(t_fed)}")
+                        f"w8a8 {pct(t_mm)}, w8a8 fed {pct(t_fed)}, w8a8 fed swapped {pct(t_swap)}")
                 if M <= w8a16.MAX_ROWS:
                     line += ", w8a16 " + pct(per_call(lambda i: w8a16.w8a16_matmul(
                         x, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16)))

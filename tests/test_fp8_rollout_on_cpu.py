@@ -161,17 +161,18 @@ def test_engine_kwargs_native_reach_the_engine(reference):
     assert eng.decode_kernel == "v2"
 
 
-def test_decode_kernel_auto_picks_v2_for_an_fp8_cache_only(reference):
-    """The default `auto` follows the H100 measurements: v2 for e4m3 pages, v1 for bf16, v1 when v2 cannot run."""
+def test_decode_kernel_auto_picks_v2_where_it_runs(reference):
+    """The default `auto` follows the H100 measurements: v2 for e4m3 and bf16 pages, v1 when v2 cannot run."""
     from polyrl.rollout.native.attention import choose_decode_kernel
 
     assert choose_decode_kernel("auto", True, 16)[0] == "v2"
-    assert choose_decode_kernel("auto", False, 16)[0] == "v1"
+    assert choose_decode_kernel("auto", False, 16)[0] == "v2"  # bf16 too since 2026-11-26
     assert choose_decode_kernel("auto", True, 24) == ("v1", "v2 needs a power-of-two block size")
+    assert choose_decode_kernel("auto", False, 24)[0] == "v1"
     assert choose_decode_kernel("v1", True, 16)[0] == "v1"  # an explicit choice is kept
     fp8 = NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256, kv_cache_dtype="fp8")
     bf16 = NativeEngine.from_hf(reference[0], device="cpu", num_kv_tokens=256)
-    assert (fp8.decode_kernel, bf16.decode_kernel) == ("v2", "v1")
+    assert (fp8.decode_kernel, bf16.decode_kernel) == ("v2", "v2")
 
 
 def test_split_k_serves_few_rows_and_past_them_only_the_gemms_it_was_measured_to_win():

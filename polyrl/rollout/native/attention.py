@@ -76,15 +76,18 @@ def decode_kernel_module(name: str):
 def choose_decode_kernel(name: str, kv_fp8: bool, block_size: int) -> tuple[str, str]:
     """The paged-decode kernel for `engine_kwargs.native.decode_kernel=name`, and why (for the one log line).
 
-    `auto` (the default) follows the H100 measurements of 2026-11-24 (benchmarks/decode_kernel.py, B=64/128 x 16k
-    context, BENCHMARKS.md): with an e4m3 cache v2 is 1.24-1.32x faster than v1 (76-81% of HBM bandwidth against
-    58-66%: v1 gathers 8-bit V byte by byte), end to end 2.15x -> 2.21x the seed on s1 and 55.5k -> 63.4k tok/s on (a);
-    with a bf16 cache v1 is faster (v2 0.76-1.00x), so bf16 keeps v1. v2 needs a power-of-two block size."""
+    `auto` (the default) takes v2 wherever it runs (a power-of-two block size), v1 otherwise. H100 measurements:
+    - e4m3 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context): v2 1.24-1.32x faster than v1 (v1
+      gathers 8-bit V byte by byte); end to end 2.15x -> 2.21x the seed on s1 and 55.5k -> 63.4k tok/s on (a).
+    - bf16 (2026-11-26, `decode_kernel.py --regimes bf16`, one layer): with CONFIG at rows 128 and two programs an SM,
+      v2 ties v1 at shape (a) (72.7 against 72.6 us) and beats it in s1's bulk and tail (B = 64 x 16k 364 against
+      377 us, 32 x 16k 187 / 210, 8 x 16k 54 / 68); end to end, one process each, s1 at 64 sequences 6,449
+      against 5,669 tok/s and (a) 54,938 against 54,068 (v2 also does rope_kv's work, `FUSED_ROPE`)."""
     if name != "auto":
         return name, "set by actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel"
-    if kv_fp8 and block_size & (block_size - 1) == 0:
-        return "v2", "FP8 KV cache: v2 reads e4m3 pages 1.24-1.32x faster than v1 (H100)"
-    return "v1", "bf16 KV cache: v1 is the faster kernel there" if not kv_fp8 else "v2 needs a power-of-two block size"
+    if block_size & (block_size - 1) == 0:
+        return "v2", f"v2 is the faster paged-decode kernel for a {'FP8' if kv_fp8 else 'bf16'} cache (H100)"
+    return "v1", "v2 needs a power-of-two block size"
 
 
 @functools.cache

@@ -58,10 +58,13 @@ splits against 35.8), hence FEW_MAX_SPLITS. End to end (seed_workloads.py, A/B i
 8,825 -> 9,124 and 8,864 -> 9,256 tok/s (the latter with a 64-split cap), s2 5,397 -> 5,998.
 
 Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
-e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 is 0.76-1.00x v1 (v1 already
-reads bf16 at 85-91%). So `decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for an FP8
-cache and v1 for bf16. End to end (seed_workloads.py): s1 at 64 sequences 5,930 -> 7,714 tok/s (FP8 KV + W8), at 128
-7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
+e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 was 0.76-1.00x v1 with its
+first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at 64 sequences 5,930 -> 7,714 tok/s
+(FP8 KV + W8), at 128 7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
+A bf16 cache takes the e4m3 launch since 2026-11-26 (CONFIG: rows 128, two programs an SM), and with it v2 ties or
+beats v1 in every regime of `decode_kernel.py --regimes bf16`, most in s1's tail (8 x 16k: 54 against 68 us). So
+`decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for both cache dtypes: s1 in bf16 at 64
+sequences 5,669 -> 6,449 tok/s, (a) 54,068 -> 54,938 (H100, one process each).
 """
 
 from __future__ import annotations
@@ -219,7 +222,9 @@ def _paged_decode_v2_kernel(
 # the same bytes per step as v1's tuned tiles (16 KB of K), no register spills on sm_90 (rows 256 with 4 warps
 # spills), and two programs per SM for e4m3, which is bound by instructions rather than bytes.
 # `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
-CONFIG = dict(rows=64, num_warps=4, num_stages=3, programs_per_sm=1)
+# bf16: the e4m3 launch (rows 128, two programs an SM) beat rows 64 / one an SM in every engine regime of
+# `decode_kernel.py --regimes bf16` (H100, 2026-11-26); one-warp programs gained nothing over it in bf16
+CONFIG = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # e4m3 with too few (sequence, head block) programs to fill CONFIG_FP8's slots unsplit: one-warp programs of one page a
 # step, many splits (`fp8_config`). A program's steps then need no cross-warp reduction or layout exchange
