@@ -18,6 +18,9 @@
 #   bash benchmarks/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v1 and v2, one process each
 #   bash benchmarks/fp8_fused_session.sh bf16_check # s2 in bf16 on v1 and v2 (the default now), the GPU tests of the
 #                                                # engine and v2, learning in bf16 (3 seeds)
+#   bash benchmarks/fp8_fused_session.sh rope_cost # (a)'s kernel tables with and without v2's fused RoPE + K/V write,
+#                                                # FP8 KV + W8 and bf16 (where v2's engine time goes past its
+#                                                # isolated layer time)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -144,5 +147,13 @@ case "${1:?part}" in
       2>&1 | tail -3 | tee "$OUT/tests.txt"
     timeout 220 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --configs bf16 --rows-out "$OUT/rows.md" 2>&1 \
       | tail -8 | tee "$OUT/learn.txt" ;;
+  rope_cost)
+    for c in fp8kv_w8 bf16; do
+      for rope in 1 0; do
+        POLYRL_DECODE_FUSED_ROPE=$rope timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c \
+          --kernels --rows-out "$OUT/rows.md" 2>&1 | grep "_kernel \|nvjet\|^\[a\|^|" \
+          | tee "$OUT/a_kernels_${c}_rope$rope.txt"
+      done
+    done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
