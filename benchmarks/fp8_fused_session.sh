@@ -15,7 +15,7 @@
 #                                                # tables on this GPU, fp8kv_w8 and bf16
 #   bash benchmarks/fp8_fused_session.sh bf16_v2 # v2 for a bf16 cache: GPU tests, (a)'s e4m3 launches with more warps
 #                                                # an SM, the 1.5B FP8 GEMMs past 64 rows, (a) bf16 on v1 and v2
-#   bash benchmarks/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v1 and v2, one process each
+#   bash benchmarks/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v2 (the default) and v1, one process each
 #                                                # (SEQS=128: at 128 sequences)
 #   bash benchmarks/fp8_fused_session.sh bf16_check # s2 in bf16 on v1 and v2 (the default now), the GPU tests of the
 #                                                # engine and v2, learning in bf16 (3 seeds)
@@ -135,7 +135,7 @@ case "${1:?part}" in
         | grep "^{\|rror" | tee -a "$OUT/a.txt"
     done ;;
   s1_bf16)
-    for c in bf16_v2 bf16; do
+    for c in ${CONFIGS:-bf16 bf16_v1}; do
       timeout 285 python3 benchmarks/seed_workloads.py --shapes s1 --seqs ${SEQS:-64} --configs $c --rows-out "$OUT/rows.md" \
         2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
     done ;;
