@@ -22,6 +22,8 @@
 #   bash benchmarks/fp8_fused_session.sh rope_cost # (a)'s kernel tables with and without v2's fused RoPE + K/V write,
 #                                                # FP8 KV + W8 and bf16 (where v2's engine time goes past its
 #                                                # isolated layer time)
+#   bash benchmarks/fp8_fused_session.sh gpu_tests # the one-GPU test files that run the engine (training, async PPO,
+#                                                # offload, OOM, FP8 rollout), after a change to its defaults
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -156,5 +158,8 @@ case "${1:?part}" in
           | tee "$OUT/a_kernels_${c}_rope$rope.txt"
       done
     done ;;
+  gpu_tests)
+    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py tests/test_training_gpu.py \
+      tests/test_async_ppo_gpu.py tests/test_offload_gpu.py tests/test_oom_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
