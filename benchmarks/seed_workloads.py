@@ -246,14 +246,14 @@ def _small_gemms() -> str:
 
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",
                 "llama3.1-8b"), sweep_rows=(16, 32, 64), table_out: str | None = None, names=None,
-                wide_sweep: bool = False) -> None:
+                wide_sweep: bool = False, bmm_splits: tuple = ()) -> None:
     """Each decode GEMM of the 1.5B and 8B shapes in CUDA graphs: bf16 cuBLAS; FP8 W8A8 through `_scaled_mm` (row
     quantisation + GEMM, and the GEMM alone as when add_rmsnorm / silu_mul quantise its input); at <= 64 rows the
     w8a16 kernel (bf16 x; the FP8 path at <= 16 rows before the split-K kernel); at <= splitk_fp8.MAX_ROWS the split-K
     kernel on e4m3 rows, and at `sweep_rows` the best launch config of a sweep (written to `table_out` as JSON,
     which `--splitk-table` loads). Each with the share of copy bandwidth its weight bytes make. `names` picks GEMMs
     (default all four); `wide_sweep` adds 32-row weight tiles, 8 warps and 3 / 5 pipeline stages to the sweep (48
-    configs instead of 12).
+    configs instead of 12). `bmm_splits` adds bf16 split-K through one batched cuBLAS call over K slices (a probe).
 
     Cold weights, as in the engine: a decode step reads 28+ layers' weights and the K/V between two reads of one
     weight, so none is in L2. Each GEMM runs over enough copies of its weight to fill twice the L2 (a 1.5B qkv is 6 MB
@@ -305,6 +305,14 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
 
                 line = (f"gemm {arch} {name} M={M} K={K} N={N} ({copies} cold copies): bf16 {pct(t_bf, 2 * N * K)}, "
                         f"w8a8 {pct(t_mm)}, w8a8 fed {pct(t_fed)}, w8a8 fed swapped {pct(t_swap)}")
+                if bmm_splits:  # bf16 split-K as one batched cuBLAS call over K slices (strided views, no copy)
+                    for sk in (sk for sk in bmm_splits if K % sk == 0):
+                        xs = x.view(M, sk, K // sk).transpose(0, 1)
+                        ws = [lin.weight.view(N, sk, K // sk).permute(1, 2, 0) for lin in lins]
+                        t_part = per_call(lambda i: torch.bmm(xs, ws[i]))
+                        t_sum = per_call(lambda i: torch.bmm(xs, ws[i], out_dtype=torch.float32).sum(0))
+                        line += (f", bf16 bmm split {sk} {pct(t_part, 2 * N * K)} (+ fp32 partials summed "
+                                 f"{pct(t_sum, 2 * N * K)})")
                 if M <= w8a16.MAX_ROWS:
                     line += ", w8a16 " + pct(per_call(lambda i: w8a16.w8a16_matmul(
                         x, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16)))
@@ -445,6 +453,8 @@ def main():
     ap.add_argument("--gemm-archs", default="r1-distill-1.5b,llama3.1-8b", help="--gemms: model shapes")
     ap.add_argument("--gemm-sweep-rows", default="16,32,64", help="--gemms: rows where the split-K kernel's launch "
                     "configs are swept (empty: none)")
+    ap.add_argument("--gemm-bmm-splits", default="", help="--gemms: bf16 split-K through torch.bmm over K slices, "
+                    "these split counts (a probe)")
     ap.add_argument("--gemm-names", default=None, help="--gemms: only these of qkv,o,gate_up,down")
     ap.add_argument("--gemm-wide-sweep", action="store_true", help="--gemms: sweep 48 split-K launch configs, not 12")
     ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
@@ -486,7 +496,7 @@ def main():
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
                     args.splitk_table_out, tuple(args.gemm_names.split(",")) if args.gemm_names else None,
-                    args.gemm_wide_sweep)
+                    args.gemm_wide_sweep, ints(args.gemm_bmm_splits))
         return
     if args.profile:
         profile(args.configs.split(","), args.max_splits, bw, args.kernels)
