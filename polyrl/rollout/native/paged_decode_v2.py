@@ -218,12 +218,11 @@ def _paged_decode_v2_kernel(
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
-# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages. Not timed (no GPU when written):
-# the same bytes per step as v1's tuned tiles (16 KB of K), no register spills on sm_90 (rows 256 with 4 warps
-# spills), and two programs per SM for e4m3, which is bound by instructions rather than bytes.
-# `benchmarks/decode_kernel.py` sweeps them on a GPU and prints the best.
-# bf16: the e4m3 launch (rows 128, two programs an SM) beat rows 64 / one an SM in every engine regime of
-# `decode_kernel.py --regimes bf16` (H100, 2026-11-26); one-warp programs gained nothing over it in bf16
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/decode_kernel.py`
+# sweeps them on a GPU. e4m3 (H100, 2026-11-24): rows 128, four warps, two programs an SM (no register spills on
+# sm_90; rows 256 with four warps spills). bf16 first had rows 64 and one program an SM (not timed when written) and
+# lost to v1; the e4m3 launch beat it in every engine regime of `decode_kernel.py --regimes bf16` (H100, 2026-11-26),
+# and one-warp programs gained nothing over it in bf16. The two dicts stay apart so either can be retuned alone.
 CONFIG = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # e4m3 with too few (sequence, head block) programs to fill CONFIG_FP8's slots unsplit: one-warp programs of one page a
