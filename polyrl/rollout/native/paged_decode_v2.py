@@ -62,7 +62,9 @@ e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf
 first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at 64 sequences 5,930 -> 7,714 tok/s
 (FP8 KV + W8), at 128 7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
 A bf16 cache takes the e4m3 launch since 2026-11-26 (CONFIG: rows 128, two programs an SM), and with it v2 ties or
-beats v1 in every regime of `decode_kernel.py --regimes bf16`, most in s1's tail (8 x 16k: 54 against 68 us). So
+beats v1 in every regime of `decode_kernel.py --regimes bf16` at its best split count, most in s1's tail (8 x 16k: 54
+against 68 us); the split chooser's pick is within 5% of that best (Llama-8B heads at 32 x 4k: 2 splits, 198 us,
+against 188 with 4 and v1's 189). So
 `decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for both cache dtypes: s1 in bf16 at 64
 sequences 5,669 -> 6,449 tok/s, (a) 54,068 -> 54,938 (H100, one process each).
 """
@@ -221,8 +223,8 @@ def _paged_decode_v2_kernel(
 # launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/decode_kernel.py`
 # sweeps them on a GPU. e4m3 (H100, 2026-11-24): rows 128, four warps, two programs an SM (no register spills on
 # sm_90; rows 256 with four warps spills). bf16 first had rows 64 and one program an SM (not timed when written) and
-# lost to v1; the e4m3 launch beat it in every engine regime of `decode_kernel.py --regimes bf16` (H100, 2026-11-26),
-# and one-warp programs gained nothing over it in bf16. The two dicts stay apart so either can be retuned alone.
+# lost to v1; the e4m3 launch beat it in all engine regimes of `decode_kernel.py --regimes bf16` but one (Llama-8B
+# heads at 8 x 4k: 54.5 against 53.7 us; H100, 2026-11-26), and one-warp programs gained nothing over it in bf16. The two dicts stay apart so either can be retuned alone.
 CONFIG = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # e4m3 with too few (sequence, head block) programs to fill CONFIG_FP8's slots unsplit: one-warp programs of one page a
