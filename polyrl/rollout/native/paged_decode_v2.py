@@ -63,8 +63,8 @@ first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at
 (FP8 KV + W8), at 128 7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
 A bf16 cache takes the e4m3 launch since 2026-11-26 (CONFIG: rows 128, two programs an SM), and with it v2 ties or
 beats v1 in every regime of `decode_kernel.py --regimes bf16` at its best split count, most in s1's tail (8 x 16k: 54
-against 68 us); the split chooser's pick is within 5% of that best (Llama-8B heads at 32 x 4k: 2 splits, 198 us,
-against 188 with 4 and v1's 189). So
+against 68 us); the split chooser picks the sweep's best count or its neighbour (15 and 30 where 16 and 32 were
+timed). So
 `decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for both cache dtypes: s1 in bf16 at 64
 sequences 5,669 -> 6,449 tok/s, (a) 54,068 -> 54,938 (H100, one process each).
 """
