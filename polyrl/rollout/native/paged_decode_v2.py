@@ -64,9 +64,8 @@ first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at
 A bf16 cache takes the e4m3 launch since 2026-11-26 (CONFIG: rows 128, two programs an SM), and with it v2 ties or
 beats v1 in every regime of `decode_kernel.py --regimes bf16` at its best split count, most in s1's tail (8 x 16k: 54
 against 68 us); the split chooser picks the sweep's best count or its neighbour (15 and 30 where 16 and 32 were
-timed). So
-`decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for both cache dtypes: s1 in bf16 at 64
-sequences 5,669 -> 6,449 tok/s, (a) 54,068 -> 54,938 (H100, one process each).
+timed). So `decode_kernel=auto` (the default, `attention.choose_decode_kernel`) takes v2 for both cache dtypes: s1 in
+bf16 at 64 sequences 5,669 -> 6,449 tok/s, at 128 7,157 -> 8,060, (a) 54,068 -> 54,938 (H100, one process each).
 """
 
 from __future__ import annotations
@@ -224,7 +223,8 @@ def _paged_decode_v2_kernel(
 # sweeps them on a GPU. e4m3 (H100, 2026-11-24): rows 128, four warps, two programs an SM (no register spills on
 # sm_90; rows 256 with four warps spills). bf16 first had rows 64 and one program an SM (not timed when written) and
 # lost to v1; the e4m3 launch beat it in all engine regimes of `decode_kernel.py --regimes bf16` but one (Llama-8B
-# heads at 8 x 4k: 54.5 against 53.7 us; H100, 2026-11-26), and one-warp programs gained nothing over it in bf16. The two dicts stay apart so either can be retuned alone.
+# heads at 8 x 4k: 54.5 against 53.7 us; H100, 2026-11-26), and one-warp programs gained nothing over it in bf16.
+# The two dicts stay apart so either can be retuned alone.
 CONFIG = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # e4m3 with too few (sequence, head block) programs to fill CONFIG_FP8's slots unsplit: one-warp programs of one page a
