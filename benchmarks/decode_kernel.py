@@ -165,8 +165,9 @@ WIDE_CONFIGS = [(256, 8, 3), (128, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 4), 
 def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "") -> None:
     """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
     runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3; v1 for bf16 before
-    2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per layer; bandwidth as the bytes read over the time
-    (`bytes_moved`). `batches` (comma-separated) keeps those regimes only and adds WIDE_CONFIGS."""
+    2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per
+    layer; bandwidth as the bytes read over the time (`bytes_moved`). `batches` (comma-separated) keeps those regimes
+    only and adds WIDE_CONFIGS."""
     fp8 = kv == "e4m3"
     config = v2.CONFIG_FP8 if fp8 else v2.CONFIG
     committed = dict(config)
