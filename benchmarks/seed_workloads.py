@@ -15,8 +15,8 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
 Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
 GEMM FP8, not only the large ones); each with a `_v1` or `_v2` suffix runs that paged-decode kernel
 (rollout.engine_kwargs.native.decode_kernel; the default `auto` takes v2). add_rmsnorm / silu_mul quantise the FP8
-GEMMs' inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which). Each (shape, sequences, config) runs in its own process
-(`--one-process` runs them all in this one): in a shared process the later configs ran up to 18% slower.
+GEMMs' inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which). Each (shape, sequences, config) runs in its own
+process (`--one-process` runs them all in this one): in a shared process the later configs ran up to 18% slower.
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
 rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
 counted, but in our time): exact for these shapes, where all sequences run from the first step (max_num_seqs >= sequences).
