@@ -24,6 +24,8 @@
 #                                                # isolated layer time)
 #   bash benchmarks/fp8_fused_session.sh gpu_tests # the one-GPU test files that run the engine (training, async PPO,
 #                                                # offload, OOM, FP8 rollout), after a change to its defaults
+#   bash benchmarks/fp8_fused_session.sh clocks  # SM clock and power every 200 ms while (a) runs in FP8 KV + W8 and
+#                                                # while the decode kernel runs alone (v2's engine-vs-isolated gap)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -161,5 +163,20 @@ case "${1:?part}" in
   gpu_tests)
     timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py tests/test_training_gpu.py \
       tests/test_async_ppo_gpu.py tests/test_offload_gpu.py tests/test_oom_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
+  clocks)
+    sample() { nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw --format=csv,noheader,nounits -lms 200 > "$1" & }
+    sample "$OUT/clocks_a.csv"; pid=$!
+    timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 2>&1 | grep "^{\|rror" \
+      | tee "$OUT/a.txt"
+    kill $pid
+    sample "$OUT/clocks_kernel.csv"; pid=$!
+    timeout 80 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 60 2>&1 \
+      | tee "$OUT/regimes_a.txt"
+    kill $pid
+    for f in "$OUT"/clocks_*.csv; do  # the busy samples (power past 300 W): median SM clock and power
+      echo "$f: $(awk -F', ' '$3 > 300 {print $1, $3}' "$f" | sort -n | awk '{c[NR]=$1; p[NR]=$2} END {
+        print NR " busy samples, median SM clock " c[int((NR+1)/2)] " MHz, max " c[NR]}')"
+      awk -F', ' '$3 > 300 {print $3}' "$f" | sort -n | awk '{p[NR]=$1} END {print "  median power " p[int((NR+1)/2)] " W"}'
+    done | tee "$OUT/clocks.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
