@@ -83,7 +83,14 @@ def time_us(fn, calls: int = 20, reps: int = 5) -> float:
 
 
 def copy_bandwidth() -> float:
-    x = torch.empty(1 << (30 if DEV == "cuda" else 20), dtype=torch.uint8, device=DEV)
+    """rollout.py's measurement (eager 1 GiB copies, the median of 10) on a GPU, the one every engine benchmark's
+    roofline uses. Until 2026-11-26 this script timed the copies inside a CUDA graph, which on some H100s read 2.43-2.44
+    TB/s against 2.95-2.99 from rollout.py on the same machine, so its "% copy BW" column ran high then."""
+    if DEV == "cuda":
+        from rollout import copy_bandwidth as eager_copy_bandwidth
+
+        return eager_copy_bandwidth()
+    x = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     return 2 * x.numel() / (time_us(lambda: y.copy_(x), calls=5, reps=4) / 1e6)
 
