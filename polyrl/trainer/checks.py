@@ -55,8 +55,8 @@ def _check_low_precision_rollout(r) -> None:
     kernel = ((r.engine_kwargs or {}).get("native") or {}).get("decode_kernel", "auto")
     if kernel not in DECODE_KERNEL_CHOICES:
         raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={kernel!r} is not a decode "
-                          f"kernel; use one of {list(DECODE_KERNEL_CHOICES)} (auto, the default, picks v2 for an FP8 "
-                          "KV cache and v1 otherwise).")
+                          f"kernel; use one of {list(DECODE_KERNEL_CHOICES)} (auto, the default, picks v2, or v1 where "
+                          "v2 cannot run).")
     if r.name != "native" and (r.kv_cache_dtype != "auto" or r.quantization is not None):
         raise ConfigError(f"actor_rollout_ref.rollout.kv_cache_dtype/quantization need rollout.name=native (got "
                           f"rollout.name={r.name}); set rollout.name=native or drop the FP8 keys.")
