@@ -26,6 +26,8 @@
 #                                                # offload, OOM, FP8 rollout), after a change to its defaults
 #   bash benchmarks/fp8_fused_session.sh clocks  # SM clock and power every 200 ms while (a) runs in FP8 KV + W8 and
 #                                                # while the decode kernel runs alone (v2's engine-vs-isolated gap)
+#   bash benchmarks/fp8_fused_session.sh sliced  # the bf16 down projection as 4 K slices (model.SLICED_DOWN): engine
+#                                                # GPU tests, then (a) and s1 in bf16 with it on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -178,5 +180,16 @@ case "${1:?part}" in
         print NR " busy samples, median SM clock " c[int((NR+1)/2)] " MHz, max " c[NR]}')"
       awk -F', ' '$3 > 300 {print $3}' "$f" | sort -n | awk '{p[NR]=$1} END {print "  median power " p[int((NR+1)/2)] " W"}'
     done | tee "$OUT/clocks.txt" ;;
+  sliced)
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/tests.txt"
+    for on in 1 0; do
+      POLYRL_SLICED_DOWN=$on timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs bf16 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/a.txt"
+    done
+    for on in 1 0; do
+      POLYRL_SLICED_DOWN=$on timeout 185 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs bf16 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/s1.txt"
+    done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -103,3 +103,21 @@ def test_fused_engine_hands_fp8_rows_to_its_fp8_gemms(monkeypatch):
     assert fed[True] == (3 * fed[True][1] // 4, fed[False][1])  # 3 of each layer's 4 GEMMs, every forward
     gaps = [abs(a[0] - b[0]) for a, b in zip(out[True].logprobs, out[False].logprobs)]
     assert max(gaps) < 0.05, gaps
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_add_rmsnorm_sums_split_k_partials_as_one_gemm_output(fp8):
+    """x as [P, T, N] partials (`model.sliced_linear`): the same result as add_rmsnorm of their fp32 sum rounded once to
+    the activation dtype, the residual output included."""
+    from polyrl.rollout.native.fused import add_rmsnorm
+
+    g = torch.Generator().manual_seed(4)
+    parts = torch.randn(4, 5, 96, generator=g).to(torch.float16)
+    r = torch.randn(5, 96, generator=g).to(torch.float16)
+    w = (torch.rand(96, generator=g) + 0.5).to(torch.float16)
+    y, res = add_rmsnorm(parts, r, w, 1e-6, fp8=fp8)
+    y1, res1 = add_rmsnorm(parts.float().sum(0).to(torch.float16), r, w, 1e-6, fp8=fp8)
+    assert torch.equal(res, res1)
+    assert torch.equal(y.q, y1.q) and torch.equal(y.scale, y1.scale) if fp8 else torch.equal(y, y1)
+    with pytest.raises(ValueError, match="residual"):
+        add_rmsnorm(parts, None, w, 1e-6)

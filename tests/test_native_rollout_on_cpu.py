@@ -322,3 +322,19 @@ def test_batched_admission_keeps_greedy_outputs_under_seat_and_block_pressure(se
                                block_size=4)
     assert eng.generate(prompts, sp).token_ids == want.token_ids
     assert eng.blocks.all_free()
+
+
+def test_sliced_linear_partials_sum_to_the_gemm_and_the_rule_is_cuda_only():
+    """`model.sliced_linear` (a split-K over K slices in one batched call, strided views, no copies): its partials sum
+    to x W^T. The rule that routes a down projection to it (`model.sliced_down_parts`) keeps CPU, biased and unmeasured
+    shapes on the plain GEMM."""
+    from polyrl.rollout.native import model
+    from polyrl.rollout.native.model import sliced_linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 32, generator=g), torch.randn(10, 32, generator=g)
+    parts = sliced_linear(x, w, 4)
+    assert parts.shape == (4, 6, 10)
+    assert torch.allclose(parts.sum(0), x @ w.t(), atol=1e-5)
+    assert torch.allclose(parts[1], x[:, 8:16] @ w[:, 8:16].t(), atol=1e-6)  # slice p holds K columns p*K/P ...
+    assert model.sliced_down_parts(torch.nn.Linear(8960, 1536, bias=False), 128) == 1  # CPU: plain

@@ -76,10 +76,12 @@ def test_fused_producers_compile_with_and_without_fp8_output(fp8):
     from polyrl.rollout.native import fused
 
     out = "*fp8e4nv" if fp8 else "*bf16"
-    norm = dict(X="*bf16", R="*bf16", W="*bf16", Y=out, RO="*bf16", S="*fp32" if fp8 else out, eps="fp32")
-    consts = dict(N=1536, BLOCK=2048, HAS_RES=True, FP8=fp8)
-    sig = {**norm, **{k: "constexpr" for k in consts}}
-    assert compile(ASTSource(fn=fused._add_rmsnorm_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+    norm = dict(X="*bf16", R="*bf16", W="*bf16", Y=out, RO="*bf16", S="*fp32" if fp8 else out, eps="fp32", T="i32")
+    for parts in (1, 4):  # 4: the sliced down projection's partial outputs summed first
+        consts = dict(N=1536, BLOCK=2048, HAS_RES=True, FP8=fp8, PARTS=parts)
+        sig = {**norm, **{k: "constexpr" for k in consts}}
+        assert compile(ASTSource(fn=fused._add_rmsnorm_kernel, signature=sig, constexprs=consts),
+                       target=SM90).asm["ptx"]
     consts = dict(I=8960, BLOCK=16384 if fp8 else 1024, FP8=fp8)
     sig = dict(GU="*bf16", Y=out, S="*fp32" if fp8 else out, **{k: "constexpr" for k in consts})
     assert compile(ASTSource(fn=fused._silu_mul_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]

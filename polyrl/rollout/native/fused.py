@@ -33,12 +33,18 @@ def _store_rows(Y, S, row, c, m, y, FP8: tl.constexpr):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Y, RO, S, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
-                        FP8: tl.constexpr):
+def _add_rmsnorm_kernel(X, R, W, Y, RO, S, eps, T, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                        FP8: tl.constexpr, PARTS: tl.constexpr):
+    # PARTS > 1: X holds a split-K GEMM's partial outputs, [PARTS, T, N], summed here in fp32 (with the residual)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < N
     x = tl.load(X + row * N + c, mask=m, other=0.0)
+    if PARTS > 1:
+        xs = x.to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            xs += tl.load(X + (p * T + row) * N + c, mask=m, other=0.0).to(tl.float32)
+        x = xs.to(X.dtype.element_ty)
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(R + row * N + c, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
         tl.store(RO + row * N + c, x, mask=m)
@@ -51,13 +57,19 @@ def _add_rmsnorm_kernel(X, R, W, Y, RO, S, eps, N: tl.constexpr, BLOCK: tl.const
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool = False):
     """Returns (norm(x + residual) * weight, x + residual); residual None: (norm(x) * weight, x). fp8: the first comes
-    back as `FP8Rows` (the same values, quantised in the same pass) for an FP8 GEMM (`fp8_linear.takes_fp8_rows`)."""
-    T, N = x.shape
+    back as `FP8Rows` (the same values, quantised in the same pass) for an FP8 GEMM (`fp8_linear.takes_fp8_rows`).
+    x may be [P, T, N], a split-K GEMM's P partial outputs (`model.sliced_linear`): they are summed in fp32 first,
+    rounded to the activation dtype as one GEMM's output would be, then added to the residual."""
+    parts = x.shape[0] if x.dim() == 3 else 1
+    if parts > 1 and residual is None:
+        raise ValueError("add_rmsnorm sums partial outputs only together with a residual")
+    T, N = x.shape[-2:]
     y = torch.empty(T, N, dtype=E4M3 if fp8 else x.dtype, device=x.device)
     s = torch.empty(T, dtype=torch.float32, device=x.device) if fp8 else y
-    res_out = torch.empty_like(x) if residual is not None else x
-    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, s, eps, N=N,
-                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, FP8=fp8, num_warps=4)
+    res_out = torch.empty_like(residual) if residual is not None else x
+    _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, y, res_out, s, eps, T, N=N,
+                              BLOCK=triton.next_power_of_2(N), HAS_RES=residual is not None, FP8=fp8, PARTS=parts,
+                              num_warps=4)
     return (FP8Rows(y, s) if fp8 else y), res_out
 
 

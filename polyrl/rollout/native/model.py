@@ -11,6 +11,8 @@ The module knows nothing about scheduling: it maps (flat token ids, positions, A
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -167,6 +169,30 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+# bf16 down projections run as split-K over K slices (`sliced_linear`, one batched cuBLAS call; the next
+# add_rmsnorm sums the partials): weight (N, K) -> (rows from, rows to, slices), where measured to win. H100, cold
+# weights (`seed_workloads.py --gemms --gemm-bmm-splits`): the 1.5B down, 4 slices, 12.9 / 13.3 / 15.5 us at 64 / 128
+# / 256 rows against cuBLAS's 15.9 / 17.2 / 18.6 (prefill chunks and fewer rows: not measured, so plain).
+# POLYRL_SLICED_DOWN=0 turns it off.
+SLICED_DOWN = {(1536, 8960): (64, 256, 4)} if os.environ.get("POLYRL_SLICED_DOWN", "1") == "1" else {}
+
+
+def sliced_down_parts(down: nn.Module, rows: int) -> int:
+    """How many K slices the fused decode path splits this down projection into at `rows` rows (1: a plain GEMM)."""
+    if type(down) is not nn.Linear or down.bias is not None or not down.weight.is_cuda:
+        return 1
+    lo, hi, parts = SLICED_DOWN.get(tuple(down.weight.shape), (0, 0, 1))
+    return parts if lo <= rows <= hi else 1
+
+
+def sliced_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """x W^T as `parts` partial products over slices of K, [parts, T, N], in one batched cuBLAS call on strided views
+    (no copies); `fused.add_rmsnorm` sums them. A split-K for the GEMMs whose K is long and N narrow (a 1.5B model's down
+    projection), where cuBLAS's single GEMM leaves SMs idle."""
+    T, K = x.shape
+    return torch.bmm(x.view(T, parts, K // parts).transpose(0, 1), weight.view(-1, parts, K // parts).permute(1, 2, 0))
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head. RoPE cos/sin are full fp32 tables indexed by position (HF's values), set by `set_rope`."""
 
@@ -205,12 +231,15 @@ class CausalLM(nn.Module):
         first, rows = self.layers[0], x.shape[0]
         fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
                                                                              first.mlp.down))  # fmt: skip
+        parts = sliced_down_parts(first.mlp.down, rows)
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
-            x = layer.mlp.down(silu_mul(layer.mlp.gate_up(h), fp8=fp8_down))
+            act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down)
+            # the next add_rmsnorm sums sliced partials (residual is set from the first layer on)
+            x = sliced_linear(act, layer.mlp.down.weight, parts) if parts > 1 else layer.mlp.down(act)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
