@@ -12,7 +12,6 @@ The module knows nothing about scheduling: it maps (flat token ids, positions, A
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -172,7 +171,8 @@ class Block(nn.Module):
 # bf16 down projections run as split-K over K slices (`sliced_linear`, one batched cuBLAS call; the next
 # add_rmsnorm sums the partials): weight (N, K) -> (rows from, rows to, slices), where measured to win. H100, cold
 # weights (`seed_workloads.py --gemms --gemm-bmm-splits`): the 1.5B down, 4 slices, 12.9 / 13.3 / 15.5 us at 64 / 128
-# / 256 rows against cuBLAS's 15.9 / 17.2 / 18.6 (prefill chunks and fewer rows: not measured, so plain).
+# / 256 rows against cuBLAS's 15.9 / 17.2 / 18.6 (other row counts, most prefill chunks among them: not measured,
+# so plain).
 # POLYRL_SLICED_DOWN=0 turns it off.
 SLICED_DOWN = {(1536, 8960): (64, 256, 4)} if os.environ.get("POLYRL_SLICED_DOWN", "1") == "1" else {}
 
@@ -187,8 +187,8 @@ def sliced_down_parts(down: nn.Module, rows: int) -> int:
 
 def sliced_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """x W^T as `parts` partial products over slices of K, [parts, T, N], in one batched cuBLAS call on strided views
-    (no copies); `fused.add_rmsnorm` sums them. A split-K for the GEMMs whose K is long and N narrow (a 1.5B model's down
-    projection), where cuBLAS's single GEMM leaves SMs idle."""
+    (no copies); `fused.add_rmsnorm` sums them. A split-K for the GEMMs whose K is long and N narrow (a 1.5B model's
+    down projection), where cuBLAS's single GEMM leaves SMs idle."""
     T, K = x.shape
     return torch.bmm(x.view(T, parts, K // parts).transpose(0, 1), weight.view(-1, parts, K // parts).permute(1, 2, 0))
 
