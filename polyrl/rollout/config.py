@@ -93,12 +93,12 @@ class RolloutConfig:
     """Sampling during validation."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra engine arguments per backend, as in verl (engine_kwargs.<backend>.<arg>); only `native` is read:
-    block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more
-    elements than this; default 2^23 on CUDA, which puts a 1.5B model's gate_up and down projections in FP8;
-    16777216 keeps down in bf16; measurements in fp8_linear.py), decode_kernel (CUDA paged-decode kernel:
-    auto, the default, picks v2 for either cache dtype, as measured on an H100, and v1 where v2 cannot run (a
-    block size that is not a power of two); v1, one program per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py) and fp8_lm_head (with
-    quantization=fp8, the LM head in FP8 too, a tied one as an e4m3 copy of the embedding: a recipe, off by
+    block_size, num_kv_tokens (CPU cache size), fp8_min_elements (quantization=fp8 only for weights with more elements
+    than this; default 2^23 on CUDA, which puts a 1.5B model's gate_up and down projections in FP8; 16777216 keeps down
+    in bf16; measurements in fp8_linear.py), decode_kernel (CUDA paged-decode kernel: auto, the default, picks v2 for
+    either cache dtype, as measured on an H100, and v1 where v2 cannot run (a block size that is not a power of two);
+    v1, one program per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py) and fp8_lm_head
+    (with quantization=fp8, the LM head in FP8 too, a tied one as an e4m3 copy of the embedding: a recipe, off by
     default, since the sampled tokens' log-probs then come from e4m3 logits; pair it with
     algorithm.rollout_correction)."""
     multi_turn: dict = field(default_factory=dict)
