@@ -282,7 +282,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         o = torch.empty(T, H, splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q.device, dtype=torch.float32)
     fp8 = k_scale is not None
-    c = fp8_config(T, kvh // hb, sm_count(q.device)) if fp8 else CONFIG
+    c = launch_config(T, kvh // hb, sm_count(q.device), fp8)
     rope_args = rope if rope is not None else (q,) * 6 + (0.0,)  # POS, COS, SIN, SLOT, QW, KW, eps
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, meta.seq_slots,
@@ -306,7 +306,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = F
     a batch that fills the GPU with v1 can leave half of it idle, or a second wave nearly empty, with v2.
     num_heads (q heads) sets the head block; None counts one program per kv head, as v1."""
     blocks = num_kv_heads // heads_per_program(num_heads, num_kv_heads) if num_heads else num_kv_heads
-    config = fp8_config(batch, blocks, num_sms) if fp8 else CONFIG
+    config = launch_config(batch, blocks, num_sms, fp8)
     return _fewest_filling_splits(batch * blocks, config["programs_per_sm"] * num_sms)
 
 
@@ -314,6 +314,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, fp8: bool = F
 def _fewest_filling_splits(programs: int, slots: int) -> int:
     fill = lambda n: n * programs / (slots * -(-n * programs // slots))  # noqa: E731
     return next((n for n in range(1, MAX_SPLITS + 1) if fill(n) >= 0.9), max(range(1, MAX_SPLITS + 1), key=fill))
+
+
+def launch_config(batch: int, blocks: int, num_sms: int, fp8: bool) -> dict:
+    """The launch knobs for `batch` sequences of `blocks` head blocks: `fp8_config` for an e4m3 cache, CONFIG for bf16.
+    The split choice and the launch both ask it, so they agree."""
+    return fp8_config(batch, blocks, num_sms) if fp8 else CONFIG
 
 
 def fp8_config(batch: int, blocks: int, num_sms: int) -> dict:
