@@ -99,17 +99,22 @@ class Cache:
     """Random K/V pages for max(BATCHES) sequences of CTX tokens (block 0 left free, as the engine's scratch block) in
     random page order; bf16 first, then `to_fp8()` replaces them with e4m3 values and per-(token, head) scales."""
 
-    def __init__(self, kv_heads: int, batch: int | None = None, ctx: int | None = None):
+    def __init__(self, kv_heads: int, batch: int | None = None, ctx: int | None = None, layers: int = 1):
         b, self.ctx = batch or max(BATCHES), ctx or CTX
         nb = b * self.ctx // BS
         self.k = torch.randn(nb + 1, BS, kv_heads, D, dtype=ACT, device=DEV)
         self.v = torch.randn_like(self.k)
         self.bt = (torch.randperm(nb, device=DEV) + 1).view(b, self.ctx // BS).to(torch.int32)
         self.scales = (None, None)
+        # layers > 1: that many caches (as an engine's layers), which a timed call cycles through, so a cache smaller
+        # than twice the L2 (shape (a)'s 100 MB e4m3) is not partly read from L2 on the next call
+        self.layers = [(self.k, self.v, self.scales)] + [(self.k.clone(), self.v.clone(), self.scales)
+                                                         for _ in range(layers - 1)]
 
     def to_fp8(self) -> None:
-        self.k, self.v = self.k.to(FP8), self.v.to(FP8)  # randn fits e4m3's range; scales near 1 keep it so
-        self.scales = tuple(torch.rand(self.k.shape[:3], device=DEV) * 0.5 + 0.75 for _ in range(2))
+        self.layers = [(k.to(FP8), v.to(FP8), tuple(torch.rand(k.shape[:3], device=DEV) * 0.5 + 0.75 for _ in range(2)))
+                       for k, v, _ in self.layers]  # randn fits e4m3's range; scales near 1 keep it so
+        self.k, self.v, self.scales = self.layers[0]
 
     def meta(self, batch: int, splits: int) -> AttnMeta:
         return AttnMeta(slot_mapping=None, decode=True, seq_slots=torch.arange(batch, device=DEV),
@@ -126,8 +131,15 @@ def run_kernel(name: str, cache: Cache, q: torch.Tensor, sms: int):
     splits = mod.choose_num_splits(batch, cache.k.shape[2], sms, fp8, num_heads=heads)
     meta = cache.meta(batch, splits)
     fn = lambda: mod.paged_decode(q, cache.k, cache.v, meta, D**-0.5, *cache.scales)  # noqa: E731
+    turn = [0]
+
+    def cycled():  # the next layer's cache each call (captured in turn, so a graph replay cycles too)
+        k, v, scales = cache.layers[turn[0] % len(cache.layers)]
+        turn[0] += 1
+        return mod.paged_decode(q, k, v, meta, D**-0.5, *scales)
+
     try:
-        return time_us(fn), fn(), splits
+        return time_us(cycled if len(cache.layers) > 1 else fn), fn(), splits
     except Exception as e:  # a launch config that does not fit: report it, keep going
         return None, f"{type(e).__name__}: {str(e)[:160]}", splits
 
@@ -169,12 +181,13 @@ REGIME_CONFIGS = [(128, 4, 3), (64, 4, 3), (32, 1, 3), (64, 1, 3)]  # (128, 4, 3
 WIDE_CONFIGS = [(256, 8, 3), (128, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 4), (64, 4, 4)]
 
 
-def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "") -> None:
+def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "", layers: int = 1) -> None:
     """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
     runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3; v1 for bf16 before
     2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per
     layer; bandwidth as the bytes read over the time (`bytes_moved`). `batches` (comma-separated) keeps those regimes
-    only and adds WIDE_CONFIGS."""
+    only and adds WIDE_CONFIGS. `layers` > 1: each timed call reads the next of that many caches (cold L2, as in the
+    engine; 20 calls a graph, so a divisor of 20)."""
     fp8 = kv == "e4m3"
     config = v2.CONFIG_FP8 if fp8 else v2.CONFIG
     committed = dict(config)
@@ -188,7 +201,7 @@ def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "")
             print("  (budget reached: stopped)")
             break
         heads, kv_heads = MODELS[model]
-        cache = Cache(kv_heads, batch, ctx)
+        cache = Cache(kv_heads, batch, ctx, layers)
         q = torch.randn(batch, heads, D, dtype=ACT, device=DEV)
         bf = run_kernel("v1", cache, q, sms)
         print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us "
@@ -323,6 +336,8 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="?", const="e4m3", choices=("e4m3", "bf16"), help="only v2's launch configs "
                     "and split counts for this cache dtype in the engine's regimes (REGIMES: shape (a), s1's bulk and "
                     "tail, s2's Llama-8B heads)")
+    ap.add_argument("--regime-layers", type=int, default=1, help="with --regimes: cycle each timed call over this "
+                    "many caches (4: shape (a)'s 100 MB e4m3 cache is not partly in L2 on the next call)")
     ap.add_argument("--regime-batches", default="", help="with --regimes: only the regimes of these batch sizes "
                     "(e.g. 256 for shape (a)), with more launch configs (WIDE_CONFIGS)")
     args = ap.parse_args()
@@ -342,7 +357,7 @@ def main() -> None:
     print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
           flush=True)
     if args.regimes:
-        regime_sweep(sms, t0 + args.budget_s, args.regimes, args.regime_batches)
+        regime_sweep(sms, t0 + args.budget_s, args.regimes, args.regime_batches, args.regime_layers)
         return
     print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
           "| v2 vs v1 rel err |")

@@ -28,6 +28,9 @@
 #                                                # while the decode kernel runs alone (v2's engine-vs-isolated gap)
 #   bash benchmarks/fp8_fused_session.sh sliced  # the bf16 down projection as 4 K slices (model.SLICED_DOWN): engine
 #                                                # GPU tests, then (a) and s1 in bf16 with it on and off
+#   bash benchmarks/fp8_fused_session.sh partials # the split-K FP8 GEMM handing its partials to the consumer: GPU
+#                                                # tests, the 1.5B down / gate_up at 64-256 rows over tile shapes,
+#                                                # then (a)'s e4m3 decode regime with cold caches (4 layers cycled)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -191,5 +194,12 @@ case "${1:?part}" in
       POLYRL_SLICED_DOWN=$on timeout 185 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs bf16 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/s1.txt"
     done ;;
+  partials)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
+      | tee "$OUT/tests.txt"
+    timeout 330 python3 benchmarks/seed_workloads.py --gemms --gemm-partials --gemm-rows 64,128,256 2>&1 \
+      | grep "partials\|add_rmsnorm\|^device\|rror" | tee "$OUT/partials.txt"
+    timeout 100 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers 4 \
+      --budget-s 80 2>&1 | tee "$OUT/regimes_a_cold.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

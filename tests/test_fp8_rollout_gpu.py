@@ -132,6 +132,25 @@ def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K,
         assert torch.equal(y, out), f"split {split}: a graph replay differs"
 
 
+@pytest.mark.parametrize("M", [64, 128, 256])
+@pytest.mark.parametrize("config", [dict(BM=256, BN=64, BK=128, num_warps=4, num_stages=4, split=6),
+                                    dict(BM=128, BN=128, BK=256, num_warps=8, num_stages=3, split=4)])
+def test_splitk_partials_with_whole_row_tiles_sum_to_the_product(M, config):
+    """splitk_fp8.py's `partials=True` on the GPU (the e4m3 MMA with tiles of 128-256 rows): the [split, M, N]
+    partials sum to the dequantised product of the 1.5B down projection's shape."""
+    from polyrl.rollout.native import splitk_fp8
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+
+    torch.manual_seed(M)
+    w8, s = quantize_fp8_rows(torch.randn(1536, 8960, device="cuda") * 0.05)
+    xq, xs = quantize_fp8_rows(torch.randn(M, 8960, dtype=torch.bfloat16, device="cuda"))
+    ref = (xq.double() * xs.double()[:, None]) @ (w8.double() * s.double()[:, None]).t()
+    c = {**splitk_fp8.CONFIG, **config}
+    parts = splitk_fp8.splitk_fp8_matmul(FP8Rows(xq, xs), w8, s, None, torch.bfloat16, c, partials=True)
+    assert parts.shape == (config["split"], M, 1536)
+    assert ((parts.double().sum(0) - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_engine_fp8_holds_about_twice_the_tokens_and_decodes_close_to_bf16():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -87,18 +87,20 @@ def test_fused_producers_compile_with_and_without_fp8_output(fp8):
     assert compile(ASTSource(fn=fused._silu_mul_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
 
 
-@pytest.mark.parametrize("split", [1, 10])
-def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split):
+@pytest.mark.parametrize("split,partials", [(1, False), (10, False), (10, True)])
+def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split, partials):
     """splitk_fp8.py for sm_90, with and without the split reduction: the FP8 tensor-core instruction (wgmma ...
-    e4m3), not an upcast, and the counter's atomic only when K is split."""
+    e4m3), not an upcast, and the counter's atomic only when K is split and the partials are reduced in the launch
+    (not when they go to the consumer)."""
     from polyrl.rollout.native import splitk_fp8
 
     sig = dict(X="*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", B="*fp32", Y="*bf16",
                P="*fp32", C="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32",
                k_per_split="i32", split="i32")
-    consts = dict(BM=64, BN=64, BK=128, SPLIT_K=split > 1, EVEN=True, DOT_FP8=True, HAS_BIAS=False)
+    consts = dict(BM=64, BN=64, BK=128, SPLIT_K=split > 1 and not partials, EVEN=True, DOT_FP8=True, HAS_BIAS=False,
+                  PARTIALS=partials)
     sig.update({k: "constexpr" for k in consts})
     ptx = compile(ASTSource(fn=splitk_fp8._splitk_kernel, signature=sig, constexprs=consts), target=SM90,
                   options=dict(num_warps=4, num_stages=4)).asm["ptx"]
     assert "e4m3" in ptx and "wgmma" in ptx
-    assert ("atom" in ptx) == (split > 1)
+    assert ("atom" in ptx) == (split > 1 and not partials)

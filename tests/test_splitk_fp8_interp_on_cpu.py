@@ -54,6 +54,29 @@ def test_splitk_matches_the_dequantised_product(M, N, K, bias):
     assert torch.equal(splitk_fp8.splitk_fp8_matmul(arg, w8, s, b, dtype, config=SMALL), y)
 
 
+@pytest.mark.parametrize("M,N,K,split", [(5, 40, 128, 4), (100, 96, 256, 4), (200, 33, 288, 3), (17, 33, 100, 1)])
+def test_splitk_partials_sum_to_the_product_and_add_rmsnorm_sums_them(M, N, K, split):
+    """`partials=True`: [split, M, N] scaled partial products (no in-launch reduction) that sum to the dequantised
+    product, and `fused.add_rmsnorm` given them equals add_rmsnorm of their sum."""
+    from polyrl.rollout.native import fused, splitk_fp8
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+
+    w8, s, x, _ = _case(M, N, K, 7 * M + N)
+    xq, xs = quantize_fp8_rows(x)
+    parts = splitk_fp8.splitk_fp8_matmul(FP8Rows(xq, xs), w8, s, None, torch.float32, config={**SMALL, "split": split},
+                                         partials=True)
+    ref = (xq.double() * xs.double()[:, None]) @ (w8.double() * s.double()[:, None]).t()
+    assert parts.shape == (split, M, N)
+    assert ((parts.double().sum(0) - ref).norm() / ref.norm()).item() < 1e-5
+    res, w = torch.randn(M, N), torch.rand(N) + 0.5
+    got = fused.add_rmsnorm(parts, res, w, 1e-6)
+    want = fused.add_rmsnorm(parts.sum(0), res, w, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no bias"):
+        splitk_fp8.splitk_fp8_matmul(FP8Rows(xq, xs), w8, s, torch.zeros(N), torch.float32, partials=True)
+
+
 def test_plan_covers_the_gpu_with_whole_k_steps():
     from polyrl.rollout.native.splitk_fp8 import CONFIG, plan
 

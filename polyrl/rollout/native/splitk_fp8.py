@@ -69,7 +69,7 @@ def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.const
 @triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                    split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -95,7 +95,9 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
             acc = tl.dot(w, xt, acc)
         else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
             acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
-    if not SPLIT_K:
+    if PARTIALS:  # Y is [split, M, N]: each program writes its scaled partial, the consumer sums them
+        _epilogue(acc, WS, XS, B, Y + pid_k.to(tl.int64) * M * N, n, m, n_ok, m_ok, stride_ym, False)
+    elif not SPLIT_K:
         _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
     else:
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
@@ -112,20 +114,22 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
 
 def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = ROW_BLOCK) -> tuple[int, int, int, int]:
     """(column blocks, split of K, K per split, row blocks of `bm`): enough programs for `programs_per_sm` each, each
-    with at least `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps."""
+    with at least `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps; a
+    `split` key in config sets the split instead (at most one step of BK per program)."""
     tiles, m_blocks = triton.cdiv(N, config["BN"]), triton.cdiv(M, bm)
     steps = triton.cdiv(K, config["BK"])
     want = triton.cdiv(config["programs_per_sm"] * num_sms, tiles * m_blocks)
-    split = max(1, min(steps // config["min_k_steps"], want))
+    split = max(1, min(steps, config["split"]) if config.get("split") else min(steps // config["min_k_steps"], want))
     k_per = triton.cdiv(steps, split) * config["BK"]
     return tiles, triton.cdiv(K, k_per), k_per, m_blocks
 
 
 def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bias: torch.Tensor | None,
-                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype, config: dict | None = None, partials: bool = False) -> torch.Tensor:
     """x W^T (+ b) for M <= MAX_ROWS rows: x e4m3 rows [M, K] with one fp32 scale each, W e4m3 [N, K] with one fp32
     scale per row. `config` overrides CONFIG's and TABLE's keys; BM (the row block, a power of two >= 16) defaults to
-    the next power of two of M, at most ROW_BLOCK."""
+    the next power of two of M, at most ROW_BLOCK. `partials`: no reduction here; returns the split's scaled partial
+    products, [split, M, N] in out_dtype, for a consumer that sums them (`fused.add_rmsnorm`); no bias."""
     xq = x.q.contiguous()
     M, K = xq.shape
     N = w_NK.shape[0]
@@ -136,15 +140,17 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     bm = c.get("BM") or min(ROW_BLOCK, rows)
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
+    if partials and bias is not None:
+        raise ValueError("splitk_fp8_matmul: partial products take no bias (the consumer would add it per partial)")
     dev = xq.device
     tiles, split, k_per, m_blocks = plan(M, N, K, c, sm_count(dev), bm)
-    y = torch.empty(M, N, dtype=out_dtype, device=dev)
-    partials = torch.empty(m_blocks * tiles * split * c["BN"] * bm if split > 1 else 1, dtype=torch.float32,
-                           device=dev)
+    y = torch.empty(*((split,) if partials else ()), M, N, dtype=out_dtype, device=dev)
+    reduce = split > 1 and not partials
+    scratch = torch.empty(m_blocks * tiles * split * c["BN"] * bm if reduce else 1, dtype=torch.float32, device=dev)
     counters = arrival_counters(dev, m_blocks * tiles)
     _splitk_kernel[(tiles, split, m_blocks)](
-        xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, partials, counters, M, N, K,
-        xq.stride(0), w_NK.stride(0), y.stride(0), k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=split > 1,
+        xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, scratch, counters, M, N, K,
+        xq.stride(0), w_NK.stride(0), N, k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=reduce,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
-        HAS_BIAS=bias is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        HAS_BIAS=bias is not None, PARTIALS=partials, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
