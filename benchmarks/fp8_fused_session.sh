@@ -31,6 +31,8 @@
 #   bash benchmarks/fp8_fused_session.sh partials # the split-K FP8 GEMM handing its partials to the consumer: GPU
 #                                                # tests, the 1.5B down / gate_up at 64-256 rows over tile shapes,
 #                                                # then (a)'s e4m3 decode regime with cold caches (4 layers cycled)
+#   bash benchmarks/fp8_fused_session.sh partials_a # FP8 down partials (fp8_linear.PARTIALS) in the engine: GPU
+#                                                # tests, the down probe at 16-32 rows and at 8B, (a) on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -201,5 +203,16 @@ case "${1:?part}" in
       | grep "partials\|add_rmsnorm\|^device\|rror" | tee "$OUT/partials.txt"
     timeout 100 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers 4 \
       --budget-s 80 2>&1 | tee "$OUT/regimes_a_cold.txt" ;;
+  partials_a)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/tests.txt"
+    timeout 110 python3 benchmarks/seed_workloads.py --gemms --gemm-partials --gemm-rows 16,32 --gemm-names down \
+      2>&1 | grep "partials\|add_rmsnorm\|^device\|rror" | tee "$OUT/partials.txt"
+    timeout 110 python3 benchmarks/seed_workloads.py --gemms --gemm-partials --gemm-rows 64,128 --gemm-names down \
+      --gemm-archs llama3.1-8b 2>&1 | grep "partials\|add_rmsnorm\|rror" | tee -a "$OUT/partials.txt"
+    for on in 1 0; do
+      POLYRL_FP8_PARTIALS=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/a.txt"
+    done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

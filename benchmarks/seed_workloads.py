@@ -333,13 +333,13 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 print(line, flush=True)
 
 
-def bench_partials(M_list, bw: float, names=("down", "gate_up")) -> None:
+def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-distill-1.5b",)) -> None:
     """The split-K FP8 kernel returning its partial products (`partials=True`; the consumer sums them, as
-    `fused.add_rmsnorm` does) at 64-256 rows of the 1.5B down / gate_up, over tile shapes and forced splits, against
-    the in-launch reduction and `_scaled_mm`. Cold weights as in `bench_gemms`. Why: at 256 rows the committed 64 x 64
-    tiles make every weight tile read 4 times and every activation tile 24 times from L2 (~110 MB for down's 13.8 MB
-    weight); whole-row tiles read less, but their split partials were reduced by one program per tile. Also the
-    consumer's side: add_rmsnorm over P partials against one tensor."""
+    `fused.add_rmsnorm` does) at 16-256 rows of the down / gate_up projections, over tile shapes and forced splits,
+    against the in-launch reduction and `_scaled_mm`. Cold weights as in `bench_gemms`. Why: at 256 rows the committed
+    64 x 64 tiles make every weight tile read 4 times and every activation tile 24 times from L2 (~110 MB for the
+    1.5B down's 13.8 MB weight); whole-row tiles read less, but their split partials were reduced by one program per
+    tile. Also the consumer's side: add_rmsnorm over P partials against one tensor."""
     import triton.testing
 
     from polyrl.rollout.native import splitk_fp8
@@ -348,47 +348,53 @@ def bench_partials(M_list, bw: float, names=("down", "gate_up")) -> None:
     from polyrl.rollout.native.fused import add_rmsnorm
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    _, h, inter, _, _, _, _, _ = ARCH["r1-distill-1.5b"]
-    for name, (K, N) in {"down": (inter, h), "gate_up": (h, 2 * inter)}.items():
-        if name not in names:
-            continue
-        copies = max(1, -(-2 * l2 // (N * K)))
-        f8s = [FP8Linear(torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")) for _ in range(copies)]
+    for arch in archs:
+        _, h, inter, _, _, _, _, _ = ARCH[arch]
+        for name, (K, N) in {"down": (inter, h), "gate_up": (h, 2 * inter)}.items():
+            if name not in names:
+                continue
+            copies = max(1, -(-2 * l2 // (N * K)))
+            f8s = [FP8Linear(torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda"))
+                   for _ in range(copies)]
 
-        def per_call(fn):
-            return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+            def per_call(fn):
+                return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
 
-        for M in M_list:
-            rows = FP8Rows(*quantize_fp8_rows(torch.randn(M, K, dtype=torch.bfloat16, device="cuda")))
-            t_fed = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale, None,
-                                                    torch.bfloat16))
-            t_sk = per_call(lambda i: splitk_fp8.splitk_fp8_matmul(rows, f8s[i].weight, f8s[i].weight_scale, None,
-                                                                   torch.bfloat16))
-            print(f"partials {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, split-K committed {t_sk:.1f} us "
-                  f"(weight floor {N * K / bw * 1e6:.1f} us)", flush=True)
-            results = []
-            for bm in (64, 128, 256):
-                for bn in (64, 128):
-                    for bk in (128, 256):
-                        for w, st in ((4, 4), (8, 3)):
-                            if bm * bn > 128 * 128 and w == 4:
-                                continue
-                            for split in ((1, 2) if name == "gate_up" else (2, 4, 6, 8, 11)):
-                                c = dict(BN=bn, BK=bk, num_warps=w, num_stages=st, programs_per_sm=1, min_k_steps=1,
-                                         BM=bm, split=split)
-                                t = _bench_or_inf(lambda: per_call(lambda i: splitk_fp8.splitk_fp8_matmul(
-                                    rows, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16, c, partials=True)))
-                                results.append((t, f"BM {bm} BN {bn} BK {bk} warps {w} stages {st} split {split}"))
-            results.sort()
-            for t, label in results[:6]:
-                print(f"  partials {label}: {t:.1f} us", flush=True)
-            if name == "down":
-                res, wt = torch.randn(M, N, dtype=torch.bfloat16, device="cuda"), torch.ones(N, device="cuda")
-                for p in (1, 2, 4, 6, 8, 11):
-                    x = torch.randn(p, M, N, dtype=torch.bfloat16, device="cuda")
-                    t = triton.testing.do_bench_cudagraph(lambda: add_rmsnorm(x if p > 1 else x[0], res, wt, 1e-6,
-                                                                              fp8=True)) * 1e3
-                    print(f"  add_rmsnorm(fp8 out) over {p} partial(s) of [{M}, {N}]: {t:.1f} us", flush=True)
+            for M in M_list:
+                rows = FP8Rows(*quantize_fp8_rows(torch.randn(M, K, dtype=torch.bfloat16, device="cuda")))
+                t_fed = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale, None,
+                                                        torch.bfloat16))
+                t_sk = per_call(lambda i: splitk_fp8.splitk_fp8_matmul(rows, f8s[i].weight, f8s[i].weight_scale,
+                                                                       None, torch.bfloat16))
+                print(f"partials {arch} {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, split-K committed "
+                      f"{t_sk:.1f} us (weight floor {N * K / bw * 1e6:.1f} us)", flush=True)
+                p2 = max(16, triton.next_power_of_2(M))
+                results = []
+                for bm in sorted({min(64, p2), 64, 128, 256}):
+                    if bm > max(64, p2):
+                        continue
+                    for bn in (64, 128):
+                        for bk in (128, 256):
+                            for w, st in ((4, 4), (8, 3)):
+                                if bm * bn > 128 * 128 and w == 4:
+                                    continue
+                                for split in ((1, 2) if name == "gate_up" else (2, 4, 6, 8, 11)):
+                                    c = dict(BN=bn, BK=bk, num_warps=w, num_stages=st, programs_per_sm=1,
+                                             min_k_steps=1, BM=bm, split=split)
+                                    t = _bench_or_inf(lambda: per_call(lambda i: splitk_fp8.splitk_fp8_matmul(
+                                        rows, f8s[i].weight, f8s[i].weight_scale, None, torch.bfloat16, c,
+                                        partials=True)))
+                                    results.append((t, f"BM {bm} BN {bn} BK {bk} warps {w} stages {st} split {split}"))
+                results.sort()
+                for t, label in results[:4]:
+                    print(f"  partials {label}: {t:.1f} us", flush=True)
+                if name == "down":
+                    res, wt = torch.randn(M, N, dtype=torch.bfloat16, device="cuda"), torch.ones(N, device="cuda")
+                    for p in (1, 2, 4, 8):
+                        x = torch.randn(p, M, N, dtype=torch.bfloat16, device="cuda")
+                        t = triton.testing.do_bench_cudagraph(lambda: add_rmsnorm(x if p > 1 else x[0], res, wt, 1e-6,
+                                                                                  fp8=True)) * 1e3
+                        print(f"  add_rmsnorm(fp8 out) over {p} partial(s) of [{M}, {N}]: {t:.1f} us", flush=True)
 
 
 def _wide_row_configs(M: int) -> list[dict]:
@@ -515,7 +521,7 @@ def main():
                     "these split counts (a probe)")
     ap.add_argument("--gemm-names", default=None, help="--gemms: only these of qkv,o,gate_up,down")
     ap.add_argument("--gemm-partials", action="store_true", help="--gemms: only the split-K kernel's partial-product "
-                    "mode (the consumer sums them) at --gemm-rows past 32, 1.5B down and gate_up (a probe)")
+                    "mode (the consumer sums them) at --gemm-rows, down and gate_up of --gemm-archs (a probe)")
     ap.add_argument("--gemm-wide-sweep", action="store_true", help="--gemms: sweep 48 split-K launch configs, not 12")
     ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
     ap.add_argument("--splitk-table", default=None, help="load split-K launch configs (--splitk-table-out's JSON)")
@@ -555,8 +561,9 @@ def main():
     if args.gemms:
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         if args.gemm_partials:
-            bench_partials([m for m in ints(args.gemm_rows) if m > 32], bw,
-                           tuple(args.gemm_names.split(",")) if args.gemm_names else ("down", "gate_up"))
+            bench_partials(ints(args.gemm_rows), bw,
+                           tuple(args.gemm_names.split(",")) if args.gemm_names else ("down", "gate_up"),
+                           tuple(args.gemm_archs.split(",")))
             return
         bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
                     args.splitk_table_out, tuple(args.gemm_names.split(",")) if args.gemm_names else None,

@@ -54,6 +54,17 @@ SPLITK_MAX_ROWS = 64
 # Past SPLITK_MAX_ROWS (row blocks of 64, each rereading the weight) only where measured to win: weight (N, K) -> up
 # to this many rows (`splitk_serves`)
 SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128}  # the 1.5B and 8B down projections
+# FP8 GEMMs whose K split goes to the consumer: the split-K kernel returns each split's scaled partial product,
+# [split, T, N], and the add_rmsnorm after a down projection sums them (`partials_config`), instead of the kernel's
+# in-launch reduction (the last program of each output tile reads every partial). (N, K) -> {rows rounded up to a
+# power of two: launch config}. `seed_workloads.py --gemms --gemm-partials`, cold weights, H100, 2026-11-27: the 1.5B
+# down 8.3 / 9.1 / 11.9 us at 64 / 128 / 256 rows against 12.6 / 13.6 / 16.9 reduced in the launch; add_rmsnorm over
+# 2-4 partials costs 0.2-0.4 us more than over one tensor. POLYRL_FP8_PARTIALS=0 turns it off.
+PARTIALS = {(1536, 8960): {64: dict(BM=64, BN=64, BK=256, num_warps=4, num_stages=4, split=4),
+                           128: dict(BM=128, BN=64, BK=256, num_warps=4, num_stages=4, split=4),
+                           256: dict(BM=128, BN=64, BK=256, num_warps=4, num_stages=4, split=2)}}
+if os.environ.get("POLYRL_FP8_PARTIALS", "1") != "1":
+    PARTIALS = {}
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -80,6 +91,13 @@ class FP8Linear(nn.Module):
         q, s = quantize_weight_rows(w_rows.to(self.weight.device))
         self.weight.data[lo:hi].view(torch.uint8).copy_(q.view(torch.uint8))
         self.weight_scale.data[lo:hi].copy_(s)
+
+    def partials(self, x: FP8Rows, config: dict) -> torch.Tensor:
+        """x W^T as the split-K kernel's [split, T, N] partial products (`partials_config`), for a consumer that sums
+        them."""
+        from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
+
+        return splitk_fp8_matmul(x, self.weight, self.weight_scale, None, self.out_dtype, config, partials=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.pad:
@@ -131,6 +149,20 @@ def splitk_serves(rows: int, n: int, k: int) -> bool:
     `_scaled_mm` has tiles for every SM it is as fast or faster: the 1.5B gate_up 18.8-22.9 us against split-K's
     18.3-28.0, the 8B qkv 15.0-16.4 against 17.7-22.1, the 8B o 13.8-13.9 against 14.4-23.5."""
     return rows <= SPLITK_MAX_ROWS or rows <= SPLITK_WIDE.get((n, k), 0)
+
+
+def partials_config(linear: nn.Module, rows: int) -> dict | None:
+    """The split-K launch config (with its split) under which this FP8 layer hands its partial products to the
+    consumer at `rows` fed rows (`FP8Linear.partials`; PARTIALS), or None: one output tensor."""
+    if not (isinstance(linear, FP8Linear) and linear.bias is None and not linear.pad and linear.weight.is_cuda
+            and SPLITK and takes_fp8_rows(linear, rows)):
+        return None
+    return partials_entry(rows, *linear.weight.shape)
+
+
+def partials_entry(rows: int, n: int, k: int) -> dict | None:
+    """PARTIALS' launch config for `rows` rows of an [n, k] weight (rows rounded up to a power of two, at least 16)."""
+    return PARTIALS.get((n, k), {}).get(max(16, 1 << (rows - 1).bit_length()))
 
 
 def takes_fp8_rows(linear: nn.Module, rows: int) -> bool:

@@ -185,6 +185,20 @@ def sliced_down_parts(down: nn.Module, rows: int) -> int:
     return parts if lo <= rows <= hi else 1
 
 
+def down_partials(down: nn.Module, rows: int):
+    """How the fused decode path splits this down projection at `rows` rows, as f(down, act) -> [P, T, N] partial
+    products that the next add_rmsnorm sums: bf16 K slices in one batched cuBLAS call (SLICED_DOWN), or the FP8
+    split-K kernel's partials (`fp8_linear.PARTIALS`). None: one GEMM."""
+    from polyrl.rollout.native.fp8_linear import partials_config
+
+    parts, config = sliced_down_parts(down, rows), partials_config(down, rows)
+    if parts > 1:
+        return lambda d, act: sliced_linear(act, d.weight, parts)
+    if config is not None:
+        return lambda d, act: d.partials(act, config)
+    return None
+
+
 def sliced_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """x W^T as `parts` partial products over slices of K, [parts, T, N], in one batched cuBLAS call on strided views
     (no copies); `fused.add_rmsnorm` sums them. A split-K for the GEMMs whose K is long and N narrow (a 1.5B model's
@@ -231,15 +245,15 @@ class CausalLM(nn.Module):
         first, rows = self.layers[0], x.shape[0]
         fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
                                                                              first.mlp.down))  # fmt: skip
-        parts = sliced_down_parts(first.mlp.down, rows)
+        split_down = down_partials(first.mlp.down, rows)
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
             act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down)
-            # the next add_rmsnorm sums sliced partials (residual is set from the first layer on)
-            x = sliced_linear(act, layer.mlp.down.weight, parts) if parts > 1 else layer.mlp.down(act)
+            # the next add_rmsnorm sums split partials (residual is set from the first layer on)
+            x = split_down(layer.mlp.down, act) if split_down else layer.mlp.down(act)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
