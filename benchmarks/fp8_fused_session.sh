@@ -33,6 +33,8 @@
 #                                                # then (a)'s e4m3 decode regime with cold caches (4 layers cycled)
 #   bash benchmarks/fp8_fused_session.sh partials_a # FP8 down partials (fp8_linear.PARTIALS) in the engine: GPU
 #                                                # tests, the down probe at 16-32 rows and at 8B, (a) on and off
+#   bash benchmarks/fp8_fused_session.sh partials_s1 # s1 at 64 sequences in FP8 KV + W8, partials on and off; at 128
+#   bash benchmarks/fp8_fused_session.sh partials_s2 # s2 on and off, learning (3 seeds)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -214,5 +216,19 @@ case "${1:?part}" in
       POLYRL_FP8_PARTIALS=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/a.txt"
     done ;;
+  partials_s1)
+    for on in 1 0; do
+      POLYRL_FP8_PARTIALS=$on timeout 270 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s1.txt"
+    done
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 128 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+      2>&1 | grep "^{\|rror" | tee -a "$OUT/s1_128.txt" ;;
+  partials_s2)
+    for on in 1 0; do
+      POLYRL_FP8_PARTIALS=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s2.txt"
+    done
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+      | tee "$OUT/learn.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

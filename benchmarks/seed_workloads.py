@@ -240,8 +240,9 @@ def _small_gemms() -> str:
         return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
     return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows (and down to 256 / 128 rows "
             "at 1.5B / 8B)"
-            f"{' (measured launch table)' if splitk_fp8.TABLE else ''}, w8a16 for bf16 x at <= "
-            f"{fp8_linear.W8A16_MAX_ROWS}")
+            f"{' (measured launch table)' if splitk_fp8.TABLE else ''}"
+            f"{', down partials summed by add_rmsnorm' if fp8_linear.PARTIALS else ', partials reduced in the launch'}"
+            f", w8a16 for bf16 x at <= {fp8_linear.W8A16_MAX_ROWS}")
 
 
 def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None, archs=("r1-distill-1.5b",

@@ -180,19 +180,21 @@ def test_split_k_serves_few_rows_and_past_them_only_the_gemms_it_was_measured_to
 
     assert splitk_serves(1, 17920, 1536) and splitk_serves(64, 17920, 1536)  # <= 64 rows: always
     assert splitk_serves(128, 1536, 8960) and splitk_serves(256, 1536, 8960)  # the 1.5B down
-    assert not splitk_serves(128, 17920, 1536) and not splitk_serves(65, 2048, 1536)  # 1.5B gate_up, qkv
+    assert splitk_serves(128, 17920, 1536) and not splitk_serves(129, 17920, 1536)  # 1.5B gate_up
+    assert not splitk_serves(65, 2048, 1536)  # 1.5B qkv
     assert splitk_serves(128, 4096, 14336) and not splitk_serves(129, 4096, 14336)  # the 8B down
     assert not splitk_serves(257, 1536, 8960)
 
 
-def test_fp8_partials_serve_the_measured_down_projection_at_33_to_256_rows_on_cuda_only():
+def test_fp8_partials_serve_the_measured_down_projections_on_cuda_only():
     from torch import nn
 
     from polyrl.rollout.native.fp8_linear import FP8Linear, partials_config, partials_entry
 
-    assert partials_entry(33, 1536, 8960)["BM"] == 64 and partials_entry(64, 1536, 8960)["split"] == 4
+    assert partials_entry(1, 1536, 8960)["BM"] == 16 and partials_entry(33, 1536, 8960)["BM"] == 64
     assert partials_entry(65, 1536, 8960)["BM"] == 128 and partials_entry(256, 1536, 8960)["split"] == 2
-    assert partials_entry(32, 1536, 8960) is None and partials_entry(257, 1536, 8960) is None  # not measured
+    assert partials_entry(128, 4096, 14336)["split"] == 2  # the 8B down
+    assert partials_entry(257, 1536, 8960) is None and partials_entry(129, 4096, 14336) is None  # not measured
     assert partials_entry(128, 17920, 1536) is None  # gate_up: its consumer (silu_mul) takes one tensor
     assert partials_config(FP8Linear(nn.Linear(8960, 1536, bias=False)), 128) is None  # CPU: one GEMM
 

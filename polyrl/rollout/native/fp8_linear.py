@@ -53,16 +53,22 @@ SPLITK = os.environ.get("POLYRL_FP8_SPLITK", "1") == "1"
 SPLITK_MAX_ROWS = 64
 # Past SPLITK_MAX_ROWS (row blocks of 64, each rereading the weight) only where measured to win: weight (N, K) -> up
 # to this many rows (`splitk_serves`)
-SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128}  # the 1.5B and 8B down projections
+# the 1.5B and 8B down projections, and the 1.5B gate_up to 128 rows (a 128-row tile: 16.0 us against `_scaled_mm`'s
+# 19.2, `seed_workloads.py --gemms --gemm-partials`, H100, 2026-11-26; at 256 rows 23.3 against 23.4, so not there)
+SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128, (17920, 1536): 128}
 # FP8 GEMMs whose K split goes to the consumer: the split-K kernel returns each split's scaled partial product,
 # [split, T, N], and the add_rmsnorm after a down projection sums them (`partials_config`), instead of the kernel's
 # in-launch reduction (the last program of each output tile reads every partial). (N, K) -> {rows rounded up to a
-# power of two: launch config}. `seed_workloads.py --gemms --gemm-partials`, cold weights, H100, 2026-11-27: the 1.5B
-# down 8.3 / 9.1 / 11.9 us at 64 / 128 / 256 rows against 12.6 / 13.6 / 16.9 reduced in the launch; add_rmsnorm over
-# 2-4 partials costs 0.2-0.4 us more than over one tensor. POLYRL_FP8_PARTIALS=0 turns it off.
-PARTIALS = {(1536, 8960): {64: dict(BM=64, BN=64, BK=256, num_warps=4, num_stages=4, split=4),
-                           128: dict(BM=128, BN=64, BK=256, num_warps=4, num_stages=4, split=4),
-                           256: dict(BM=128, BN=64, BK=256, num_warps=4, num_stages=4, split=2)}}
+# power of two: launch config}, the best of `seed_workloads.py --gemms --gemm-partials` (cold weights, H100,
+# 2026-11-26), against the in-launch reduction: the 1.5B down 7.6 / 7.9 / 8.3 / 9.1 / 11.9 us at 16 / 32 / 64 / 128 /
+# 256 rows against 10.0 / 10.8 / 12.6 / 13.6 / 16.9; the 8B down 22.6 / 23.0 / 23.8 / 25.9 at 16 / 32 / 64 / 128
+# against 26.1 / 27.7 / 30.9 / 34.8. add_rmsnorm over 2-4 partials costs 0.1-0.5 us more than over one tensor.
+# (a) in FP8 KV + W8: 69,703 tok/s against 66,871 (same call). POLYRL_FP8_PARTIALS=0 turns it off.
+_W = dict(BN=64, BK=256, num_warps=4, num_stages=4)
+PARTIALS = {(1536, 8960): {16: dict(_W, BM=16, split=4), 32: dict(_W, BM=32, split=4), 64: dict(_W, BM=64, split=4),
+                           128: dict(_W, BM=128, split=4), 256: dict(_W, BM=128, split=2)},
+            (4096, 14336): {16: dict(_W, BM=16, split=2), 32: dict(_W, BM=32, split=2), 64: dict(_W, BM=64, split=2),
+                            128: dict(_W, BM=128, split=2)}}
 if os.environ.get("POLYRL_FP8_PARTIALS", "1") != "1":
     PARTIALS = {}
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
