@@ -99,12 +99,18 @@ class Cache:
     """Random K/V pages for max(BATCHES) sequences of CTX tokens (block 0 left free, as the engine's scratch block) in
     random page order; bf16 first, then `to_fp8()` replaces them with e4m3 values and per-(token, head) scales."""
 
-    def __init__(self, kv_heads: int, batch: int | None = None, ctx: int | None = None, layers: int = 1):
+    def __init__(self, kv_heads: int, batch: int | None = None, ctx: int | None = None, layers: int = 1,
+                 layout: str = "random"):
         b, self.ctx = batch or max(BATCHES), ctx or CTX
         nb = b * self.ctx // BS
         self.k = torch.randn(nb + 1, BS, kv_heads, D, dtype=ACT, device=DEV)
         self.v = torch.randn_like(self.k)
-        self.bt = (torch.randperm(nb, device=DEV) + 1).view(b, self.ctx // BS).to(torch.int32)
+        # random: pages in random order; interleaved: as the engine hands them out when every sequence grows in step
+        # (sequence i's page j is block 1 + j * b + i); contiguous: each sequence's pages one run
+        order = {"random": lambda: torch.randperm(nb, device=DEV).view(b, -1),
+                 "interleaved": lambda: torch.arange(nb, device=DEV).view(-1, b).t(),
+                 "contiguous": lambda: torch.arange(nb, device=DEV).view(b, -1)}[layout]()
+        self.bt = (order + 1).to(torch.int32).contiguous()
         self.scales = (None, None)
         # layers > 1: that many caches (as an engine's layers), which a timed call cycles through, so a cache smaller
         # than twice the L2 (shape (a)'s 100 MB e4m3) is not partly read from L2 on the next call
@@ -181,17 +187,20 @@ REGIME_CONFIGS = [(128, 4, 3), (64, 4, 3), (32, 1, 3), (64, 1, 3)]  # (128, 4, 3
 WIDE_CONFIGS = [(256, 8, 3), (128, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 4), (64, 4, 4)]
 
 
-def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "", layers: int = 1) -> None:
+def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "", layers: int = 1,
+                 layout: str = "random", sweep_configs: bool = True) -> None:
     """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
     runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3; v1 for bf16 before
     2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per
     layer; bandwidth as the bytes read over the time (`bytes_moved`). `batches` (comma-separated) keeps those regimes
     only and adds WIDE_CONFIGS. `layers` > 1: each timed call reads the next of that many caches (cold L2, as in the
-    engine; 20 calls a graph, so a divisor of 20)."""
+    engine; 20 calls a graph, so a divisor of 20). `layout`: the block table's page order (`Cache`). `sweep_configs`
+    False: the default kernels only."""
     fp8 = kv == "e4m3"
     config = v2.CONFIG_FP8 if fp8 else v2.CONFIG
     committed = dict(config)
-    print(f"\n== v2 {kv} regimes (committed {committed})", flush=True)
+    print(f"\n== v2 {kv} regimes (committed {committed}), {layers} layer cache(s) cycled, {layout} page order",
+          flush=True)
     keep = {int(b) for b in batches.split(",") if b}
     configs = REGIME_CONFIGS + WIDE_CONFIGS * bool(keep)
     for model, batch, ctx, split_opts in REGIMES:
@@ -201,7 +210,7 @@ def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "",
             print("  (budget reached: stopped)")
             break
         heads, kv_heads = MODELS[model]
-        cache = Cache(kv_heads, batch, ctx, layers)
+        cache = Cache(kv_heads, batch, ctx, layers, layout)
         q = torch.randn(batch, heads, D, dtype=ACT, device=DEV)
         bf = run_kernel("v1", cache, q, sms)
         print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us "
@@ -215,7 +224,7 @@ def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "",
             print(f"    e4m3 committed: {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})",
                   flush=True)
         results = []
-        for rows, warps, stages in configs:
+        for rows, warps, stages in configs * sweep_configs:
             for forced in split_opts:
                 config.update(rows=rows, num_warps=warps, num_stages=stages)
                 chooser, few = v2.choose_num_splits, v2.FEW_WARPS
@@ -338,6 +347,10 @@ def main() -> None:
                     "tail, s2's Llama-8B heads)")
     ap.add_argument("--regime-layers", type=int, default=1, help="with --regimes: cycle each timed call over this "
                     "many caches (4: shape (a)'s 100 MB e4m3 cache is not partly in L2 on the next call)")
+    ap.add_argument("--regime-layout", default="random", choices=("random", "interleaved", "contiguous"),
+                    help="with --regimes: the block table's page order (interleaved: as the engine hands pages out)")
+    ap.add_argument("--regime-default-only", action="store_true", help="with --regimes: time the default kernels "
+                    "only, no launch-config sweep")
     ap.add_argument("--regime-batches", default="", help="with --regimes: only the regimes of these batch sizes "
                     "(e.g. 256 for shape (a)), with more launch configs (WIDE_CONFIGS)")
     args = ap.parse_args()
@@ -357,7 +370,8 @@ def main() -> None:
     print(f"device {dev}, {sms} SMs; HBM spec {hbm / 1e12:.2f} TB/s, measured copy {copy_bw / 1e12:.2f} TB/s",
           flush=True)
     if args.regimes:
-        regime_sweep(sms, t0 + args.budget_s, args.regimes, args.regime_batches, args.regime_layers)
+        regime_sweep(sms, t0 + args.budget_s, args.regimes, args.regime_batches, args.regime_layers,
+                     args.regime_layout, not args.regime_default_only)
         return
     print("| model | B | ctx | K/V | kernel | splits | us/call | GB/s | % HBM spec | % copy BW | v1/v2 "
           "| v2 vs v1 rel err |")

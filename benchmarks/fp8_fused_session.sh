@@ -35,6 +35,8 @@
 #                                                # tests, the down probe at 16-32 rows and at 8B, (a) on and off
 #   bash benchmarks/fp8_fused_session.sh partials_s1 # s1 at 64 sequences in FP8 KV + W8, partials on and off; at 128
 #   bash benchmarks/fp8_fused_session.sh partials_s2 # s2 on and off, learning (3 seeds)
+#   bash benchmarks/fp8_fused_session.sh layout  # (a)'s decode layer alone: 1 or 28 layer caches, pages in random /
+#                                                # engine (interleaved) / contiguous order (the engine-vs-isolated gap)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -230,5 +232,13 @@ case "${1:?part}" in
     done
     timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
       | tee "$OUT/learn.txt" ;;
+  layout)
+    for lay in "1 random" "1 interleaved" "28 random" "28 interleaved" "28 contiguous"; do
+      set -- $lay
+      timeout 60 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers $1 \
+        --regime-layout $2 --regime-default-only 2>&1 | grep "==\|B=256\|committed" | tee -a "$OUT/layout.txt"
+    done
+    timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 \
+      | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -169,6 +169,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     vocab = hf.config.vocab_size
     prompts = torch.randint(0, vocab, (seqs, P), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=max(lens), ignore_eos=True, seed=0, forced_lengths=lens)
+    from polyrl.rollout.native import cuda_graph
     from polyrl.rollout.native import paged_decode as v1
     from polyrl.rollout.native import paged_decode_v2 as v2
 
@@ -185,9 +186,16 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
         print(f"[{shape} {seqs} {cname} max_splits {cap}] {arch}: weights {W / 1e9:.2f} GB, KV {kv_tok} B/token, cache "
               f"{eng.num_blocks * eng.block_size:,} tokens; roofline {roof:,.0f} tok/s (bf16 {roof_bf16:,.0f})",
               flush=True)
-        short = [max(1, L // 32) for L in lens]  # warm-up: compiles and the graphs of the batch sizes passed through
+        # warm-up: every batch size the run passes through is captured once here (CAPTURE_AFTER 1), so each size's
+        # Triton kernels compile outside the timed run; then the graphs go, and the timed run captures lazily as a
+        # rollout does. Until 2026-11-26 the warm-up captured only the sizes it asked for 16 times, and the first
+        # process on a fresh machine compiled the rest inside its timed run (s2: 4,610 tok/s, then 6,158 and 6,126
+        # in later processes with the same code)
+        short = [max(1, L // 32) for L in lens]
+        after, cuda_graph.CAPTURE_AFTER = cuda_graph.CAPTURE_AFTER, 1
         eng.generate(prompts, dataclasses.replace(sp, max_new_tokens=max(short), forced_lengths=short))
         torch.cuda.synchronize()
+        cuda_graph.CAPTURE_AFTER, eng.graphs = after, None
         gc_clock = GCClock()
         t0 = time.perf_counter()
         out = eng.generate(prompts, sp)
