@@ -12,6 +12,12 @@ The split partial sums are reduced in the same launch, in a fixed order: each pr
 bumps its output tile's counter; the one that arrives last sums the partials split 0 first and writes y. So the
 result is the same bits on every run (no float atomics), and no second launch.
 
+Or the partials go to the consumer (`partials=True`): each program writes its split's scaled partial product into
+[split, M, N] and the next kernel sums them (the add_rmsnorm after a down projection: `fp8_linear.PARTIALS`). The
+in-launch reduction is serial, one program per output tile reading every split's tile, and it cost the 1.5B down ~4 us
+of 12.6-16.9; without it, and with whole-row tiles past 64 rows (each weight tile read once or twice from L2, not four
+times), the down takes 7.6-11.9 us at 16-256 rows (H100, cold weights, 2026-11-26).
+
 x comes as `FP8Rows` from a fused producer (add_rmsnorm / silu_mul quantise it in their own pass): e4m3 on both
 sides, the tensor cores' FP8 MMA, x's row scale applied with the weight's at the end. A variant that took bf16 x and
 upcast the weight tile in registers (as w8a16.py does) was slower at every size (1.5B gate_up 19.6-23.3 us against
