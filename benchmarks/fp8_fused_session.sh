@@ -37,6 +37,8 @@
 #   bash benchmarks/fp8_fused_session.sh partials_s2 # s2 on and off, learning (3 seeds)
 #   bash benchmarks/fp8_fused_session.sh layout  # (a)'s decode layer alone: 1 or 28 layer caches, pages in random /
 #                                                # engine (interleaved) / contiguous order (the engine-vs-isolated gap)
+#   bash benchmarks/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
+#                                                # at 128-8192 rows both ways, (a) on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -240,5 +242,15 @@ case "${1:?part}" in
     done
     timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 \
       | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
+  fast_accum)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/tests.txt"
+    timeout 100 python3 benchmarks/seed_workloads.py --gemms --gemm-partials --gemm-fast-accum --gemm-rows \
+      128,256,2048,8192 --gemm-archs r1-distill-1.5b,llama3.1-8b 2>&1 | grep "partials\|^device\|rror" \
+      | tee "$OUT/fast.txt"
+    for on in 1 0; do
+      POLYRL_FP8_FAST_ACCUM=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | tee -a "$OUT/a.txt"
+    done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

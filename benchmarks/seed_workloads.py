@@ -373,10 +373,19 @@ def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-dist
                 rows = FP8Rows(*quantize_fp8_rows(torch.randn(M, K, dtype=torch.bfloat16, device="cuda")))
                 t_fed = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale, None,
                                                         torch.bfloat16))
+                t_fast = per_call(lambda i: _rows_matmul(rows.q, rows.scale, f8s[i].weight, f8s[i].weight_scale,
+                                                         None, torch.bfloat16, fast_accum=True))
+                if M > splitk_fp8.MAX_ROWS:  # prefill sizes: `_scaled_mm` only, promoted and fast accumulation
+                    print(f"partials {arch} {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, fast accumulation "
+                          f"{t_fast:.1f} us ({2 * M * N * K / t_fast / 1e6:.0f} TFLOP/s)", flush=True)
+                    continue
                 t_sk = per_call(lambda i: splitk_fp8.splitk_fp8_matmul(rows, f8s[i].weight, f8s[i].weight_scale,
                                                                        None, torch.bfloat16))
-                print(f"partials {arch} {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, split-K committed "
-                      f"{t_sk:.1f} us (weight floor {N * K / bw * 1e6:.1f} us)", flush=True)
+                print(f"partials {arch} {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, fast accumulation "
+                      f"{t_fast:.1f} us, split-K committed {t_sk:.1f} us (weight floor {N * K / bw * 1e6:.1f} us)",
+                      flush=True)
+                if getattr(bench_partials, "fast_only", False):
+                    continue
                 p2 = max(16, triton.next_power_of_2(M))
                 results = []
                 for bm in sorted({min(64, p2), 64, 128, 256}):
@@ -531,6 +540,8 @@ def main():
     ap.add_argument("--gemm-names", default=None, help="--gemms: only these of qkv,o,gate_up,down")
     ap.add_argument("--gemm-partials", action="store_true", help="--gemms: only the split-K kernel's partial-product "
                     "mode (the consumer sums them) at --gemm-rows, down and gate_up of --gemm-archs (a probe)")
+    ap.add_argument("--gemm-fast-accum", action="store_true", help="--gemms --gemm-partials: only the `_scaled_mm`"
+                    " timings, promoted against fast accumulation (no split-K sweep)")
     ap.add_argument("--gemm-wide-sweep", action="store_true", help="--gemms: sweep 48 split-K launch configs, not 12")
     ap.add_argument("--splitk-table-out", default=None, help="--gemms: the sweep's best configs, as JSON")
     ap.add_argument("--splitk-table", default=None, help="load split-K launch configs (--splitk-table-out's JSON)")
@@ -570,6 +581,7 @@ def main():
     if args.gemms:
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         if args.gemm_partials:
+            bench_partials.fast_only = args.gemm_fast_accum
             bench_partials(ints(args.gemm_rows), bw,
                            tuple(args.gemm_names.split(",")) if args.gemm_names else ("down", "gate_up"),
                            tuple(args.gemm_archs.split(",")))

@@ -56,6 +56,10 @@ SPLITK_MAX_ROWS = 64
 # the 1.5B and 8B down projections, and the 1.5B gate_up to 128 rows (a 128-row tile: 16.0 us against `_scaled_mm`'s
 # 19.2, `seed_workloads.py --gemms --gemm-partials`, H100, 2026-11-26; at 256 rows 23.3 against 23.4, so not there)
 SPLITK_WIDE = {(1536, 8960): 256, (4096, 14336): 128, (17920, 1536): 128}
+# The LLM engine's `_scaled_mm` GEMMs on fed rows (past SPLITK's rows, and prefill) accumulate as the tensor cores do
+# (`use_fast_accum`), as Triton's FP8 dots in splitk_fp8.py / w8a16.py do by default on sm_90; the DiT's GEMMs (bf16 x)
+# keep cuBLASLt's promoted accumulation. POLYRL_FP8_FAST_ACCUM=0 turns it off. (Being measured.)
+FAST_ACCUM = os.environ.get("POLYRL_FP8_FAST_ACCUM", "1") == "1"
 # FP8 GEMMs whose K split goes to the consumer: the split-K kernel returns each split's scaled partial product,
 # [split, T, N], and the add_rmsnorm after a down projection sums them (`partials_config`), instead of the kernel's
 # in-launch reduction (the last program of each output tile reads every partial). (N, K) -> {rows rounded up to a
@@ -135,7 +139,7 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
             from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
 
             return splitk_fp8_matmul(x, w_NK, w_scale_N, bias, out_dtype)
-        return _rows_matmul(x.q, x.scale, w_NK, w_scale_N, bias, out_dtype)
+        return _rows_matmul(x.q, x.scale, w_NK, w_scale_N, bias, out_dtype, fast_accum=FAST_ACCUM)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.is_cuda and x2.shape[0] <= W8A16_MAX_ROWS:  # a decode step of few sequences: one pass over e4m3 bytes
@@ -190,11 +194,12 @@ def _scaled_mm_rowwise(x_MK, w_NK, w_scale_N, bias, out_dtype):
     return _rows_matmul(xq, xs, w_NK, w_scale_N, bias, out_dtype)
 
 
-def _rows_matmul(xq_MK, xs_M, w_NK, w_scale_N, bias, out_dtype):
-    """The GEMM of e4m3 rows with their scales: `_scaled_mm` on CUDA, the same numbers in fp32 elsewhere."""
+def _rows_matmul(xq_MK, xs_M, w_NK, w_scale_N, bias, out_dtype, fast_accum: bool = False):
+    """The GEMM of e4m3 rows with their scales: `_scaled_mm` on CUDA, the same numbers in fp32 elsewhere.
+    `fast_accum`: the tensor cores' own FP8 accumulation, without cuBLASLt's periodic promotion to fp32 (FAST_ACCUM)."""
     if xq_MK.is_cuda:
         return torch._scaled_mm(xq_MK, w_NK.t(), scale_a=xs_M[:, None], scale_b=w_scale_N[None, :], bias=bias,
-                                out_dtype=out_dtype)  # fmt: skip
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
     y = ((xq_MK.float() * xs_M[:, None]) @ (w_NK.float() * w_scale_N[:, None]).t()).to(out_dtype)
     return y if bias is None else y + bias
 
