@@ -39,6 +39,7 @@
 #                                                # engine (interleaved) / contiguous order (the engine-vs-isolated gap)
 #   bash benchmarks/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
 #                                                # at 128-8192 rows both ways, (a) on and off
+#   bash benchmarks/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -251,6 +252,13 @@ case "${1:?part}" in
     for on in 1 0; do
       POLYRL_FP8_FAST_ACCUM=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | tee -a "$OUT/a.txt"
+    done ;;
+  fast_check)
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+      | tee "$OUT/learn.txt"
+    for on in 1 0; do
+      POLYRL_FP8_FAST_ACCUM=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | cut -c1-300 | tee -a "$OUT/s2.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
