@@ -40,8 +40,6 @@
 #   bash benchmarks/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
 #                                                # at 128-8192 rows both ways, (a) on and off
 #   bash benchmarks/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
-#   bash benchmarks/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
-#                                                # (a) on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -261,13 +259,6 @@ case "${1:?part}" in
     for on in 1 0; do
       POLYRL_FP8_FAST_ACCUM=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | cut -c1-300 | tee -a "$OUT/s2.txt"
-    done ;;
-  slices)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "splitk or partials or \
-      producers or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
-    for on in 1 0; do
-      POLYRL_FP8_SLICE_SCALES=$on timeout 70 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-300 | tee -a "$OUT/a.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
