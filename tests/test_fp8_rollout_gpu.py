@@ -155,15 +155,12 @@ def test_fp8_down_partials_keep_logprobs_as_close_to_hf(monkeypatch):
     """A model with the 1.5B MLP shape in FP8 KV + FP8 weights: the down projection's split-K partials summed by
     add_rmsnorm (`fp8_linear.PARTIALS`, 64 rows here) give log-probs as close to HF's recomputation as the in-launch
     reduction."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from logprob_gap import hf_logprob_gap, mlp15b_model
 
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine, fp8_linear, model
 
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
-                                     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=1024,
-                                     tie_word_embeddings=False)).to("cuda", torch.bfloat16).eval()
+    m = mlp15b_model()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(5, 100, (64,), generator=g)]
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
@@ -172,15 +169,7 @@ def test_fp8_down_partials_keep_logprobs_as_close_to_hf(monkeypatch):
         monkeypatch.setattr(fp8_linear, "PARTIALS", dict(fp8_linear.PARTIALS) if on else {})
         eng = NativeEngine.from_hf(m, num_kv_tokens=1 << 14, kv_cache_dtype="fp8", quantization="fp8")
         assert (model.down_partials(eng.model.layers[0].mlp.down, 64) is not None) == on
-        out = eng.generate(prompts, sp)
-        diffs = []
-        with torch.no_grad():
-            for r, toks in enumerate(out.token_ids):
-                p = prompts[r]
-                logits = m(torch.tensor([p + toks], device="cuda")).logits[0, len(p) - 1 : -1].float()
-                ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1)
-                diffs.append((ref - torch.tensor(out.logprobs[r], device="cuda")).abs())
-        gaps[on] = torch.cat(diffs).mean().item()
+        gaps[on] = hf_logprob_gap(m, prompts, eng.generate(prompts, sp))
     print(f"1.5B-MLP FP8 logprob gap to HF: partials {gaps[True]:.2e}, reduced in the launch {gaps[False]:.2e}")
     assert gaps[True] <= 1.25 * gaps[False] + 1e-3, gaps
 

@@ -225,7 +225,7 @@ def test_sliced_down_projection_keeps_bf16_logprobs_close_to_hf(monkeypatch):
     """A model with the 1.5B MLP shape (down 8960 -> 1536, which `model.SLICED_DOWN` runs as 4 K slices at 64-256
     rows): the rollout's bf16 log-probs are as close to HF's recomputation with the sliced GEMM as without it, and the
     fused kernels' sum of the partials matches one GEMM's output to bf16 rounding."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from logprob_gap import hf_logprob_gap, mlp15b_model
 
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine, model
@@ -239,10 +239,7 @@ def test_sliced_down_projection_keeps_bf16_logprobs_close_to_hf(monkeypatch):
     assert (res.float() - res1.float()).abs().max() <= 2 ** -6 * res1.float().abs().max()  # a few bf16 ulps
     assert (y.float() - y1.float()).abs().mean() <= 1e-2 * y1.float().abs().mean()
 
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
-                                     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=1024,
-                                     tie_word_embeddings=False)).to("cuda", torch.bfloat16).eval()
+    m = mlp15b_model()
     prompts = _prompts(64, 5, 100)
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
     gaps = {}
@@ -250,14 +247,6 @@ def test_sliced_down_projection_keeps_bf16_logprobs_close_to_hf(monkeypatch):
         monkeypatch.setattr(model, "SLICED_DOWN", dict(model.SLICED_DOWN) if sliced else {})
         eng = NativeEngine.from_hf(m, num_kv_tokens=1 << 14)
         assert model.sliced_down_parts(eng.model.layers[0].mlp.down, 64) == (4 if sliced else 1)
-        out = eng.generate(prompts, sp)
-        diffs = []
-        with torch.no_grad():
-            for r_, toks in enumerate(out.token_ids):
-                p = prompts[r_]
-                logits = m(torch.tensor([p + toks], device="cuda")).logits[0, len(p) - 1 : -1].float()
-                ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1)
-                diffs.append((ref - torch.tensor(out.logprobs[r_], device="cuda")).abs())
-        gaps[sliced] = torch.cat(diffs).mean().item()
+        gaps[sliced] = hf_logprob_gap(m, prompts, eng.generate(prompts, sp))
     print(f"1.5B-MLP bf16 logprob gap to HF: sliced {gaps[True]:.2e}, plain {gaps[False]:.2e}")
     assert gaps[True] <= 1e-2 and gaps[True] <= 1.5 * gaps[False] + 1e-3, gaps
