@@ -123,7 +123,7 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
 def plan(M: int, N: int, K: int, config: dict, num_sms: int, bm: int = ROW_BLOCK) -> tuple[int, int, int, int]:
     """(column blocks, split of K, K per split, row blocks of `bm`): enough programs for `programs_per_sm` each, each
     with at least `min_k_steps` steps of BK, the split rounded so every program but the last gets whole steps; a
-    `split` key in config sets the split instead (at most one step of BK per program)."""
+    `split` key in config sets the split instead (capped so that each program gets at least one step of BK)."""
     tiles, m_blocks = triton.cdiv(N, config["BN"]), triton.cdiv(M, bm)
     steps = triton.cdiv(K, config["BK"])
     want = triton.cdiv(config["programs_per_sm"] * num_sms, tiles * m_blocks)
