@@ -175,8 +175,8 @@ def sweep(cache: Cache, sms: int, deadline: float) -> None:
 
 # (model, batch, context, split counts to force) for `regime_sweep`: shape (a) (B = 256 at 768 context tokens, its
 # mean: rollout.py's 256-token prompts and 1,024 new tokens; 12 whole steps of 64 tokens, and at 784 the same plus a
-# masked step of one page, as most of the engine's steps end: the cost of the partial step); s1 at 128 and 64 sequences and its tail; s2's Llama-8B
-# heads at 128 sequences of ~1-4k context
+# masked step of one page, as most of the engine's steps end: the cost of the partial step); s1 at 128 and 64
+# sequences and its tail; s2's Llama-8B heads at 128 sequences of ~1-4k context
 REGIMES = [("qwen-1.5b", 256, 768, (1, 2, 4)), ("qwen-1.5b", 256, 784, (1,)), ("qwen-1.5b", 128, 16384, (2, 4, 8)),
            ("qwen-1.5b", 64, 16384, (4, 8, 16, 32)), ("qwen-1.5b", 32, 16384, (8, 16, 32, 64)),
            ("qwen-1.5b", 16, 16384, (16, 32, 64, 128)), ("qwen-1.5b", 8, 16384, (32, 64, 128)),
