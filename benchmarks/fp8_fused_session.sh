@@ -40,6 +40,8 @@
 #   bash benchmarks/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
 #                                                # at 128-8192 rows both ways, (a) on and off
 #   bash benchmarks/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
+#   bash benchmarks/fp8_fused_session.sh masked  # (a)'s decode layer at 768 context tokens (whole steps) and 784 (a
+#                                                # masked last step, as the engine's steps mostly end), bf16 and e4m3
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -259,6 +261,11 @@ case "${1:?part}" in
     for on in 1 0; do
       POLYRL_FP8_FAST_ACCUM=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | cut -c1-300 | tee -a "$OUT/s2.txt"
+    done ;;
+  masked)
+    for kv in e4m3 bf16; do
+      timeout 90 python3 benchmarks/decode_kernel.py --regimes $kv --regime-batches 256 --regime-default-only \
+        --regime-layers 4 2>&1 | tee -a "$OUT/masked.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
