@@ -191,8 +191,8 @@ WIDE_CONFIGS = [(256, 8, 3), (128, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 4), 
 def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "", layers: int = 1,
                  layout: str = "random", sweep_configs: bool = True) -> None:
     """v2's launch configs with forced split counts in the engine's regimes (REGIMES), against the kernel the engine
-    runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice for e4m3; v1 for bf16 before
-    2026-11-26, so the bf16 reference is v1), with v1 bf16 for scale. Splits > 1 include the combine launch. us per
+    runs by default (`decode_kernel=auto`: v2 with its committed launch and split choice, for either cache dtype since
+    2026-11-26; v1 for bf16 before), with v1 bf16 for scale. Splits > 1 include the combine launch. us per
     layer; bandwidth as the bytes read over the time (`bytes_moved`). `batches` (comma-separated) keeps those regimes
     only and adds WIDE_CONFIGS. `layers` > 1: each timed call reads the next of that many caches (cold L2, as in the
     engine; 20 calls a graph, so a divisor of 20). `layout`: the block table's page order (`Cache`). `sweep_configs`
@@ -217,13 +217,12 @@ def regime_sweep(sms: int, deadline: float, kv: str = "e4m3", batches: str = "",
         print(f"  {model} B={batch} ctx {ctx}: v1 bf16 {bf[0]:.1f} us "
               f"({bytes_moved(batch, ctx, heads, kv_heads, False) / bf[0] / 1e6:.2f} TB/s, splits {bf[2]})", flush=True)
         nbytes = bytes_moved(batch, ctx, heads, kv_heads, fp8)
-        ref = bf
         if fp8:
             cache.to_fp8()
-            ref = run_kernel("v2", cache, q, sms)
-            launch = v2.fp8_config(batch, kv_heads // v2.heads_per_program(heads, kv_heads), sms)
-            print(f"    e4m3 committed: {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})",
-                  flush=True)
+        ref = run_kernel("v2", cache, q, sms)  # the default for both cache dtypes since 2026-11-26
+        launch = v2.launch_config(batch, kv_heads // v2.heads_per_program(heads, kv_heads), sms, fp8)
+        print(f"    {kv} committed (v2): {ref[0]:.1f} us ({nbytes / ref[0] / 1e6:.2f} TB/s, splits {ref[2]}, {launch})",
+              flush=True)
         results = []
         for rows, warps, stages in configs * sweep_configs:
             for forced in split_opts:
