@@ -269,7 +269,6 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
     in bf16 against the H100's 50 MB) and the time is per call. Before 2026-11-26 one weight was timed again and again,
     so the GEMMs under 50 MB read from L2; the 2^24-element FP8 line (fp8_linear.MIN_FP8_ELEMENTS) came from those."""
     import triton
-    import triton.testing
 
     from polyrl.rollout.native import splitk_fp8, w8a16
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
@@ -294,7 +293,7 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
             f8s = [FP8Linear(lin) for lin in lins]
 
             def per_call(fn):
-                return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+                return _per_cold_call(fn, copies)
 
             for M in M_list:
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
@@ -342,13 +341,23 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 print(line, flush=True)
 
 
-def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-distill-1.5b",)) -> None:
+def _per_cold_call(fn, copies: int) -> float:
+    """Microseconds per call of fn(i), i cycling over `copies` weight copies (cold weights: `bench_gemms`), timed as
+    one CUDA graph of all the calls."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+
+
+def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-distill-1.5b",),
+                   fast_only: bool = False) -> None:
     """The split-K FP8 kernel returning its partial products (`partials=True`; the consumer sums them, as
     `fused.add_rmsnorm` does) at 16-256 rows of the down / gate_up projections, over tile shapes and forced splits,
     against the in-launch reduction and `_scaled_mm`. Cold weights as in `bench_gemms`. Why: at 256 rows the committed
     64 x 64 tiles make every weight tile read 4 times and every activation tile 24 times from L2 (~110 MB for the
     1.5B down's 13.8 MB weight); whole-row tiles read less, but their split partials were reduced by one program per
-    tile. Also the consumer's side: add_rmsnorm over P partials against one tensor."""
+    tile. Also the consumer's side: add_rmsnorm over P partials against one tensor. `fast_only`: the `_scaled_mm`
+    timings alone (promoted and fast accumulation), no sweep."""
     import triton.testing
 
     from polyrl.rollout.native import splitk_fp8
@@ -367,7 +376,7 @@ def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-dist
                    for _ in range(copies)]
 
             def per_call(fn):
-                return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+                return _per_cold_call(fn, copies)
 
             for M in M_list:
                 rows = FP8Rows(*quantize_fp8_rows(torch.randn(M, K, dtype=torch.bfloat16, device="cuda")))
@@ -384,7 +393,7 @@ def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-dist
                 print(f"partials {arch} {name} M={M} K={K} N={N}: _scaled_mm fed {t_fed:.1f} us, fast accumulation "
                       f"{t_fast:.1f} us, split-K committed {t_sk:.1f} us (weight floor {N * K / bw * 1e6:.1f} us)",
                       flush=True)
-                if getattr(bench_partials, "fast_only", False):
+                if fast_only:
                     continue
                 p2 = max(16, triton.next_power_of_2(M))
                 results = []
@@ -581,10 +590,9 @@ def main():
     if args.gemms:
         ints = lambda v: tuple(int(x) for x in v.split(",") if x)  # noqa: E731
         if args.gemm_partials:
-            bench_partials.fast_only = args.gemm_fast_accum
             bench_partials(ints(args.gemm_rows), bw,
                            tuple(args.gemm_names.split(",")) if args.gemm_names else ("down", "gate_up"),
-                           tuple(args.gemm_archs.split(",")))
+                           tuple(args.gemm_archs.split(",")), args.gemm_fast_accum)
             return
         bench_gemms(ints(args.gemm_rows), bw, tuple(args.gemm_archs.split(",")), ints(args.gemm_sweep_rows),
                     args.splitk_table_out, tuple(args.gemm_names.split(",")) if args.gemm_names else None,
