@@ -42,6 +42,8 @@
 #   bash benchmarks/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
 #   bash benchmarks/fp8_fused_session.sh masked  # (a)'s decode layer at 768 context tokens (whole steps) and 784 (a
 #                                                # masked last step, as the engine's steps mostly end), bf16 and e4m3
+#   bash benchmarks/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
+#                                                # (a) on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -266,6 +268,13 @@ case "${1:?part}" in
     for kv in e4m3 bf16; do
       timeout 90 python3 benchmarks/decode_kernel.py --regimes $kv --regime-batches 256 --regime-default-only \
         --regime-layers 4 2>&1 | tee -a "$OUT/masked.txt"
+    done ;;
+  slices)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "splitk or partials or \
+      producers or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    for on in 1 0; do
+      POLYRL_FP8_SLICE_SCALES=$on timeout 70 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-300 | tee -a "$OUT/a.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

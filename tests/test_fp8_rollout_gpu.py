@@ -168,7 +168,7 @@ def test_fp8_down_partials_keep_logprobs_as_close_to_hf(monkeypatch):
     for on in (True, False):
         monkeypatch.setattr(fp8_linear, "PARTIALS", dict(fp8_linear.PARTIALS) if on else {})
         eng = NativeEngine.from_hf(m, num_kv_tokens=1 << 14, kv_cache_dtype="fp8", quantization="fp8")
-        assert (model.down_partials(eng.model.layers[0].mlp.down, 64) is not None) == on
+        assert (model.down_partials(eng.model.layers[0].mlp.down, 64)[0] is not None) == on
         gaps[on] = hf_logprob_gap(m, prompts, eng.generate(prompts, sp))
     print(f"1.5B-MLP FP8 logprob gap to HF: partials {gaps[True]:.2e}, reduced in the launch {gaps[False]:.2e}")
     assert gaps[True] <= 1.25 * gaps[False] + 1e-3, gaps
@@ -247,6 +247,12 @@ def test_fused_producers_quantise_like_the_torch_quantiser():
         q_ref, s_ref = quantize_fp8_rows(plain)
         torch.testing.assert_close(rows.scale, s_ref, rtol=2e-7, atol=0)
         assert (rows.q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item() > 0.999
+    sliced, plain = silu_mul(gu, fp8=True, slice_cols=2304), silu_mul(gu)  # one scale per (down's K split, row)
+    for j in range(4):
+        cols = slice(2304 * j, min(8960, 2304 * (j + 1)))
+        q_ref, s_ref = quantize_fp8_rows(plain[:, cols].contiguous())
+        torch.testing.assert_close(sliced.scale[j], s_ref, rtol=2e-7, atol=0)
+        assert (sliced.q[:, cols].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item() > 0.999
     w8, ws = quantize_fp8_rows(torch.randn(2048, 1536, device="cuda").bfloat16() * 0.05)
     rows = add_rmsnorm(x, r, w, 1e-6, fp8=True)[0]
     h = add_rmsnorm(x, r, w, 1e-6)[0]

@@ -60,6 +60,46 @@ def test_silu_mul_fp8_rows_are_the_quantised_product(dtype, inter):
     _same_rows(silu_mul(gu, fp8=True), silu_mul(gu))
 
 
+@pytest.mark.parametrize("inter,slice_cols", [(1500, 500), (1500, 448), (96, 96)])  # even, ragged last, one slice
+def test_silu_mul_fp8_slices_are_each_slice_quantised(inter, slice_cols):
+    """slice_cols: one scale per (slice, row), [slices, T], each slice's e4m3 values those of quantize_fp8_rows over
+    that slice alone."""
+    from polyrl.rollout.native.attention import FP8Rows
+    from polyrl.rollout.native.fused import silu_mul
+
+    gu = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(4)) * 2
+    got, y = silu_mul(gu, fp8=True, slice_cols=slice_cols), silu_mul(gu)
+    n = -(-inter // slice_cols)
+    assert got.scale.shape == (n, 3)
+    for j in range(n):
+        cols = slice(j * slice_cols, min(inter, (j + 1) * slice_cols))
+        _same_rows(FP8Rows(got.q[:, cols], got.scale[j]), y[:, cols])
+
+
+def test_splitk_partials_take_one_scale_per_split_and_row():
+    """The split-K kernel's partials with x scaled per (K split, row) (silu_mul's slices at the kernel's k_slices):
+    they sum to the dequantised product; scales of another shape are refused."""
+    from polyrl.rollout.native import splitk_fp8
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+    from polyrl.rollout.native.fused import silu_mul
+
+    g = torch.Generator().manual_seed(5)
+    M, K, N = 6, 288, 40
+    config = dict(BN=16, BK=32, num_warps=4, num_stages=1, split=3)
+    per = splitk_fp8.k_slices(M, N, K, config, num_sms=8)
+    assert per == 96
+    x = silu_mul(torch.randn(M, 2 * K, generator=g) * 2, fp8=True, slice_cols=per)
+    w8, ws = quantize_fp8_rows(torch.randn(N, K, generator=g) * 0.05)
+    parts = splitk_fp8.splitk_fp8_matmul(x, w8, ws, None, torch.float32, config, partials=True)
+    x_used = x.q.double() * x.scale.double().t().repeat_interleave(per, dim=1)[:, :K]
+    ref = x_used @ (w8.double() * ws.double()[:, None]).t()
+    assert ((parts.double().sum(0) - ref).norm() / ref.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="one per"):
+        splitk_fp8.splitk_fp8_matmul(FP8Rows(x.q, x.scale[:2]), w8, ws, None, torch.float32, config, partials=True)
+    with pytest.raises(ValueError, match="partials=True"):
+        splitk_fp8.splitk_fp8_matmul(x, w8, ws, None, torch.float32, config)
+
+
 def test_fp8_gemm_fed_rows_equals_the_one_that_quantises_itself():
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
     from polyrl.rollout.native.fp8_linear import fp8_matmul

@@ -82,13 +82,16 @@ def test_fused_producers_compile_with_and_without_fp8_output(fp8):
         sig = {**norm, **{k: "constexpr" for k in consts}}
         assert compile(ASTSource(fn=fused._add_rmsnorm_kernel, signature=sig, constexprs=consts),
                        target=SM90).asm["ptx"]
-    consts = dict(I=8960, BLOCK=16384 if fp8 else 1024, FP8=fp8)
-    sig = dict(GU="*bf16", Y=out, S="*fp32" if fp8 else out, **{k: "constexpr" for k in consts})
-    assert compile(ASTSource(fn=fused._silu_mul_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
+    # fp8: one scale per row (a program per row), or per (K slice of the down GEMM, row) at 2,304-column slices
+    for slice_cols in ((8960, 2304) if fp8 else (1024,)):
+        consts = dict(I=8960, SLICE=slice_cols, BLOCK=triton.next_power_of_2(slice_cols), FP8=fp8)
+        sig = dict(GU="*bf16", Y=out, S="*fp32" if fp8 else out, T="i32", **{k: "constexpr" for k in consts})
+        assert compile(ASTSource(fn=fused._silu_mul_kernel, signature=sig, constexprs=consts), target=SM90).asm["ptx"]
 
 
-@pytest.mark.parametrize("split,partials", [(1, False), (10, False), (10, True)])
-def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split, partials):
+@pytest.mark.parametrize("split,partials,xs_per_split", [(1, False, False), (10, False, False), (10, True, False),
+                                                          (4, True, True)])
+def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split, partials, xs_per_split):
     """splitk_fp8.py for sm_90, with and without the split reduction: the FP8 tensor-core instruction (wgmma ...
     e4m3), not an upcast, and the counter's atomic only when K is split and the partials are reduced in the launch
     (not when they go to the consumer)."""
@@ -98,7 +101,7 @@ def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split, partial
                P="*fp32", C="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_ym="i32",
                k_per_split="i32", split="i32")
     consts = dict(BM=64, BN=64, BK=128, SPLIT_K=split > 1 and not partials, EVEN=True, DOT_FP8=True, HAS_BIAS=False,
-                  PARTIALS=partials)
+                  PARTIALS=partials, XS_PER_SPLIT=xs_per_split)
     sig.update({k: "constexpr" for k in consts})
     ptx = compile(ASTSource(fn=splitk_fp8._splitk_kernel, signature=sig, constexprs=consts), target=SM90,
                   options=dict(num_warps=4, num_stages=4)).asm["ptx"]

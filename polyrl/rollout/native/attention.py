@@ -112,7 +112,7 @@ class FP8Rows(NamedTuple):
     add_rmsnorm / silu_mul with fp8=True), for an FP8 GEMM that then skips its own quantisation launch."""
 
     q: torch.Tensor  # [T, K] e4m3
-    scale: torch.Tensor  # [T] fp32
+    scale: torch.Tensor  # [T] fp32; or [S, T], one per (K slice, row), for a split-K GEMM's S splits (fused.silu_mul)
 
     @property
     def shape(self) -> torch.Size:

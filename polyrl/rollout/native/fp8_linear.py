@@ -78,6 +78,10 @@ PARTIALS = {(1536, 8960): {16: dict(_W, BM=16, split=4), 32: dict(_W, BM=32, spl
                             128: dict(_W, BM=128, split=2)}}
 if os.environ.get("POLYRL_FP8_PARTIALS", "1") != "1":
     PARTIALS = {}
+# With the partials, silu_mul quantises its output with one scale per (K split of the down GEMM, row), not per row
+# (`partials_slice`): one program per slice of a row instead of per row, and finer scales. POLYRL_FP8_SLICE_SCALES=0
+# turns it off. (Being measured.)
+SLICE_SCALES = os.environ.get("POLYRL_FP8_SLICE_SCALES", "1") == "1"
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
 COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
@@ -171,6 +175,17 @@ def partials_config(linear: nn.Module, rows: int) -> dict | None:
             and SPLITK and takes_fp8_rows(linear, rows)):
         return None
     return partials_entry(rows, *linear.weight.shape)
+
+
+def partials_slice(linear: FP8Linear, rows: int, config: dict) -> int | None:
+    """With SLICE_SCALES, the columns of each K split of `linear.partials(x, config)`, for the producer of x to make
+    one scale per (split, row) (`fused.silu_mul`'s slice_cols); else None (one scale per row)."""
+    if not SLICE_SCALES:
+        return None
+    from polyrl.rollout.native.attention import sm_count
+    from polyrl.rollout.native.splitk_fp8 import k_slices
+
+    return k_slices(rows, *linear.weight.shape, config, sm_count(linear.weight.device))
 
 
 def partials_entry(rows: int, n: int, k: int) -> dict | None:

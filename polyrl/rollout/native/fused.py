@@ -162,26 +162,34 @@ def rope_kv(qkv_TX, positions_T, cos_table, sin_table, k_cache, v_cache, slot_ma
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, S, I: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+def _silu_mul_kernel(GU, Y, S, T, I: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    # program (row, j): columns [j * SLICE, (j + 1) * SLICE) of the row; FP8: their amax makes scale S[j, row]
     row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < I
+    j = tl.program_id(1)
+    c = j * SLICE + tl.arange(0, BLOCK)
+    m = (tl.arange(0, BLOCK) < SLICE) & (c < I)
     g = tl.load(GU + row * 2 * I + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * I + I + c, mask=m, other=0.0).to(tl.float32)
     dt = GU.dtype.element_ty
     a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    _store_rows(Y + row * I, S, row, c, m, (a * u).to(dt), FP8)
+    _store_rows(Y + row * I, S + j * T, row, c, m, (a * u).to(dt), FP8)
 
 
-def silu_mul(gate_up_TX: torch.Tensor, fp8: bool = False):
-    """silu(gate) * up; fp8: as `FP8Rows` (one program per row then, for the row's amax)."""
+def silu_mul(gate_up_TX: torch.Tensor, fp8: bool = False, slice_cols: int | None = None):
+    """silu(gate) * up; fp8: as `FP8Rows`, one scale per row (one program per row then, for the row's amax), or with
+    `slice_cols` one per (slice of that many columns, row), [slices, T]: the K splits of the FP8 GEMM that reads it
+    (`splitk_fp8`'s partials), each program one slice of one row."""
     T, two_i = gate_up_TX.shape
     inter = two_i // 2
-    y = torch.empty(T, inter, dtype=E4M3 if fp8 else gate_up_TX.dtype, device=gate_up_TX.device)
-    s = torch.empty(T, dtype=torch.float32, device=gate_up_TX.device) if fp8 else y
-    BLOCK = triton.next_power_of_2(inter) if fp8 else 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up_TX, y, s, I=inter, BLOCK=BLOCK, FP8=fp8,
-                                                      num_warps=8 if fp8 else 4)  # fmt: skip
+    dev = gate_up_TX.device
+    y = torch.empty(T, inter, dtype=E4M3 if fp8 else gate_up_TX.dtype, device=dev)
+    span = (slice_cols or inter) if fp8 else 1024
+    slices = triton.cdiv(inter, span)
+    s = (torch.empty(slices, T, dtype=torch.float32, device=dev) if slice_cols else
+         torch.empty(T, dtype=torch.float32, device=dev)) if fp8 else y
+    BLOCK = triton.next_power_of_2(span)
+    _silu_mul_kernel[(T, slices)](gate_up_TX, y, s, T, I=inter, SLICE=span, BLOCK=BLOCK, FP8=fp8,
+                                  num_warps=8 if BLOCK > 4096 else 4)  # fmt: skip
     return FP8Rows(y, s) if fp8 else y
 
 

@@ -186,17 +186,18 @@ def sliced_down_parts(down: nn.Module, rows: int) -> int:
 
 
 def down_partials(down: nn.Module, rows: int):
-    """How the fused decode path splits this down projection at `rows` rows, as f(down, act) -> [P, T, N] partial
-    products that the next add_rmsnorm sums: bf16 K slices in one batched cuBLAS call (SLICED_DOWN), or the FP8
-    split-K kernel's partials (`fp8_linear.PARTIALS`). None: one GEMM."""
-    from polyrl.rollout.native.fp8_linear import partials_config
+    """How the fused decode path splits this down projection at `rows` rows: (f(down, act) -> [P, T, N] partial
+    products that the next add_rmsnorm sums, or None for one GEMM; and the columns of each split for silu_mul to
+    scale its FP8 output by, or None for one scale per row). f: bf16 K slices in one batched cuBLAS call
+    (SLICED_DOWN), or the FP8 split-K kernel's partials (`fp8_linear.PARTIALS`)."""
+    from polyrl.rollout.native.fp8_linear import partials_config, partials_slice
 
     parts, config = sliced_down_parts(down, rows), partials_config(down, rows)
     if parts > 1:
-        return lambda d, act: sliced_linear(act, d.weight, parts)
+        return (lambda d, act: sliced_linear(act, d.weight, parts)), None
     if config is not None:
-        return lambda d, act: d.partials(act, config)
-    return None
+        return (lambda d, act: d.partials(act, config)), partials_slice(down, rows, config)
+    return None, None
 
 
 def sliced_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -245,13 +246,13 @@ class CausalLM(nn.Module):
         first, rows = self.layers[0], x.shape[0]
         fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
                                                                              first.mlp.down))  # fmt: skip
-        split_down = down_partials(first.mlp.down, rows)
+        split_down, act_slice = down_partials(first.mlp.down, rows)
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
-            act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down)
+            act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down, slice_cols=act_slice)
             # the next add_rmsnorm sums split partials (residual is set from the first layer on)
             x = split_down(layer.mlp.down, act) if split_down else layer.mlp.down(act)
         return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]

@@ -77,7 +77,8 @@ def _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.const
 @triton.jit
 def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
                    split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr):
+                   EVEN: tl.constexpr, DOT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr,
+                   XS_PER_SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -104,6 +105,8 @@ def _splitk_kernel(X, XS, W, WS, B, Y, P, C, M, N, K, stride_xm, stride_wn, stri
         else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
             acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
     if PARTIALS:  # Y is [split, M, N]: each program writes its scaled partial, the consumer sums them
+        if XS_PER_SPLIT:  # x's scales are [split, M]: one per (K split, row)
+            XS += pid_k * M
         _epilogue(acc, WS, XS, B, Y + pid_k.to(tl.int64) * M * N, n, m, n_ok, m_ok, stride_ym, False)
     elif not SPLIT_K:
         _epilogue(acc, WS, XS, B, Y, n, m, n_ok, m_ok, stride_ym, HAS_BIAS)
@@ -137,21 +140,24 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
     """x W^T (+ b) for M <= MAX_ROWS rows: x e4m3 rows [M, K] with one fp32 scale each, W e4m3 [N, K] with one fp32
     scale per row. `config` overrides CONFIG's and TABLE's keys; BM (the row block, a power of two >= 16) defaults to
     the next power of two of M, at most ROW_BLOCK. `partials`: no reduction here; returns the split's scaled partial
-    products, [split, M, N] in out_dtype, for a consumer that sums them (`fused.add_rmsnorm`); no bias."""
+    products, [split, M, N] in out_dtype, for a consumer that sums them (`fused.add_rmsnorm`); no bias. With
+    partials x may carry [split, M] scales, one per (K split, row), its slices those of `k_slices`."""
     xq = x.q.contiguous()
     M, K = xq.shape
     N = w_NK.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"splitk_fp8_matmul serves at most {MAX_ROWS} rows, got {M}")
-    rows = max(16, triton.next_power_of_2(M))
-    c = {**CONFIG, **TABLE.get((N, K, rows), {}), **(config or {})}
-    bm = c.get("BM") or min(ROW_BLOCK, rows)
+    c, bm = _launch(M, N, K, config)
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"splitk_fp8_matmul: BM={bm} must be a power of two >= 16")
     if partials and bias is not None:
         raise ValueError("splitk_fp8_matmul: partial products take no bias (the consumer would add it per partial)")
     dev = xq.device
     tiles, split, k_per, m_blocks = plan(M, N, K, c, sm_count(dev), bm)
+    per_split = x.scale.dim() == 2
+    if per_split and not (partials and tuple(x.scale.shape) == (split, M)):
+        raise ValueError(f"splitk_fp8_matmul: scales of shape {tuple(x.scale.shape)} need partials=True and one per "
+                         f"(split, row), ({split}, {M}) here")
     y = torch.empty(*((split,) if partials else ()), M, N, dtype=out_dtype, device=dev)
     reduce = split > 1 and not partials
     scratch = torch.empty(m_blocks * tiles * split * c["BN"] * bm if reduce else 1, dtype=torch.float32, device=dev)
@@ -160,5 +166,20 @@ def splitk_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, b
         xq, x.scale, w_NK, w_scale_N, bias if bias is not None else w_scale_N, y, scratch, counters, M, N, K,
         xq.stride(0), w_NK.stride(0), N, k_per, split, BM=bm, BN=c["BN"], BK=c["BK"], SPLIT_K=reduce,
         EVEN=N % c["BN"] == 0 and K % k_per == 0 and k_per % c["BK"] == 0, DOT_FP8=dev.type == "cuda",
-        HAS_BIAS=bias is not None, PARTIALS=partials, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        HAS_BIAS=bias is not None, PARTIALS=partials, XS_PER_SPLIT=per_split, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return y
+
+
+def _launch(M: int, N: int, K: int, config: dict | None) -> tuple[dict, int]:
+    """The launch config of an M-row GEMM (CONFIG, then TABLE's entry, then `config`) and its row block."""
+    rows = max(16, triton.next_power_of_2(M))
+    c = {**CONFIG, **TABLE.get((N, K, rows), {}), **(config or {})}
+    return c, c.get("BM") or min(ROW_BLOCK, rows)
+
+
+def k_slices(M: int, N: int, K: int, config: dict | None, num_sms: int) -> int:
+    """The columns of x each split of `splitk_fp8_matmul(..., config)` reads (the last split may read fewer): the
+    slice width for scales made per (K split, row) by the producer (`fused.silu_mul`'s slice_cols)."""
+    c, bm = _launch(M, N, K, config)
+    return plan(M, N, K, c, num_sms, bm)[2]
