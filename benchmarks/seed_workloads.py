@@ -210,7 +210,8 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                  roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
                  num_preempted=eng.stats["num_preempted"], kv_tokens=eng.num_blocks * eng.block_size,
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
-                 mean_len=float(np.mean(lens)), max_len=max(lens), gc=gc_words)
+                 mean_len=float(np.mean(lens)), max_len=max(lens), gc=gc_words,
+                 decode_gpu_s=eng.stats["decode_gpu_s"], decode_steps=eng.stats["num_decode_steps"])
         if args.gap:
             r.update(logprob_gap(eng, hf, vocab))
         if args.kernels:
@@ -225,7 +226,9 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             rows.append(append_row(
                 dev_name, f"seed_workloads.py {shape}",
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
-                f"{dt:.1f} s; prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
+                f"{dt:.1f} s, of which decode {r['decode_gpu_s']:.2f} s GPU time "
+                f"({r['decode_gpu_s'] / max(r['decode_steps'], 1) * 1e3:.2f} ms a step); "
+                f"prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
                 f"paged-decode {eng.decode_kernel}{_fused_rope(eng)}, splits <= {cap}; {_small_gemms()}; "
                 f"{gc_words} in the timed run"
                 f"{_fp8_inputs(cname)}{gap}",
