@@ -44,8 +44,8 @@
 #                                                # masked last step, as the engine's steps mostly end), bf16 and e4m3
 #   bash benchmarks/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
 #                                                # (a) on and off
-#   bash benchmarks/fp8_fused_session.sh one_loop # v2's partial last step inside its pipelined loop: decode GPU tests,
-#                                                # (a)'s layer at 768 / 784 tokens and (a) end to end, on and off
+#   bash benchmarks/fp8_fused_session.sh one_loop # v2's partial last step inside its pipelined loop (d750880, reverted):
+#                                                # decode GPU tests, (a)'s layer at 768 / 784 tokens, (a), on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl

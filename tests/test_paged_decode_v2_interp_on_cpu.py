@@ -91,9 +91,9 @@ def test_v2_matches_dequantised_reference(kv, splits, heads):
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_v2_ignores_the_cache_past_each_context(kv, splits):
-    """A split's partial last step reads its whole pages without load masks (block 0 past the last page), so what the
-    cache holds past a context must not reach the output: fill those slots and block 0 with large finite values
-    (for e4m3, large scales) and the result is still the reference's."""
+    """What the cache holds past a context (the rest of a partial last page, block 0 where a step runs past the last
+    page) must not reach the output: fill those slots and block 0 with large finite values (for e4m3, large scales)
+    and the result is still the reference's. (Written for a variant that read those slots unmasked, 2026-11-27.)"""
     from polyrl.rollout.native import paged_decode_v2 as v2
 
     fp8 = kv == "fp8"

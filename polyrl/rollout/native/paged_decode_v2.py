@@ -89,13 +89,9 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
 @triton.jit
 def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff, col_tok, own_head,
           d, pg, N: tl.constexpr, BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-          MASKED: tl.constexpr, LOADS_MASKED: tl.constexpr):
+          MASKED: tl.constexpr):
     """One online-softmax step over the N cache rows of PAGES whole pages from token `start`. MASKED: the step may
-    run past `hi` (a split's last, partial step), so the pages past it read block 0 and the scores of tokens past it
-    are -inf. LOADS_MASKED: the K/V and scale loads of those tokens are masked too (the old out-of-loop tail step);
-    else they read whatever the cache holds there, which is finite (the engine's cache starts zeroed and only takes
-    quantised or activation values), and their zero probabilities drop them. Unmasked steps skip every token mask
-    (~20% fewer instructions)."""
+    run past `hi` (the split's last, partial step); the full steps skip every token mask (~20% fewer instructions)."""
     page = start // BS + pg
     if MASKED:
         blk = tl.load(bt_row + page, mask=page * BS < hi, other=0).to(tl.int64)
@@ -107,14 +103,13 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     soff = tl.reshape(blk[:, None] * (BS * KVH) + page_soff[None, :], [N])
     if MASKED:
         tm = start + col_tok < hi
-    if LOADS_MASKED:
         k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
         v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
     else:
         k = tl.load(K + off[:, None] + d[None, :])
         v = tl.load(V + off[:, None] + d[None, :])
     if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
-        if LOADS_MASKED:
+        if MASKED:
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
             v_sc = tl.load(VS + soff, mask=tm, other=0.0)
         else:
@@ -156,7 +151,7 @@ def _paged_decode_v2_kernel(
     stride_ot, stride_oh, stride_os, SPLITS,
     G: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr,
     MULTI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, KVH: tl.constexpr, ROPE: tl.constexpr,
-    HAS_NORM: tl.constexpr, PTX: tl.constexpr, ONE_LOOP: tl.constexpr,
+    HAS_NORM: tl.constexpr, PTX: tl.constexpr,
 ):
     # SPLITS at run time, MULTI = SPLITS > 1 at compile time: paged_decode.py says why. MULTI False: O is [T, H, D] in
     # the activation dtype and LSE is unused; else O is fp32 [T, H, SPLITS, D]
@@ -208,18 +203,13 @@ def _paged_decode_v2_kernel(
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, D], tl.float32)
     bt_row = BT + seq_row * stride_bt
-    if ONE_LOOP:  # every step masks its scores (cheap), so a partial last step stays in the pipelined loop
-        for start in range(lo, hi, TILE):
-            m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
-                              col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True, LOADS_MASKED=False)
-    else:
-        full = lo + tl.maximum(hi - lo, 0) // TILE * TILE  # whole steps end here; a partial one may follow
-        for start in range(lo, full, TILE):
-            m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
-                              col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False, LOADS_MASKED=False)
-        if full < hi:
-            m, l, acc = _step(q, m, l, acc, full, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
-                              col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True, LOADS_MASKED=True)
+    full = lo + tl.maximum(hi - lo, 0) // TILE * TILE  # whole steps end here; a partial one may follow
+    for start in range(lo, full, TILE):
+        m, l, acc = _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=False)
+    if full < hi:
+        m, l, acc = _step(q, m, l, acc, full, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_off, page_soff,
+                          col_tok, own_head, d, pg, N, BS, KVH, IEEE, FP8, MASKED=True)
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
@@ -243,9 +233,6 @@ CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 CONFIG_FP8_FEW = dict(rows=32, num_warps=1, num_stages=3, programs_per_sm=8)
 FEW_WARPS = os.environ.get("POLYRL_DECODE_FEW_WARPS", "1") == "1"
 FEW_MAX_SPLITS = 32  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead
-# A split's partial last step inside the pipelined loop (unmasked loads, masked scores) instead of after it with
-# masked loads. POLYRL_DECODE_ONE_LOOP=0: the out-of-loop step. (Being measured.)
-ONE_LOOP = os.environ.get("POLYRL_DECODE_ONE_LOOP", "1") == "1"
 
 
 def heads_per_program(num_heads: int, num_kv_heads: int) -> int:
@@ -304,7 +291,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         meta.block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), splits,
         G=G, HB=hb, R=max(16, triton.next_power_of_2(hb * G)), D=D, BS=bs, PAGES=max(1, c["rows"] // (bs * hb)),
         MULTI=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, KVH=kvh, ROPE=rope is not None,
-        HAS_NORM=has_norm, PTX=q.is_cuda, ONE_LOOP=ONE_LOOP,
+        HAS_NORM=has_norm, PTX=q.is_cuda,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if splits == 1:
