@@ -46,8 +46,6 @@
 #                                                # (a) on and off
 #   bash benchmarks/fp8_fused_session.sh one_loop # v2's partial last step inside its pipelined loop (d750880, reverted):
 #                                                # decode GPU tests, (a)'s layer at 768 / 784 tokens, (a), on and off
-#   bash benchmarks/fp8_fused_session.sh halves  # the decode step as two staggered halves on two streams: GPU tests,
-#                                                # (a) in FP8 KV + W8 and bf16, on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -294,14 +292,6 @@ case "${1:?part}" in
       POLYRL_DECODE_ONE_LOOP=$2 POLYRL_FP8_SLICE_SCALES=$3 timeout 80 python3 benchmarks/seed_workloads.py --shapes a \
         --configs $1 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_loop=$2 slices=$3 /" \
         | cut -c1-200 | tee -a "$OUT/a.txt"
-    done ;;
-  halves)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_halves_gpu.py tests/test_fp8_rollout_gpu.py \
-      -k "halves or splitk" -s 2>&1 | grep "halves (\|passed\|failed\|Error" | tee "$OUT/tests.txt"
-    for run in "fp8kv_w8 1" "fp8kv_w8 0" "fp8kv_w8 1" "bf16 1" "bf16 0"; do
-      set -- $run
-      POLYRL_DECODE_HALVES=$2 timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $1 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/halves=$2 /" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -28,7 +28,6 @@ step's context (as in bf16) and upcasts that temporary.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import os
@@ -52,18 +51,11 @@ class AttnMeta:
     num_splits: int = 1  # split-K factor of the decode kernel (static per captured batch size)
     decode_kernel: str = "v1"  # which paged kernel (DECODE_KERNELS; chosen by `choose_decode_kernel`)
     use_kernel: bool = False
-    launch_rows: int | None = None  # the step's rows where this is a part of it (`rows`): v2 launches as for those
     # gather path inputs
     gather_slots: torch.Tensor | None = None  # [S, K] int64 cache slots of each sequence's context (padded)
     q_index: torch.Tensor | None = None  # [S, Q] index into the flat T queries, T (a zero row) for padding
     out_index: torch.Tensor | None = None  # [T] index of each flat query in the padded S*Q layout
     mask: torch.Tensor | None = None  # [S, 1, Q, K] bool (True = attend); None = plain causal, no cached prefix
-
-    def rows(self, lo: int, hi: int) -> "AttnMeta":
-        """Decode metadata of rows [lo, hi) of this step: the same block tables, split count and kernel launch."""
-        return dataclasses.replace(self, slot_mapping=self.slot_mapping[lo:hi], seq_slots=self.seq_slots[lo:hi],
-                                   context_lens=self.context_lens[lo:hi],
-                                   launch_rows=self.launch_rows or len(self.seq_slots))
 
 
 # paged-decode kernels by name, each a module with `paged_decode` and `choose_num_splits` (imported on first use: CUDA)

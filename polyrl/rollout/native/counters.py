@@ -2,9 +2,8 @@
 
 A program writes its partial result, then bumps its group's counter (an acq_rel atomic after a barrier); the one that
 sees `group size - 1` reads every partial in a fixed order, writes the result and sets the counter back to zero. So
-the counters are zero between launches and one buffer serves every such kernel on a device and stream (launches on a
-stream run one after another; the decode step's two halves run on two streams, `model.HALVES`). User: splitk_fp8.py
-(split-K partial sums).
+the counters are zero between launches and one buffer serves every such kernel on a device (launches on a stream run
+one after another). User: splitk_fp8.py (split-K partial sums).
 """
 
 from __future__ import annotations
@@ -13,15 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 zeros on `device` for the current stream, the same buffer on every call that fits it."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    c = _COUNTERS.get(key)
+    """At least n int32 zeros on `device`, the same buffer on every call that fits it."""
+    c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
-        c = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return c
 
 

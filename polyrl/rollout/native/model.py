@@ -177,12 +177,6 @@ class Block(nn.Module):
 SLICED_DOWN = {(1536, 8960): (64, 256, 4)} if os.environ.get("POLYRL_SLICED_DOWN", "1") == "1" else {}
 
 
-# The decode step as two staggered halves on two streams (`CausalLM._forward_halves`) at HALVES_MIN_ROWS rows or more.
-# POLYRL_DECODE_HALVES=1 turns it on. (Being measured.)
-HALVES = os.environ.get("POLYRL_DECODE_HALVES", "0") == "1"
-HALVES_MIN_ROWS = int(os.environ.get("POLYRL_DECODE_HALVES_MIN_ROWS", "256"))
-
-
 def sliced_down_parts(down: nn.Module, rows: int) -> int:
     """How many K slices the fused decode path splits this down projection into at `rows` rows (1: a plain GEMM)."""
     if type(down) is not nn.Linear or down.bias is not None or not down.weight.is_cuda:
@@ -245,14 +239,6 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, x, positions_T, meta):
-        if HALVES and meta.use_kernel and x.is_cuda and x.shape[0] >= HALVES_MIN_ROWS:
-            return self._forward_halves(x, positions_T, meta)
-        *_, out = self._fused_phases(x, positions_T, meta)
-        return out
-
-    def _fused_phases(self, x, positions_T, meta):
-        """The fused decoder as a generator that pauses (yields None) after each layer's attention and after its MLP,
-        and yields the final hidden states last; `_forward_halves` interleaves two of them."""
         from polyrl.rollout.native.fp8_linear import takes_fp8_rows
         from polyrl.rollout.native.fused import add_rmsnorm, silu_mul
 
@@ -265,47 +251,11 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
-            yield None
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
             act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down, slice_cols=act_slice)
             # the next add_rmsnorm sums split partials (residual is set from the first layer on)
             x = split_down(layer.mlp.down, act) if split_down else layer.mlp.down(act)
-            yield None
-        yield add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def _forward_halves(self, x, positions_T, meta):
-        """The decode step as two halves of its rows on two streams, staggered by half a layer: one half's attention
-        (bound by the KV cache's bytes) runs beside the other half's MLP GEMMs (bound by the tensor cores), and each
-        half's attentions and MLPs take turns with the other's (events). Same kernels, same math per row."""
-        T, half = x.shape[0], x.shape[0] // 2
-        main = torch.cuda.current_stream(x.device)
-        side = self._side_stream = getattr(self, "_side_stream", None) or torch.cuda.Stream(x.device)
-        side.wait_stream(main)
-        x.record_stream(side)  # the second half reads it on the side stream: not reused before that is done
-        a = self._fused_phases(x[:half], positions_T[:half], meta.rows(0, half))
-        with torch.cuda.stream(side):
-            b = self._fused_phases(x[half:], positions_T[half:], meta.rows(half, T))
-        next(a)  # layer 0's attention, first half
-        a_done = main.record_event()
-        out_a = out_b = None
-        for _ in self.layers:
-            with torch.cuda.stream(side):  # second half: this layer's attention after the first half's
-                side.wait_event(a_done)
-                next(b)
-                b_attn = side.record_event()
-            next(a)  # first half: this layer's MLP beside it
-            a_mlp = main.record_event()
-            main.wait_event(b_attn)
-            out_a = next(a)  # first half: the next layer's attention (after the last layer: the final norm)
-            a_done = main.record_event()
-            with torch.cuda.stream(side):  # second half: this layer's MLP after the first half's, beside it
-                side.wait_event(a_mlp)
-                next(b)
-        with torch.cuda.stream(side):
-            out_b = next(b)
-        main.wait_stream(side)
-        out_b.record_stream(main)
-        return torch.cat([out_a, out_b])
+        return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden_SD: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

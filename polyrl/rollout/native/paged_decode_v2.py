@@ -282,7 +282,7 @@ def _launch(q, stride_qt, stride_qh, H, D, k_cache, v_cache, meta, scale, k_scal
         o = torch.empty(T, H, splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(T, H, splits, device=q.device, dtype=torch.float32)
     fp8 = k_scale is not None
-    c = launch_config(meta.launch_rows or T, kvh // hb, sm_count(q.device), fp8)
+    c = launch_config(T, kvh // hb, sm_count(q.device), fp8)
     rope_args = rope if rope is not None else (q,) * 6 + (0.0,)  # POS, COS, SIN, SLOT, QW, KW, eps
     _paged_decode_v2_kernel[(T, kvh // hb, splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, meta.seq_slots,
