@@ -212,7 +212,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=dev_name,
                  mean_len=float(np.mean(lens)), max_len=max(lens), gc=gc_words,
                  decode_gpu_s=eng.stats["decode_gpu_s"], decode_steps=eng.stats["num_decode_steps"],
-                 graph_capture_s=eng.stats["graph_capture_s"])
+                 graph_capture_s=eng.stats["graph_capture_s"], prefill_gpu_s=eng.stats["prefill_gpu_s"])
         if args.gap:
             r.update(logprob_gap(eng, hf, vocab))
         if args.kernels:
@@ -229,7 +229,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 f"{arch}, {seqs} seqs/GPU, P{P}, responses mean {np.mean(lens):,.0f} max {max(lens):,}, {cname}; "
                 f"{dt:.1f} s, of which decode {r['decode_gpu_s']:.2f} s GPU time "
                 f"({r['decode_gpu_s'] / max(r['decode_steps'], 1) * 1e3:.2f} ms a step; CUDA-graph capture "
-                f"{r['graph_capture_s']:.2f} s); "
+                f"{r['graph_capture_s']:.2f} s) and the prefill chunks before it {r['prefill_gpu_s']:.2f} s; "
                 f"prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
                 f"paged-decode {eng.decode_kernel}{_fused_rope(eng)}, splits <= {cap}; {_small_gemms()}; "
                 f"{gc_words} in the timed run"

@@ -492,6 +492,7 @@ class NativeEngine:
         num_steps = num_decode = max_batch = prefill_tokens = 0
         capture_before = self.graphs.capture_s if self.graphs is not None else 0.0
         decode_start = None  # CUDA: an event before the first decode step (stats["decode_gpu_s"])
+        first_start = None  # CUDA: an event before the first step (stats["prefill_gpu_s"]: up to the first decode step)
         while sched.has_work() or inflight:
             step = sched.schedule() if sched.has_work() else None
             if step is None:
@@ -504,24 +505,29 @@ class NativeEngine:
             num_decode += step.decode
             prefill_tokens += 0 if step.decode else sum(c for _, c in step.chunks)
             max_batch = max(max_batch, len(step.seqs))
+            if first_start is None and self.cuda:
+                first_start = torch.cuda.Event(enable_timing=True)
+                first_start.record()
             if step.decode and decode_start is None and self.cuda:
                 decode_start = torch.cuda.Event(enable_timing=True)
                 decode_start.record()
             launched = self._launch(step, sched, sampling, gen)
             drain()
             inflight.append(launched)
-        decode_gpu_s = 0.0
+        decode_gpu_s = prefill_gpu_s = 0.0
         if decode_start is not None:  # GPU time from the first decode step to the last (later prefills included)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
             decode_gpu_s = decode_start.elapsed_time(end) / 1e3
+            prefill_gpu_s = first_start.elapsed_time(decode_start) / 1e3  # the steps before it: prefill chunks
         rows = [all_seqs[r] for r in range(num_rows)]
         handles = self._keep(sched, rows) if sampling.keep_unfinished else None
         held = {b for h in self.kept for b in h.seq.blocks}
         assert self.blocks.num_free == self.num_blocks - 1 - len(held), "KV blocks leaked"
         self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
                           prefill_tokens=prefill_tokens, decode_gpu_s=decode_gpu_s,
+                          prefill_gpu_s=prefill_gpu_s,
                           num_preempted=sched.num_preempted, num_resumed=len(resumed), num_kept=len(self.kept),
                           graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
         return Generation(
