@@ -46,6 +46,8 @@
 #                                                # (a) on and off
 #   bash benchmarks/fp8_fused_session.sh one_loop # v2's partial last step inside its pipelined loop (d750880, reverted):
 #                                                # decode GPU tests, (a)'s layer at 768 / 784 tokens, (a), on and off
+#   bash benchmarks/fp8_fused_session.sh slices_s1 # s1 at 64 sequences with silu_mul's per-split FP8 scales on and off
+#   bash benchmarks/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -292,6 +294,19 @@ case "${1:?part}" in
       POLYRL_DECODE_ONE_LOOP=$2 POLYRL_FP8_SLICE_SCALES=$3 timeout 80 python3 benchmarks/seed_workloads.py --shapes a \
         --configs $1 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_loop=$2 slices=$3 /" \
         | cut -c1-200 | tee -a "$OUT/a.txt"
+    done ;;
+  slices_s1)
+    for on in 1 0; do
+      POLYRL_FP8_SLICE_SCALES=$on timeout 280 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
+        --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-200 \
+        | tee -a "$OUT/s1.txt"
+    done ;;
+  slices_learn)
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+      | tee "$OUT/learn.txt"
+    for cfg in fp8kv_w8 bf16; do
+      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+        | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
