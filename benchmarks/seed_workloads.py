@@ -217,6 +217,9 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
             r.update(logprob_gap(eng, hf, vocab))
         if args.kernels:
             profile_decode(eng, vocab, prompts, sp, label=f"[{shape} {seqs} {cname}]", rows=25)
+        if args.prefill_kernels:  # the prompts' prefill alone: one new token each
+            profile_decode(eng, vocab, prompts, dataclasses.replace(sp, max_new_tokens=1, forced_lengths=None),
+                           label=f"[{shape} {seqs} {cname} prefill]", rows=25)
         print(json.dumps(r), flush=True)
         results.append(r)
         peer = SEED_PEER[shape]
@@ -565,6 +568,8 @@ def main():
                     "cap before 2026-11-25)")
     ap.add_argument("--w8a16-rows", type=int, default=None, help="route decode GEMMs of up to this many rows to the "
                     "w8a16 kernel (fp8_linear.W8A16_MAX_ROWS, 16 by default; the kernel serves up to 64)")
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="after each timed run, a kernel-time table of the prompts' prefill alone (one new token)")
     ap.add_argument("--kernels", action="store_true", help="a kernel-time table of each timed run (with --profile: "
                     "of each regime)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
