@@ -49,6 +49,7 @@
 #   bash benchmarks/fp8_fused_session.sh slices_s1 # s1 at 64 sequences with silu_mul's per-split FP8 scales on and off
 #   bash benchmarks/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
 #   bash benchmarks/fp8_fused_session.sh prefill # (a) in FP8 KV + W8 and bf16, each with a kernel table of its prefill
+#   bash benchmarks/fp8_fused_session.sh pinned  # step inputs through pinned memory: engine GPU tests, (a) both dtypes
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -313,6 +314,13 @@ case "${1:?part}" in
     for cfg in fp8kv_w8 bf16; do
       timeout 120 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --prefill-kernels \
         --rows-out "$OUT/rows.md" 2>&1 | grep -v "^\[\|^{" | tee -a "$OUT/prefill.txt"
+    done ;;
+  pinned)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_fp8_rollout_gpu.py \
+      -k "engine or prefix or fork or graph or native" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    for cfg in fp8kv_w8 bf16 fp8kv_w8; do
+      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+        | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
