@@ -152,6 +152,25 @@ def profile_decode(eng, vocab: int, prompts=None, sp=None, label: str = "profile
     print(f"{label}: wall {wall:.3f}s, GPU kernel time {gpu:.3f}s over {eng.stats['num_steps']} steps "
           f"({eng.stats['num_decode_steps']} decode)")
     print(ka.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    gap_report(prof)
+
+
+def gap_report(prof, top: int = 12) -> None:
+    """Where the GPU sat idle inside a profiled run: the gaps between consecutive device events (kernels, copies,
+    memsets) by size, and the largest with the events on either side."""
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not ev:
+        return
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(ev, ev[1:]) if b[0] > a[1]]
+    span = (ev[-1][1] - ev[0][0]) / 1e3
+    print(f"device events {len(ev)} over {span:.1f} ms; idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in "
+          f"{len(gaps)} gaps: " + ", ".join(
+              f"{lo}-{hi} us {sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3:.1f} ms "
+              f"({sum(lo <= g < hi for g, _, _ in gaps)})"
+              for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, 10**9))))
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g:,.0f} us idle after {a[:60]!r} before {b[:60]!r}")
 
 
 def run_native(eng, prompts, sp):
