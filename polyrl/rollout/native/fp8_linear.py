@@ -79,8 +79,10 @@ PARTIALS = {(1536, 8960): {16: dict(_W, BM=16, split=4), 32: dict(_W, BM=32, spl
 if os.environ.get("POLYRL_FP8_PARTIALS", "1") != "1":
     PARTIALS = {}
 # With the partials, silu_mul quantises its output with one scale per (K split of the down GEMM, row), not per row
-# (`partials_slice`): one program per slice of a row instead of per row, and finer scales. POLYRL_FP8_SLICE_SCALES=0
-# turns it off. (Being measured.)
+# (`partials_slice`): one program per slice of a row instead of per row, and finer scales. H100, A/B one process each
+# (2026-11-27): (a) fp8kv_w8 decode 3.37-3.41 s against 3.40-3.46 s of GPU time; s1 at 64 sequences 9,320 against
+# 9,258 tok/s; learning unchanged (fp8_quickstart.py, 3 seeds: 100 / 100 / 100). POLYRL_FP8_SLICE_SCALES=0 turns it
+# off.
 SLICE_SCALES = os.environ.get("POLYRL_FP8_SLICE_SCALES", "1") == "1"
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
