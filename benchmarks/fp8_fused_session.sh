@@ -50,6 +50,8 @@
 #   bash benchmarks/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
 #   bash benchmarks/fp8_fused_session.sh prefill # (a) in FP8 KV + W8 and bf16, each with a kernel table of its prefill
 #   bash benchmarks/fp8_fused_session.sh pinned  # step inputs through pinned memory: engine GPU tests, (a) both dtypes
+#   bash benchmarks/fp8_fused_session.sh prefill_kernel # prefill attention from the paged cache in one launch: GPU
+#                                                # tests, then (a) both dtypes and s2, on and off
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -321,6 +323,16 @@ case "${1:?part}" in
     for cfg in fp8kv_w8 bf16 fp8kv_w8; do
       timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
+    done ;;
+  prefill_kernel)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_paged_prefill_gpu.py tests/test_native_rollout_gpu.py \
+      tests/test_fp8_rollout_gpu.py -k "prefill or engine or native or prefix or fork" -s 2>&1 \
+      | grep "prefill kernel\|passed\|failed\|Error" | tee "$OUT/tests.txt"
+    for run in "a fp8kv_w8 1" "a fp8kv_w8 0" "a bf16 1" "a bf16 0" "s2 fp8kv_w8 1" "s2 fp8kv_w8 0"; do
+      set -- $run
+      POLYRL_PREFILL_KERNEL=$3 timeout 150 python3 benchmarks/seed_workloads.py --shapes $1 --configs $2 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/prefill_kernel=$3 /" | cut -c1-200 \
+        | tee -a "$OUT/runs.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

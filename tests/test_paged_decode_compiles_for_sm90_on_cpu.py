@@ -107,3 +107,20 @@ def test_splitk_gemm_compiles_with_the_e4m3_mma_and_its_reduction(split, partial
                   options=dict(num_warps=4, num_stages=4)).asm["ptx"]
     assert "e4m3" in ptx and "wgmma" in ptx
     assert ("atom" in ptx) == (split > 1 and not partials)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_kernel_compiles(fp8):
+    """paged_prefill.py's kernel for a bf16 and an e4m3 cache, at its launch (Qwen-1.5B heads, head_dim 128), down
+    to sm_90 machine code; the e4m3 one upcasts its K/V bytes in registers (`cvt` from e4m3)."""
+    from polyrl.rollout.native import paged_prefill as pp
+
+    kv = "fp8e4nv" if fp8 else "bf16"
+    sig = dict(Q="*bf16", K=f"*{kv}", V=f"*{kv}", KS="*fp32", VS="*fp32", BT="*i32", Rows="*i64", O="*bf16",
+               scale="fp32", S="i32", **{k: "i32" for k in ("stride_qt", "stride_qh", "stride_kb", "stride_kt",
+                                                             "stride_kh", "stride_bt", "stride_ot", "stride_oh")})
+    consts = dict(G=6, KVH=2, D=128, BS=16, BQ=pp.BQ, BK=pp.BK, FP8=fp8, IEEE=False)
+    sig.update({k: "constexpr" for k in consts})
+    k = compile(ASTSource(fn=pp._paged_prefill_kernel, signature=sig, constexprs=consts), target=SM90,
+                options=dict(num_warps=pp.NUM_WARPS, num_stages=pp.NUM_STAGES))
+    assert k.asm["cubin"] and ("e4m3" in k.asm["ptx"]) == fp8

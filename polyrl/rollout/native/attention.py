@@ -56,6 +56,10 @@ class AttnMeta:
     q_index: torch.Tensor | None = None  # [S, Q] index into the flat T queries, T (a zero row) for padding
     out_index: torch.Tensor | None = None  # [T] index of each flat query in the padded S*Q layout
     mask: torch.Tensor | None = None  # [S, 1, Q, K] bool (True = attend); None = plain causal, no cached prefix
+    # paged prefill kernel inputs (prefill on CUDA, `paged_prefill.py`): [4, S] int64 block-table rows, first rows in
+    # the flat T, first positions and lengths of each sequence's chunk; and the longest chunk
+    prefill_rows: torch.Tensor | None = None
+    max_q: int = 0
 
 
 # paged-decode kernels by name, each a module with `paged_decode` and `choose_num_splits` (imported on first use: CUDA)
@@ -67,6 +71,9 @@ DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
 # included): one launch fewer a layer, s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls (8,816 in a third
 # run), (a) +1.2% / -0.6% (H100, FP8 KV + W8, 2026-11-26). POLYRL_DECODE_FUSED_ROPE=0 keeps the rope_kv launch.
 FUSED_ROPE = os.environ.get("POLYRL_DECODE_FUSED_ROPE", "1") == "1"
+# CUDA prefill chunks attend through `paged_prefill.py` (one launch a layer, straight from the paged cache) instead of
+# the gather path; POLYRL_PREFILL_KERNEL=0 keeps the gather path. (Being measured.)
+PREFILL_KERNEL = os.environ.get("POLYRL_PREFILL_KERNEL", "1") == "1"
 
 
 def decode_kernel_module(name: str):
@@ -140,6 +147,10 @@ def paged_attention(q_THD, k_cache, v_cache, meta: AttnMeta, scale: float, k_sca
     if meta.use_kernel:
         kernel = decode_kernel_module(meta.decode_kernel)
         return kernel.paged_decode(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if meta.prefill_rows is not None:
+        from polyrl.rollout.native.paged_prefill import paged_prefill
+
+        return paged_prefill(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return gather_attention(q_THD, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 

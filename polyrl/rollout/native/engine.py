@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from polyrl.rollout.base import Generation, SamplingParams, register_rollout
+from polyrl.rollout.native import attention
 from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
                                              decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
@@ -158,6 +159,7 @@ class NativeEngine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed
         self.use_graphs = self.cuda and not enforce_eager
+        self.prefill_kernel = self.cuda and attention.PREFILL_KERNEL  # prefill attention: paged_prefill.py or gather
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         s = self.spec
         per_head = s.head_dim * self.kv_dtype.itemsize + (4 if self.kv_fp8 else 0)  # + the fp32 scale
@@ -327,6 +329,12 @@ class NativeEngine:
         starts = np.array([st for st, _ in chunks])
         lens = np.array([c for _, c in chunks])
         offs = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        t = self._upload
+        last = t(offs + lens - 1)
+        if self.prefill_kernel:  # the kernel reads the paged cache itself: no gather indices
+            rows = np.stack([[s.slot for s in seqs], offs, starts, lens])
+            meta = AttnMeta(slot_mapping=t(slot_map), block_tables=self.bt_dev, prefill_rows=t(rows), max_q=Q)
+            return t(ids), t(pos_T), meta, last
         j = np.arange(Q)[None, :]
         q_index = np.where(j < lens[:, None], offs[:, None] + j, T)
         out_index = np.concatenate([i * Q + np.arange(c) for i, c in enumerate(lens)])
@@ -334,7 +342,6 @@ class NativeEngine:
         ctx = starts + lens
         rows = np.array([s.slot for s in seqs])[:, None]
         gather = self._slots_of(np.broadcast_to(rows, (S, K)), np.minimum(k, ctx[:, None] - 1))
-        t = self._upload
         mask = None
         if starts.any():  # a cached prefix: causal with an offset, so an explicit mask
             qpos = starts[:, None, None] + np.arange(Q)[None, :, None]
@@ -342,7 +349,6 @@ class NativeEngine:
             mask = t(m[:, None], dtype=bool)
         meta = AttnMeta(slot_mapping=t(slot_map), gather_slots=t(gather), q_index=t(q_index),
                         out_index=t(out_index), mask=mask)
-        last = t(offs + lens - 1)
         return t(ids), t(pos_T), meta, last
 
     def _decode_meta(self, batch: int) -> AttnMeta:
