@@ -66,7 +66,8 @@ def test_engine_with_prefill_kernel_decodes_as_with_gather(fp8):
 
     m = mlp15b_model()
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(5, 600, (48,), generator=g)]
+    lengths = torch.randint(5, 600, (48,), generator=g)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in lengths]
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, ignore_eos=True, n=2)
     kw = dict(kv_cache_dtype="fp8", quantization="fp8") if fp8 else {}
     outs, gaps = {}, {}

@@ -26,6 +26,47 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
 
 
+@triton.jit
+def token_tile(q, m, l, acc, t, tm, keep, bt_row, K, V, KS, VS, scale, stride_kb, stride_kt, kv_off, kvh, d,
+               BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One online-softmax step of q's rows over the cache tokens at positions t (a block-table entry each, from
+    `bt_row`; tm: the tokens to read, kv head `kvh` at `kv_off` within a token's row); `keep`: [rows, tokens], the
+    scores that count (the rest are -inf). Returns the new (max, sum, accumulator). Used by this kernel and by
+    `paged_prefill.py`'s.
+    FP8: e4m3 bytes -> q's dtype in registers; K's per-(token, head) scale multiplies the score column, V's the
+    probability column before P.V."""
+    blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
+    off = blk * stride_kb + (t % BS) * stride_kt + kv_off
+    k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    if FP8:
+        soff = (blk * BS + t % BS) * KVH + kvh
+        k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
+        v_sc = tl.load(VS + soff, mask=tm, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if FP8:
+        sc = sc * k_sc[None, :]
+    else:
+        sc = sc * scale
+    sc = tl.where(keep, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * v_sc[None, :]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
 # SPLITS is a runtime argument that Triton must not specialise: it follows the batch size (few rows, many splits), and
 # as a constexpr each new value would compile both kernels again mid-rollout. (SmolLM2-135M's slow steps 6-10 on an
 # H100, once suspected of this, turned out to be CUDA-graph captures of new batch sizes: cuda_graph.py.)
@@ -60,40 +101,12 @@ def _paged_decode_kernel(
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    bt_row = BT + row * stride_bt
     for start in range(lo, hi, TILE):
         t = start + tl.arange(0, TILE)
         tm = t < hi
-        blk = tl.load(BT + row * stride_bt + t // BS, mask=tm, other=0).to(tl.int64)
-        off = blk * stride_kb + (t % BS) * stride_kt + kh * stride_kh
-        k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-        if FP8:  # e4m3 bytes -> activation dtype in registers; the per-(token, head) scales fold in below
-            soff = (blk * BS + t % BS) * KVH + kh
-            k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
-            v_sc = tl.load(VS + soff, mask=tm, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        if FP8:
-            sc = sc * k_sc[None, :]
-        else:
-            sc = sc * scale
-        sc = tl.where(tm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        pv = p
-        if FP8:
-            pv = p * v_sc[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
-        m = m_new
+        m, l, acc = token_tile(q, m, l, acc, t, tm, tm[None, :], bt_row, K, V, KS, VS, scale, stride_kb, stride_kt,
+                               kh * stride_kh, kh, d, BS, KVH, IEEE, FP8)
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)

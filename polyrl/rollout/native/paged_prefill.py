@@ -8,9 +8,9 @@ bound by the host's launches, not the GPU: (a)'s prompts took 0.31-0.43 s of GPU
 with ~2,700 idle gaps of 20-100 us between them (`seed_workloads.py --prefill-kernels`, H100, 2026-11-27), and
 16k-token chunks (a quarter of the launches per token) took 0.24 s.
 
-A program here owns one (sequence, block of BQ chunk tokens, q head): it loads its q rows once, walks the context in
-tiles of BK tokens through the block table (a block-table entry per token, as v1 of the decode kernel), and keeps an
-online softmax in fp32. FP8 KV as in the decode kernels: e4m3 bytes upcast to fp16 in registers (q too), K's
+A program here owns one (sequence, block of BQ chunk tokens, q head): it loads its q rows once and walks the context
+in tiles of BK tokens with the decode kernel v1's step (`paged_decode.token_tile`: a block-table entry per token, an
+online softmax in fp32). FP8 KV as in the decode kernels: e4m3 bytes upcast to fp16 in registers (q too), K's
 per-(token, head) scale on the score column, V's on the probability column before P.V; nothing dequantised in
 memory. The q heads of a GQA group read the same K/V tiles, from L2 after the first.
 
@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from polyrl.rollout.native.paged_decode import token_tile
 
 if TYPE_CHECKING:
     from polyrl.rollout.native.attention import AttnMeta
@@ -69,36 +71,8 @@ def _paged_prefill_kernel(
         for k0 in range(0, hi, BK):
             j = k0 + tl.arange(0, BK)
             k_ok = j < hi
-            blk = tl.load(bt_row + j // BS, mask=k_ok, other=0).to(tl.int64)
-            off = blk * stride_kb + (j % BS) * stride_kt + kvh * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-            if FP8:
-                soff = (blk * BS + j % BS) * KVH + kvh
-                k_sc = tl.load(KS + soff, mask=k_ok, other=0.0) * scale
-                v_sc = tl.load(VS + soff, mask=k_ok, other=0.0)
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            if FP8:
-                sc = sc * k_sc[None, :]
-            else:
-                sc = sc * scale
-            sc = tl.where((j[None, :] <= q_pos[:, None]) & k_ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            if FP8:
-                p = p * v_sc[None, :]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l, acc = token_tile(q, m, l, acc, j, k_ok, (j[None, :] <= q_pos[:, None]) & k_ok[None, :], bt_row, K,
+                                   V, KS, VS, scale, stride_kb, stride_kt, kvh * stride_kh, kvh, d, BS, KVH, IEEE, FP8)
         out = acc / l[:, None]  # every query sees at least its own position
         o_ptr = O + (q0 + i)[:, None] * stride_ot + h * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok[:, None])
