@@ -3,9 +3,11 @@
 - `decode` on CUDA: a Triton paged-decode kernel (`paged_decode.py`) reads each sequence's K/V blocks straight from
   the cache through a block table. One program per (sequence, kv head, split); the q heads of a GQA group share one
   K/V read. Static shapes, so the decode step captures into a CUDA graph.
-- everything else (prefill chunks on any device, decode on CPU): gather each sequence's context from the cache into
-  a padded [S, K] batch and call `scaled_dot_product_attention`. Prefill is a small share of rollout time, and this
-  path is simple enough to be the CPU reference.
+- `prefill` on CUDA: a Triton kernel (`paged_prefill.py`) attends each chunk of new tokens to its sequence's context
+  straight from the cache, causally, one launch a layer (`PREFILL_KERNEL`).
+- everything else (prefill and decode on CPU, or with `POLYRL_PREFILL_KERNEL=0`): gather each sequence's context
+  from the cache into a padded [S, K] batch and call `scaled_dot_product_attention`. This path is simple enough to
+  be the CPU reference.
 
 The cache layout is [num_blocks, block_size, kv_heads, head_dim] per layer; a token's "slot" is
 block_id * block_size + offset, so writing new K/V is one `index_copy_` per layer.
