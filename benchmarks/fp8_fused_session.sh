@@ -44,8 +44,6 @@
 #                                                # masked last step, as the engine's steps mostly end), bf16 and e4m3
 #   bash benchmarks/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
 #                                                # (a) on and off
-#   bash benchmarks/fp8_fused_session.sh one_loop # v2's partial last step inside its pipelined loop (d750880, reverted):
-#                                                # decode GPU tests, (a)'s layer at 768 / 784 tokens, (a), on and off
 #   bash benchmarks/fp8_fused_session.sh slices_s1 # s1 at 64 sequences with silu_mul's per-split FP8 scales on and off
 #   bash benchmarks/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
 #   bash benchmarks/fp8_fused_session.sh prefill # (a) in FP8 KV + W8 and bf16, each with a kernel table of its prefill
@@ -283,21 +281,6 @@ case "${1:?part}" in
     for on in 1 0; do
       POLYRL_FP8_SLICE_SCALES=$on timeout 70 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-300 | tee -a "$OUT/a.txt"
-    done ;;
-  one_loop)
-    decode_gpu_tests 240
-    for on in 1 0; do
-      for kv in e4m3 bf16; do
-        POLYRL_DECODE_ONE_LOOP=$on timeout 60 python3 benchmarks/decode_kernel.py --regimes $kv --regime-batches 256 \
-          --regime-default-only --regime-layers 4 2>&1 | grep "==\|B=256\|committed" | sed "s/^/one_loop=$on /" \
-          | tee -a "$OUT/masked.txt"
-      done
-    done
-    for run in "fp8kv_w8 1 1" "fp8kv_w8 0 1" "fp8kv_w8 1 0" "fp8kv_w8 1 1" "bf16 1 1" "bf16 0 1" "bf16 1 1"; do
-      set -- $run
-      POLYRL_DECODE_ONE_LOOP=$2 POLYRL_FP8_SLICE_SCALES=$3 timeout 80 python3 benchmarks/seed_workloads.py --shapes a \
-        --configs $1 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_loop=$2 slices=$3 /" \
-        | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   slices_s1)
     for on in 1 0; do

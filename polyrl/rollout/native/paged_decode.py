@@ -27,24 +27,11 @@ if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
 
 
 @triton.jit
-def token_tile(q, m, l, acc, t, tm, keep, bt_row, K, V, KS, VS, scale, stride_kb, stride_kt, kv_off, kvh, d,
-               BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-    """One online-softmax step of q's rows over the cache tokens at positions t (a block-table entry each, from
-    `bt_row`; tm: the tokens to read, kv head `kvh` at `kv_off` within a token's row); `keep`: [rows, tokens], the
-    scores that count (the rest are -inf). Returns the new (max, sum, accumulator). Used by this kernel and by
-    `paged_prefill.py`'s.
-    FP8: e4m3 bytes -> q's dtype in registers; K's per-(token, head) scale multiplies the score column, V's the
-    probability column before P.V."""
-    blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
-    off = blk * stride_kb + (t % BS) * stride_kt + kv_off
-    k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-    v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-    if FP8:
-        soff = (blk * BS + t % BS) * KVH + kvh
-        k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
-        v_sc = tl.load(VS + soff, mask=tm, other=0.0)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+def attend(q, k, v, k_sc, v_sc, keep, m, l, acc, scale, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One online-softmax step of q's rows over loaded K/V rows (in q's dtype): scores scaled by `scale`, or with FP8
+    by K's per-row scales `k_sc` (scale folded in); only `keep` ([rows, K/V rows]) counts, the rest is -inf; with FP8
+    the probabilities take V's scales `v_sc` before P.V. Returns the new (max, sum, accumulator). Shared by every
+    paged attention kernel (v1's and the prefill kernel's `token_tile`, v2's page-wise `_step`)."""
     if IEEE:
         sc = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -65,6 +52,28 @@ def token_tile(q, m, l, acc, t, tm, keep, bt_row, K, V, KS, VS, scale, stride_kb
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
+
+
+@triton.jit
+def token_tile(q, m, l, acc, t, tm, keep, bt_row, K, V, KS, VS, scale, stride_kb, stride_kt, kv_off, kvh, d,
+               BS: tl.constexpr, KVH: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """`attend` over the cache tokens at positions t (a block-table entry each, from `bt_row`; tm: the tokens to read,
+    kv head `kvh` at `kv_off` within a token's row); `keep`: [rows, tokens], the scores that count. Used by this
+    kernel and by `paged_prefill.py`'s. FP8: e4m3 bytes -> q's dtype in registers, with their per-(token, head)
+    scales."""
+    blk = tl.load(bt_row + t // BS, mask=tm, other=0).to(tl.int64)
+    off = blk * stride_kb + (t % BS) * stride_kt + kv_off
+    k = tl.load(K + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    v = tl.load(V + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+    k_sc = scale  # unused without FP8
+    v_sc = scale
+    if FP8:
+        soff = (blk * BS + t % BS) * KVH + kvh
+        k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
+        v_sc = tl.load(VS + soff, mask=tm, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    return attend(q, k, v, k_sc, v_sc, keep, m, l, acc, scale, IEEE, FP8)
 
 
 # SPLITS is a runtime argument that Triton must not specialise: it follows the batch size (few rows, many splits), and

@@ -80,7 +80,7 @@ import triton.language as tl
 
 from polyrl.rollout.native.attention import sm_count
 from polyrl.rollout.native.fused import rope_heads, store_kv_rows
-from polyrl.rollout.native.paged_decode import MAX_SPLITS, combine_splits
+from polyrl.rollout.native.paged_decode import MAX_SPLITS, attend, combine_splits
 
 if TYPE_CHECKING:  # attention.py imports this module when the kernel is on
     from polyrl.rollout.native.attention import AttnMeta
@@ -108,6 +108,8 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
     else:
         k = tl.load(K + off[:, None] + d[None, :])
         v = tl.load(V + off[:, None] + d[None, :])
+    k_sc = scale  # unused without FP8
+    v_sc = scale
     if FP8:  # e4m3 bytes -> compute dtype in registers; the scales of the step's pages are one vector each
         if MASKED:
             k_sc = tl.load(KS + soff, mask=tm, other=0.0) * scale
@@ -117,29 +119,10 @@ def _step(q, m, l, acc, start, hi, bt_row, K, V, KS, VS, scale, stride_kb, page_
             v_sc = tl.load(VS + soff)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    if FP8:
-        sc = sc * k_sc[None, :]
-    else:
-        sc = sc * scale
+    keep = own_head
     if MASKED:
-        sc = tl.where(own_head & tm[None, :], sc, float("-inf"))
-    else:
-        sc = tl.where(own_head, sc, float("-inf"))
-    m_new = tl.maximum(m, tl.max(sc, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(sc - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * v_sc[None, :]
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
+        keep = own_head & tm[None, :]
+    return attend(q, k, v, k_sc, v_sc, keep, m, l, acc, scale, IEEE, FP8)
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
