@@ -50,6 +50,8 @@
 #   bash benchmarks/fp8_fused_session.sh pinned  # step inputs through pinned memory: engine GPU tests, (a) both dtypes
 #   bash benchmarks/fp8_fused_session.sh prefill_kernel # prefill attention from the paged cache in one launch: GPU
 #                                                # tests, then (a) both dtypes and s2, on and off
+#   bash benchmarks/fp8_fused_session.sh one_wave # gate_up at 129-256 rows in one wave of programs (wave_fp8.py): GPU
+#                                                # tests, the GEMM probe, (a) in FP8 KV + W8 on and off (twice)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -316,6 +318,14 @@ case "${1:?part}" in
       POLYRL_PREFILL_KERNEL=$3 timeout 150 python3 benchmarks/seed_workloads.py --shapes $1 --configs $2 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/prefill_kernel=$3 /" | cut -c1-200 \
         | tee -a "$OUT/runs.txt"
+    done ;;
+  one_wave)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "one_wave or splitk_kernel" \
+      2>&1 | tail -3 | tee "$OUT/tests.txt"
+    timeout 120 python3 benchmarks/gemm_waves.py --rows 129,192,256 --ns 17920,16896 2>&1 | tee "$OUT/waves.txt"
+    for w in 1 0 1 0; do
+      POLYRL_FP8_ONE_WAVE=$w timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_wave=$w /" | cut -c1-260 | tee -a "$OUT/runs.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -132,6 +132,33 @@ def test_splitk_kernel_matches_the_dequantised_product_and_repeats_bitwise(M, K,
         assert torch.equal(y, out), f"split {split}: a graph replay differs"
 
 
+@pytest.mark.parametrize("M", [129, 200, 256])
+@pytest.mark.parametrize("N", [17920, 16896])  # the 1.5B gate_up (a leftover chunk a program for 64), none left over
+def test_one_wave_kernel_matches_the_dequantised_product(M, N):
+    """wave_fp8.py on the GPU (the e4m3 MMA, 256-row tiles, one program per SM with a leftover chunk): the dequantised
+    product, the same bits in a CUDA graph replay, and the engine's dispatch (`fp8_matmul`) takes it for gate_up."""
+    from polyrl.rollout.native import wave_fp8
+    from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
+    from polyrl.rollout.native.fp8_linear import fp8_matmul
+
+    torch.manual_seed(M + N)
+    w8, s = quantize_fp8_rows(torch.randn(N, 1536, device="cuda") * 0.05)
+    xq, xs = quantize_fp8_rows(torch.randn(M, 1536, dtype=torch.bfloat16, device="cuda"))
+    arg = FP8Rows(xq, xs)
+    ref = (xq.double() * xs.double()[:, None]) @ (w8.double() * s.double()[:, None]).t()
+    out = wave_fp8.one_wave_fp8_matmul(arg, w8, s, torch.bfloat16)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = wave_fp8.one_wave_fp8_matmul(arg, w8, s, torch.bfloat16)
+    y.zero_()
+    g.replay()
+    assert torch.equal(y, out)
+    if N == 17920 and wave_fp8.ONE_WAVE:
+        assert wave_fp8.serves(M, N, 1536, xq.device)
+        assert torch.equal(fp8_matmul(arg, w8, s, None, torch.bfloat16), out)
+
+
 @pytest.mark.parametrize("M", [64, 128, 256])
 @pytest.mark.parametrize("config", [dict(BM=256, BN=64, BK=128, num_warps=4, num_stages=4, split=6),
                                     dict(BM=128, BN=128, BK=256, num_warps=8, num_stages=3, split=4)])

@@ -148,6 +148,11 @@ def fp8_matmul(x: torch.Tensor, w_NK: torch.Tensor, w_scale_N: torch.Tensor, bia
             from polyrl.rollout.native.splitk_fp8 import splitk_fp8_matmul
 
             return splitk_fp8_matmul(x, w_NK, w_scale_N, bias, out_dtype)
+        if x.q.is_cuda and bias is None and x.scale.dim() == 1:
+            from polyrl.rollout.native import wave_fp8
+
+            if wave_fp8.serves(x.q.shape[0], *w_NK.shape, x.q.device):
+                return wave_fp8.one_wave_fp8_matmul(x, w_NK, w_scale_N, out_dtype)
         return _rows_matmul(x.q, x.scale, w_NK, w_scale_N, bias, out_dtype, fast_accum=FAST_ACCUM)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
