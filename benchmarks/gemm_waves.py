@@ -114,7 +114,7 @@ def main() -> None:
             from polyrl.rollout.native.attention import FP8Rows, sm_count
 
             rows = FP8Rows(xq, xs)
-            for cfg in ({}, dict(num_stages=3), dict(BK=64, num_stages=5), dict(BK=64, num_stages=6)):
+            for cfg in ({}, dict(num_stages=3), dict(BK=64, num_stages=5)):
                 if wave_fp8.plan(N, K, sm_count(xq.device), {**wave_fp8.CONFIG, **cfg}) is None:
                     break
                 err = (wave_fp8.one_wave_fp8_matmul(rows, wq[0], ws_[0], torch.bfloat16, config=cfg).float()

@@ -29,8 +29,7 @@ def test_one_wave_matches_the_dequantised_product(M, N):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w8, s = quantize_fp8_rows(torch.randn(N, K, generator=g) * 0.05)
     xq, xs = quantize_fp8_rows(torch.randn(M, K, generator=g))
-    n_main, extra = wave_fp8.plan(N, K, 4, SMALL)
-    assert n_main == 64 and extra == 16
+    assert wave_fp8.plan(N, K, 4, SMALL) == (64, 16)
     y = wave_fp8.one_wave_fp8_matmul(FP8Rows(xq, xs), w8, s, torch.float32, programs=4, config=SMALL)
     ref = (xq.double() * xs.double()[:, None]) @ (w8.double() * s.double()[:, None]).t()
     assert y.shape == (M, N)

@@ -29,7 +29,9 @@ MAX_EXTRA = 64  # the widest leftover chunk a program takes
 
 @triton.jit
 def _one_wave_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, n_main, BM: tl.constexpr, BN: tl.constexpr,
-                     BE: tl.constexpr, BK: tl.constexpr, DOT_FP8: tl.constexpr):
+                     BE: tl.constexpr, BK: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_M: tl.constexpr,
+                     EXTRA: tl.constexpr):
+    # EXTRA: leftover columns exist (N > n_main); EVEN_M: M == BM, no row masks (the row mask cost ~1 us at 256 rows)
     p = tl.program_id(0)
     m = tl.arange(0, BM)
     m_ok = m < M
@@ -40,20 +42,28 @@ def _one_wave_kernel(X, XS, W, WS, Y, M, N, K, stride_xm, n_main, BM: tl.constex
     acc = tl.zeros([BM, BN], tl.float32)
     acc_e = tl.zeros([BM, BE], tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(X + m[:, None] * stride_xm + (k0 + k)[None, :], mask=m_ok[:, None], other=0.0)
+        if EVEN_M:
+            a = tl.load(X + m[:, None] * stride_xm + (k0 + k)[None, :])
+        else:
+            a = tl.load(X + m[:, None] * stride_xm + (k0 + k)[None, :], mask=m_ok[:, None], other=0.0)
         b = tl.load(W + n[:, None].to(tl.int64) * K + (k0 + k)[None, :])
-        b_e = tl.load(W + e[:, None].to(tl.int64) * K + (k0 + k)[None, :], mask=e_ok[:, None], other=0.0)
-        if DOT_FP8:
-            acc = tl.dot(a, tl.trans(b), acc)
-            acc_e = tl.dot(a, tl.trans(b_e), acc_e)
-        else:  # Triton's CPU interpreter: e4m3 values are exact in fp16
-            acc = tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)), acc)
-            acc_e = tl.dot(a.to(tl.float16), tl.trans(b_e.to(tl.float16)), acc_e)
+        acc = _dot(a, b, acc, DOT_FP8)
+        if EXTRA:
+            b_e = tl.load(W + e[:, None].to(tl.int64) * K + (k0 + k)[None, :], mask=e_ok[:, None], other=0.0)
+            acc_e = _dot(a, b_e, acc_e, DOT_FP8)
     xs = tl.load(XS + m, mask=m_ok, other=0.0)[:, None]
     y = acc * xs * tl.load(WS + n)[None, :]
     tl.store(Y + m[:, None] * N + n[None, :], y.to(Y.dtype.element_ty), mask=m_ok[:, None])
-    y_e = acc_e * xs * tl.load(WS + e, mask=e_ok, other=0.0)[None, :]
-    tl.store(Y + m[:, None] * N + e[None, :], y_e.to(Y.dtype.element_ty), mask=m_ok[:, None] & e_ok[None, :])
+    if EXTRA:
+        y_e = acc_e * xs * tl.load(WS + e, mask=e_ok, other=0.0)[None, :]
+        tl.store(Y + m[:, None] * N + e[None, :], y_e.to(Y.dtype.element_ty), mask=m_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP8: tl.constexpr):
+    if DOT_FP8:
+        return tl.dot(a, tl.trans(b), acc)
+    return tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)), acc)  # Triton's CPU interpreter: e4m3 exact in fp16
 
 
 def plan(N: int, K: int, programs: int, config: dict = CONFIG) -> tuple[int, int] | None:
@@ -94,7 +104,9 @@ def one_wave_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor,
                          f"{c['BN']} columns; use fp8_linear.fp8_matmul")
     n_main, extra = fit
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    bm = max(16, triton.next_power_of_2(M))
     _one_wave_kernel[(programs,)](xq, x.scale, w_NK, w_scale_N, y, M, N, K, xq.stride(0), n_main,
-                                  BM=max(16, triton.next_power_of_2(M)), BN=c["BN"], BE=extra, BK=c["BK"],
-                                  DOT_FP8=xq.is_cuda, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                  BM=bm, BN=c["BN"], BE=extra, BK=c["BK"], DOT_FP8=xq.is_cuda, EVEN_M=M == bm,
+                                  EXTRA=N > n_main, num_warps=c["num_warps"],
+                                  num_stages=c["num_stages"])
     return y
