@@ -323,6 +323,8 @@ case "${1:?part}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "one_wave or splitk_kernel" \
       2>&1 | tail -3 | tee "$OUT/tests.txt"
     timeout 120 python3 benchmarks/gemm_waves.py --rows 129,192,256 --ns 17920,16896 2>&1 | tee "$OUT/waves.txt"
+    timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --kernels 2>&1 | tail -45 \
+      | tee "$OUT/a_kernels.txt"
     for w in 1 0 1 0; do
       POLYRL_FP8_ONE_WAVE=$w timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_wave=$w /" | cut -c1-260 | tee -a "$OUT/runs.txt"
