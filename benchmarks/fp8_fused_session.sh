@@ -52,6 +52,8 @@
 #                                                # tests, then (a) both dtypes and s2, on and off
 #   bash benchmarks/fp8_fused_session.sh one_wave # gate_up at 129-256 rows in one wave of programs (wave_fp8.py): GPU
 #                                                # tests, the GEMM probe, (a) in FP8 KV + W8 on and off (twice)
+#   bash benchmarks/fp8_fused_session.sh sampler # the sampler's pass with one exp a logit: GPU tests, the sampler
+#                                                # against the earlier one by chunk count, (a) at 64 and 16 chunks
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -328,6 +330,15 @@ case "${1:?part}" in
     for w in 1 0 1 0; do
       POLYRL_FP8_ONE_WAVE=$w timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_wave=$w /" | cut -c1-260 | tee -a "$OUT/runs.txt"
+    done ;;
+  sampler)  # needs benchmarks/_old_fused.py (the earlier fused.py, carried)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py -k "sampler" 2>&1 | tail -2 \
+      | tee "$OUT/tests.txt"
+    timeout 120 python3 benchmarks/sampler_bench.py --old benchmarks/_old_fused.py 2>&1 | tee "$OUT/sampler.txt"
+    for run in "fp8kv_w8 64" "fp8kv_w8 16" "bf16 64" "bf16 16"; do
+      set -- $run
+      POLYRL_SAMPLE_CHUNKS=$2 timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs $1 \
+        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/chunks=$2 /" | cut -c1-200 | tee -a "$OUT/runs.txt"
     done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

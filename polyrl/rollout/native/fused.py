@@ -12,6 +12,8 @@ multiply, RoPE rounds each product), so bf16 logprobs stay close to the trainer'
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -201,24 +203,35 @@ def _sample_partial_kernel(L, PM, PS, PI, inv_temp, V, stride, per_chunk,
     ch = tl.program_id(1)
     lo = ch * per_chunk
     hi = tl.minimum(V, lo + per_chunk)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max / sum-exp, reduced at the end
-    s = tl.zeros([BLOCK], tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(lo, hi, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        x = tl.load(L + row * stride + c, mask=c < hi, other=float("-inf")).to(tl.float32) * inv_temp
-        if GREEDY:
-            best_i = tl.where(x > m, c, best_i)
-        m_new = tl.maximum(m, x)
-        live = m_new > float("-inf")  # lanes that have seen a real logit (padding lanes stay at 0)
-        s = s * tl.where(live, tl.exp(m - m_new), 1.0) + tl.where(live, tl.exp(x - m_new), 0.0)
-        m = m_new
-    mx = tl.max(m, 0)
     o = row * NCHUNK + ch
-    tl.store(PM + o, mx)
-    tl.store(PS + o, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
-    if GREEDY:
+    if GREEDY:  # per-lane running max, sum-exp and argmax, reduced at the end
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            x = tl.load(L + row * stride + c, mask=c < hi, other=float("-inf")).to(tl.float32) * inv_temp
+            best_i = tl.where(x > m, c, best_i)
+            m_new = tl.maximum(m, x)
+            live = m_new > float("-inf")  # lanes that have seen a real logit (padding lanes stay at 0)
+            s = s * tl.where(live, tl.exp(m - m_new), 1.0) + tl.where(live, tl.exp(x - m_new), 0.0)
+            m = m_new
+        mx = tl.max(m, 0)
+        tl.store(PM + o, mx)
+        tl.store(PS + o, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), 0))
         tl.store(PI + o, tl.min(tl.where(m == mx, best_i, 2147483647), 0))  # lowest index among ties
+    else:  # one running max for the chunk (a block max a step): one exp a logit, not two
+        mx = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+        s = tl.zeros([BLOCK], tl.float32)  # per-lane sums at the running max
+        for start in range(lo, hi, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            x = tl.load(L + row * stride + c, mask=c < hi, other=float("-inf")).to(tl.float32) * inv_temp
+            m_new = tl.maximum(mx, tl.max(x, 0))
+            live = m_new > float("-inf")  # some real logit seen (a chunk of -inf logits keeps a zero sum)
+            s = s * tl.where(live, tl.exp(mx - m_new), 1.0) + tl.where(live, tl.exp(x - m_new), 0.0)
+            mx = m_new
+        tl.store(PM + o, mx)
+        tl.store(PS + o, tl.sum(s, 0))
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -263,7 +276,9 @@ def _sample_pick_kernel(L, PM, PS, PI, TOK, LP, seed, inv_temp, V, stride, per_c
     tl.store(LP + row, x_tok - lse)
 
 
-SAMPLE_CHUNKS = 16  # programs per row for the log-sum-exp pass: 256 rows alone leave the GPU half idle
+# programs per row for the log-sum-exp pass (256 rows alone would leave the GPU half idle); the pick pass then scans
+# one chunk of each row. POLYRL_SAMPLE_CHUNKS sets it (16 before 2026-11-27).
+SAMPLE_CHUNKS = int(os.environ.get("POLYRL_SAMPLE_CHUNKS", "64"))
 
 
 def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,51 @@
+"""The fused sampler's time per decode step (`fused.sample_rows`), by vocabulary chunk count.
+
+    PYTHONPATH=. python benchmarks/sampler_bench.py [--rows 256,64] [--chunks 16,32,64] [--old path/to/fused.py]
+
+bf16 logits of Qwen2.5's vocabulary (151,936), temperature 1, one CUDA graph of 20 calls. Prints microseconds a call
+and the logits' bytes over that time against the copy bandwidth. --old times another fused.py's sample_rows beside it
+(an earlier commit's: `git show REV:polyrl/rollout/native/fused.py > old_fused.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import torch
+import triton.testing
+
+from polyrl.rollout.native import fused
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="256,64")
+    ap.add_argument("--chunks", default="16,32,64")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--old", default=None)
+    args = ap.parse_args()
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    bw = 2 * a.numel() / (triton.testing.do_bench(lambda: a.clone()) * 1e-3)
+    del a
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    old = None
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_fused", args.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    for R in [int(r) for r in args.rows.split(",")]:
+        logits = (torch.randn(R, args.vocab, device="cuda") * 3).bfloat16()
+        floor = logits.numel() * 2 / bw * 1e6
+        runs = [(f"chunks {c}", fused, c) for c in (int(c) for c in args.chunks.split(","))]
+        if old is not None:
+            runs.append((f"old, chunks {old.SAMPLE_CHUNKS}", old, old.SAMPLE_CHUNKS))
+        for name, mod, chunks in runs:
+            mod.SAMPLE_CHUNKS = chunks
+            t = triton.testing.do_bench_cudagraph(lambda: [mod.sample_rows(logits, 1.0, i) for i in range(20)]) / 20
+            print(f"rows {R}: {name}: {t * 1e3:.1f} us (one read of the logits at copy bandwidth {floor:.1f} us)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
