@@ -54,6 +54,7 @@
 #                                                # tests, the GEMM probe, (a) in FP8 KV + W8 on and off (twice)
 #   bash benchmarks/fp8_fused_session.sh sampler # the sampler's pass with one exp a logit: GPU tests, the sampler
 #                                                # against the earlier one by chunk count, (a) at 64 and 16 chunks
+#   bash benchmarks/fp8_fused_session.sh final   # learning (3 seeds), s1 at 64 sequences, the engine + FP8 GPU tests
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -340,5 +341,12 @@ case "${1:?part}" in
       POLYRL_SAMPLE_CHUNKS=$2 timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs $1 \
         --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/chunks=$2 /" | cut -c1-200 | tee -a "$OUT/runs.txt"
     done ;;
+  final)  # session 28's code: learning (3 seeds), s1 at 64 sequences, the engine and FP8 GPU test files
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+      | tee "$OUT/learn.txt"
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+      2>&1 | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/s1.txt"
+    timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_fp8_rollout_gpu.py \
+      2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
