@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--ns", default="16896,17920,8448,8960,16384,18432")
     ap.add_argument("--k", type=int, default=1536)
     ap.add_argument("--tiles", action="store_true", help="also the plain tile kernel over 10 tile shapes")
+    ap.add_argument("--rows-out", default=None, help="append a row per shape (one-wave committed config) here")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bw()
@@ -122,6 +123,14 @@ def main() -> None:
                 t = per_call(lambda i: wave_fp8.one_wave_fp8_matmul(rows, wq[i], ws_[i], torch.bfloat16, config=cfg),
                              copies)
                 line += f"\n  one wave {cfg or 'committed'}: {t:.1f} us (err {err:.2e})"
+                if not cfg and args.rows_out:
+                    from _record import append_row
+
+                    append_row(torch.cuda.get_device_name(), "gemm_waves.py (cold weights, CUDA graph)",
+                               f"FP8 GEMM M={M} N={N} K={K}, e4m3 rows and weight, wave_fp8.py committed config",
+                               f"{t:.1f} us", f"_scaled_mm fast accumulation: {t_sm:.1f} us",
+                               f"weight bytes at copy BW {N * K / bw * 1e6:.1f} us", f"{t_sm / t:.2f}x",
+                               f"{N * K / bw * 1e6 / t:.0%}", args.rows_out)
             print(line + (f"\n  best tile kernel {best}" if best else ""), flush=True)
             del wq, wb
 

@@ -24,11 +24,13 @@ def main() -> None:
     ap.add_argument("--chunks", default="16,32,64")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--old", default=None)
+    ap.add_argument("--rows-out", default=None, help="append a row per row count (the default chunks) here")
     args = ap.parse_args()
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     bw = 2 * a.numel() / (triton.testing.do_bench(lambda: a.clone()) * 1e-3)
     del a
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    default = fused.SAMPLE_CHUNKS
     old = None
     if args.old:
         spec = importlib.util.spec_from_file_location("old_fused", args.old)
@@ -40,11 +42,22 @@ def main() -> None:
         runs = [(f"chunks {c}", fused, c) for c in (int(c) for c in args.chunks.split(","))]
         if old is not None:
             runs.append((f"old, chunks {old.SAMPLE_CHUNKS}", old, old.SAMPLE_CHUNKS))
+        times = {}
         for name, mod, chunks in runs:
             mod.SAMPLE_CHUNKS = chunks
-            t = triton.testing.do_bench_cudagraph(lambda: [mod.sample_rows(logits, 1.0, i) for i in range(20)]) / 20
-            print(f"rows {R}: {name}: {t * 1e3:.1f} us (one read of the logits at copy bandwidth {floor:.1f} us)",
-                  flush=True)
+            t = triton.testing.do_bench_cudagraph(lambda: [mod.sample_rows(logits, 1.0, i) for i in range(20)]) * 50
+            times[name] = t
+            print(f"rows {R}: {name}: {t:.1f} us (one read of the logits at copy bandwidth {floor:.1f} us)", flush=True)
+        ours = times.get(f"chunks {default}")
+        if args.rows_out and ours is not None:
+            from _record import append_row
+
+            old_name = next((n for n in times if n.startswith("old")), None)
+            append_row(torch.cuda.get_device_name(), "sampler_bench.py (CUDA graph)",
+                       f"fused.sample_rows, {R} rows x {args.vocab:,} bf16 logits, temperature 1, {default} chunks",
+                       f"{ours:.1f} us", f"{old_name}: {times[old_name]:.1f} us" if old_name else "-",
+                       f"one read of the logits at copy BW {floor:.1f} us",
+                       f"{times[old_name] / ours:.2f}x" if old_name else "-", f"{floor / ours:.0%}", args.rows_out)
 
 
 if __name__ == "__main__":
