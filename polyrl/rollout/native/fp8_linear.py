@@ -23,6 +23,8 @@ alone) while down went through `_scaled_mm` past 64 rows; with down on split-K u
 The producing kernels (add_rmsnorm, silu_mul) hand an FP8 GEMM its input as `FP8Rows`, quantised in their own pass
 (`takes_fp8_rows`; POLYRL_FP8_FUSED_INPUT=0 turns it off): s1 8,219 against 8,168 tok/s with `_scaled_mm` (H100,
 2026-11-26).
+At 129-256 fed rows the 1.5B gate_up runs `wave_fp8.py` (one program per SM, the leftover columns as a narrow second
+dot: 19.8 against `_scaled_mm`'s 21.2 us at 256 rows, whose 140 tiles take two waves of 132 SMs).
 At 1-16 rows a bf16 input (a layer whose producer does not quantise, or FUSED_INPUT off) runs `w8a16.py`'s Triton
 kernel, which reads the e4m3 weight once and keeps the activation in bf16; past that, `_scaled_mm`.
 The LM head and embedding stay in the model dtype by default: the sampled token's log-prob comes out of the head, and

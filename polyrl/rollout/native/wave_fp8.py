@@ -3,12 +3,19 @@
 Why: shape (a)'s decode step runs the 1.5B gate_up (N = 17,920, K = 1,536) at 256 rows. Tiled 128 columns wide that
 is 140 output tiles for 132 SMs, so 8 tiles run as a second wave while the rest of the GPU waits. `_scaled_mm` took
 20.9 us there and 16.0 us for N = 16,896 (132 tiles); a plain Triton tile kernel 26.3 against 16.4 (cold weights,
-H100, `benchmarks/gemm_waves.py`, 2026-11-27). So the leftover columns cost a whole tile's time.
+H100, `benchmarks/gemm_waves.py --tiles`, 2026-11-27). So the leftover columns cost a whole tile's time.
 
 How: every program owns 128 columns of the first `programs * 128` and, while it streams the x tile through shared
 memory anyway, one more chunk of the leftover columns (16 here: 64 chunks for 1,024 columns) as a second, narrow
 dot on the same x tile. The programs without a chunk load nothing for it (a fully masked load) and multiply zeros.
 x's rows are the MMA's M side, all of them in one tile (BM, 256 at most), so the weight is read once.
+
+Measured (H100, cold weights, `gemm_waves.py`, 2026-11-27): 19.8 / 19.5 / 19.0 us at 256 / 192 / 129 rows against
+`_scaled_mm`'s 21.2 / 20.4 / 20.0. The narrow second dot costs ~2.5 us (17.2 us at N = 16,896, where there is no
+leftover); the leftover in a loop of its own after the main one (rereading x) cost more (22.7 us). Row masks when the
+rows fill the tile cost ~1 us, so they go (EVEN_M). The GEMM stays L2-bound: every program reads all of x (393 KB),
+~80 MB from L2 in all. End to end, (a) in FP8 KV + W8 at 73,340 / 73,793 tok/s against 72,562 / 73,524 without it
+(A/B in one call, one process each): +0.7%. POLYRL_FP8_ONE_WAVE=0 turns it off.
 """
 
 from __future__ import annotations
