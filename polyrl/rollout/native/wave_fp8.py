@@ -32,6 +32,9 @@ ONE_WAVE = os.environ.get("POLYRL_FP8_ONE_WAVE", "1") == "1"
 MAX_ROWS = 256
 CONFIG = dict(BN=128, BK=128, num_warps=8, num_stages=4)
 MAX_EXTRA = 64  # the widest leftover chunk a program takes
+# (N, K) -> the fewest fed rows where this kernel replaces `_scaled_mm` (fewer: the split-K kernel), measured: the 1.5B
+# gate_up (`gemm_waves.py`)
+TABLE: dict[tuple[int, int], int] = {(17920, 1536): 129}
 
 
 @triton.jit
@@ -92,10 +95,6 @@ def serves(rows: int, n: int, k: int, device: torch.device) -> bool:
             and plan(n, k, sm_count(device)) is not None)
 
 
-# (N, K) -> the fewest rows where this kernel replaces `_scaled_mm` (below that the split-K kernel serves)
-TABLE: dict[tuple[int, int], int] = {(17920, 1536): 129}
-
-
 def one_wave_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor, out_dtype: torch.dtype,
                         programs: int | None = None, config: dict | None = None) -> torch.Tensor:
     """x W^T for M <= MAX_ROWS e4m3 rows with one fp32 scale each and an e4m3 [N, K] weight with one fp32 scale per
@@ -114,6 +113,5 @@ def one_wave_fp8_matmul(x: FP8Rows, w_NK: torch.Tensor, w_scale_N: torch.Tensor,
     bm = max(16, triton.next_power_of_2(M))
     _one_wave_kernel[(programs,)](xq, x.scale, w_NK, w_scale_N, y, M, N, K, xq.stride(0), n_main,
                                   BM=bm, BN=c["BN"], BE=extra, BK=c["BK"], DOT_FP8=xq.is_cuda, EVEN_M=M == bm,
-                                  EXTRA=N > n_main, num_warps=c["num_warps"],
-                                  num_stages=c["num_stages"])
+                                  EXTRA=N > n_main, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
