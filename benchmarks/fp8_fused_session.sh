@@ -55,6 +55,7 @@
 #   bash benchmarks/fp8_fused_session.sh sampler # the sampler's pass with one exp a logit: GPU tests, the sampler
 #                                                # against the earlier one by chunk count, (a) at 64 and 16 chunks
 #   bash benchmarks/fp8_fused_session.sh final   # learning (3 seeds), s1 at 64 sequences, the engine + FP8 GPU tests
+#   bash benchmarks/fp8_fused_session.sh final_a # (a): FP8 KV + W8 twice, bf16, the FP8 LM head recipe
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -348,5 +349,10 @@ case "${1:?part}" in
       2>&1 | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/s1.txt"
     timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_fp8_rollout_gpu.py \
       2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
+  final_a)  # (a) at session 28's final code: FP8 KV + W8 twice, bf16, and the FP8 LM head recipe
+    for cfg in fp8kv_w8 bf16 fp8kv_w8head fp8kv_w8; do
+      timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+        | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
+    done ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
