@@ -56,6 +56,7 @@
 #                                                # against the earlier one by chunk count, (a) at 64 and 16 chunks
 #   bash benchmarks/fp8_fused_session.sh final   # learning (3 seeds), s1 at 64 sequences, the engine + FP8 GPU tests
 #   bash benchmarks/fp8_fused_session.sh final_a # (a): FP8 KV + W8 twice, bf16, the FP8 LM head recipe
+#   bash benchmarks/fp8_fused_session.sh bound   # (a) at best with a kernel per op (a_bound.py)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
 #   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
@@ -354,5 +355,7 @@ case "${1:?part}" in
       timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
+  bound)  # (a) at best with a kernel per op: each op alone, summed (a_bound.py)
+    timeout 300 python3 benchmarks/a_bound.py --rows-out "$OUT/rows.md" 2>&1 | tee "$OUT/bound.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
