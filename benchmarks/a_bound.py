@@ -19,11 +19,11 @@ import os
 import sys
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _record import append_row  # noqa: E402
 from decode_kernel import Cache, copy_bandwidth  # noqa: E402
+from seed_workloads import cold_copies, per_cold_call  # noqa: E402
 
 from polyrl.rollout.native import fused, paged_decode_v2, splitk_fp8, wave_fp8  # noqa: E402
 from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows, sm_count  # noqa: E402
@@ -36,13 +36,13 @@ DEV = "cuda"
 
 
 def us(fn, copies: int = 1) -> float:
-    """Microseconds a call of fn(i), i cycling over `copies`, as one CUDA graph of the calls."""
-    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
+    """Microseconds a call of fn(i), i cycling over `copies` (1: the same inputs every call, L2-warm)."""
+    return per_cold_call(fn, copies)
 
 
 def cold(shape, fp8: bool = False):
     """Enough copies of a weight to pass twice the L2, and how many."""
-    n = max(2, -(-2 * torch.cuda.get_device_properties(0).L2_cache_size // (shape[0] * shape[1] * (1 if fp8 else 2))))
+    n = cold_copies(shape[0] * shape[1] * (1 if fp8 else 2), at_least=2)
     ws = [torch.randn(*shape, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
     return ([quantize_fp8_rows(w) for w in ws] if fp8 else ws), n
 

@@ -15,7 +15,8 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-import triton.testing
+from rollout import copy_bandwidth
+from seed_workloads import cold_copies, per_cold_call
 
 
 @triton.jit
@@ -50,17 +51,6 @@ def rows_mm(xq, xs, wq, ws, y, BM, BN, BK, warps, stages, n_major=True):
     return y
 
 
-def per_call(fn, copies):
-    return triton.testing.do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies
-
-
-def copy_bw() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = triton.testing.do_bench(lambda: b.copy_(a)) * 1e-3
-    return 2 * a.numel() / t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256")
@@ -70,8 +60,7 @@ def main() -> None:
     ap.add_argument("--rows-out", default=None, help="append a row per shape (one-wave committed config) here")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = copy_bw()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: {torch.cuda.get_device_properties(0).multi_processor_count} SMs, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s, triton {triton.__version__}", flush=True)
     f8 = torch.float8_e4m3fn
@@ -85,14 +74,14 @@ def main() -> None:
         xq = (x / xs[:, None]).to(f8)
         xb = x.bfloat16()
         for N in [int(n) for n in args.ns.split(",")]:
-            copies = max(2, -(-2 * l2 // (N * K)))
+            copies = cold_copies(N * K, at_least=2)
             ws_ = [torch.rand(N, device="cuda") / 100 for _ in range(copies)]
             wq = [torch.randn(N, K, device="cuda").to(f8) for _ in range(copies)]
             wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            t_sm = per_call(lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=xs[:, None], scale_b=ws_[i][None, :],
+            t_sm = per_cold_call(lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=xs[:, None], scale_b=ws_[i][None, :],
                                                        out_dtype=torch.bfloat16, use_fast_accum=True), copies)
-            t_bf = per_call(lambda i: torch.mm(xb, wb[i].t()), copies)
+            t_bf = per_cold_call(lambda i: torch.mm(xb, wb[i].t()), copies)
             flop = 2 * M * N * K
             line = (f"M={M} N={N} K={K}: weight floor {N * K / bw * 1e6:.1f} us; _scaled_mm fast {t_sm:.1f} us "
                     f"({flop / t_sm / 1e6:.0f} TFLOP/s), bf16 cuBLAS {t_bf:.1f} us")
@@ -104,7 +93,7 @@ def main() -> None:
                     continue
                 try:
                     err = (rows_mm(xq, xs, wq[0], ws_[0], y, BM, BN, BK, w, st).float() - ref).abs().max().item()
-                    t = per_call(lambda i: rows_mm(xq, xs, wq[i], ws_[i], y, BM, BN, BK, w, st), copies)
+                    t = per_cold_call(lambda i: rows_mm(xq, xs, wq[i], ws_[i], y, BM, BN, BK, w, st), copies)
                 except Exception as e:  # out of shared memory, say
                     print(f"  triton {BM}x{BN}x{BK} w{w} s{st}: {type(e).__name__}", flush=True)
                     continue
@@ -120,7 +109,7 @@ def main() -> None:
                     break
                 err = (wave_fp8.one_wave_fp8_matmul(rows, wq[0], ws_[0], torch.bfloat16, config=cfg).float()
                        - ref).abs().max().item()
-                t = per_call(lambda i: wave_fp8.one_wave_fp8_matmul(rows, wq[i], ws_[i], torch.bfloat16, config=cfg),
+                t = per_cold_call(lambda i: wave_fp8.one_wave_fp8_matmul(rows, wq[i], ws_[i], torch.bfloat16, config=cfg),
                              copies)
                 line += f"\n  one wave {cfg or 'committed'}: {t:.1f} us (err {err:.2e})"
                 if not cfg and args.rows_out:

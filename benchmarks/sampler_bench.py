@@ -13,7 +13,8 @@ import argparse
 import importlib.util
 
 import torch
-import triton.testing
+from rollout import copy_bandwidth
+from seed_workloads import per_cold_call
 
 from polyrl.rollout.native import fused
 
@@ -26,9 +27,7 @@ def main() -> None:
     ap.add_argument("--old", default=None)
     ap.add_argument("--rows-out", default=None, help="append a row per row count (the default chunks) here")
     args = ap.parse_args()
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    bw = 2 * a.numel() / (triton.testing.do_bench(lambda: a.clone()) * 1e-3)
-    del a
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     default = fused.SAMPLE_CHUNKS
     old = None
@@ -45,7 +44,7 @@ def main() -> None:
         times = {}
         for name, mod, chunks in runs:
             mod.SAMPLE_CHUNKS = chunks
-            t = triton.testing.do_bench_cudagraph(lambda: [mod.sample_rows(logits, 1.0, i) for i in range(20)]) * 50
+            t = per_cold_call(lambda i: mod.sample_rows(logits, 1.0, i), 20)  # 20 seeds; the logits stay warm
             times[name] = t
             print(f"rows {R}: {name}: {t:.1f} us (one read of the logits at copy bandwidth {floor:.1f} us)", flush=True)
         ours = times.get(f"chunks {default}")

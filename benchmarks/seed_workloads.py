@@ -282,7 +282,6 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
     from polyrl.rollout.native.fp8_linear import FP8Linear, _rows_matmul, _scaled_mm_rowwise
 
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sweep = [dict(BN=bn, BK=bk, num_warps=4, num_stages=4, programs_per_sm=pps, min_k_steps=2)
              for bn in (64, 128) for bk in (128, 256) for pps in (1, 2, 4)]
     if wide_sweep:
@@ -296,12 +295,12 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
         for name, (K, N) in shapes.items():
             if names and name not in names:
                 continue
-            copies = max(1, -(-2 * l2 // (2 * N * K)))
+            copies = cold_copies(2 * N * K)
             lins = [torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
             f8s = [FP8Linear(lin) for lin in lins]
 
             def per_call(fn):
-                return _per_cold_call(fn, copies)
+                return per_cold_call(fn, copies)
 
             for M in M_list:
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
@@ -349,8 +348,14 @@ def bench_gemms(M_list=(1, 8, 16, 32, 48, 64, 128, 256), bw: float | None = None
                 print(line, flush=True)
 
 
-def _per_cold_call(fn, copies: int) -> float:
-    """Microseconds per call of fn(i), i cycling over `copies` weight copies (cold weights: `bench_gemms`), timed as
+def cold_copies(nbytes: int, at_least: int = 1) -> int:
+    """How many copies of a weight of `nbytes` together pass twice the L2, so that a call cycling over them reads its
+    weight from HBM, as a decode step does (`per_cold_call`)."""
+    return max(at_least, -(-2 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes))
+
+
+def per_cold_call(fn, copies: int) -> float:
+    """Microseconds per call of fn(i), i cycling over `copies` weight copies (cold weights: `cold_copies`), timed as
     one CUDA graph of all the calls."""
     import triton.testing
 
@@ -373,18 +378,17 @@ def bench_partials(M_list, bw: float, names=("down", "gate_up"), archs=("r1-dist
     from polyrl.rollout.native.fp8_linear import FP8Linear, _rows_matmul
     from polyrl.rollout.native.fused import add_rmsnorm
 
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for arch in archs:
         _, h, inter, _, _, _, _, _ = ARCH[arch]
         for name, (K, N) in {"down": (inter, h), "gate_up": (h, 2 * inter)}.items():
             if name not in names:
                 continue
-            copies = max(1, -(-2 * l2 // (N * K)))
+            copies = cold_copies(N * K)
             f8s = [FP8Linear(torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda"))
                    for _ in range(copies)]
 
             def per_call(fn):
-                return _per_cold_call(fn, copies)
+                return per_cold_call(fn, copies)
 
             for M in M_list:
                 rows = FP8Rows(*quantize_fp8_rows(torch.randn(M, K, dtype=torch.bfloat16, device="cuda")))
