@@ -62,6 +62,10 @@ class Generation:
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (emitted a stop token) or "length"
     handles: list | None = None  # with SamplingParams.keep_unfinished: per row, its kept KV cache (None: none kept)
+    # MoE routing replay (R3; native engine with record_routes): per row, int16 [len(prompt) + len(response), MoE
+    # layers, top_k] expert ids aligned with prompt + response positions; -1 where the engine forwarded no token there
+    # (the last sampled token). None: not recorded.
+    routed_experts: list | None = None
 
     @property
     def lengths(self) -> list[int]:

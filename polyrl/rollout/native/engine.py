@@ -34,6 +34,7 @@ from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMet
                                              decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
 from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
+from polyrl.rollout.native.moe import RouteRecorder, route_bytes_per_token
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
 from polyrl.rollout.token_sampling import sample, sample_fused
 
@@ -93,6 +94,7 @@ class NativeEngine:
         fp8_min_elements: int | None = None,
         decode_kernel: str = "auto",
         fp8_lm_head: bool = False,
+        record_routes: bool = False,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -121,11 +123,12 @@ class NativeEngine:
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
                    kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements,
-                   decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head)
+                   decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head, record_routes=record_routes)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
-                 quantization=None, fp8_min_elements=None, decode_kernel="auto", fp8_lm_head=False):
+                 quantization=None, fp8_min_elements=None, decode_kernel="auto", fp8_lm_head=False,
+                 record_routes=False):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -164,6 +167,9 @@ class NativeEngine:
         s = self.spec
         per_head = s.head_dim * self.kv_dtype.itemsize + (4 if self.kv_fp8 else 0)  # + the fp32 scale
         self.block_bytes = 2 * s.num_layers * block_size * s.num_kv_heads * per_head
+        # MoE routing replay (R3): top-k expert ids per token and MoE layer, indexed like the KV cache (moe.py)
+        self.routes = RouteRecorder(model, block_size) if record_routes else None
+        self.block_bytes += block_size * route_bytes_per_token(model) if record_routes else 0
         # per-slot state: row max_num_seqs is the dummy that CUDA-graph padding rows point at
         rows = max_num_seqs + 1
         self.bt_host = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int64)
@@ -251,6 +257,8 @@ class NativeEngine:
             if self.kv_fp8:
                 layer.attn.k_scale, layer.attn.v_scale = self.kv_scale[i, 0], self.kv_scale[i, 1]
         self.blocks = BlockManager(self.num_blocks, self.block_size)
+        if self.routes is not None:
+            self.routes.alloc(self.num_blocks, self.device)
 
     def release_memory(self, offload_weights: bool = False) -> None:
         """Free the KV cache and CUDA graphs (and move weights to host memory if `offload_weights`). Kept rows lose
@@ -260,6 +268,8 @@ class NativeEngine:
         self.kv = self.kv_scale = None
         for layer in self.model.layers:
             layer.attn.k_cache = layer.attn.v_cache = layer.attn.k_scale = layer.attn.v_scale = None
+        if self.routes is not None:
+            self.routes.release()
         if offload_weights and not self.offloaded:
             if self.cuda:
                 for p in self.model.parameters():
@@ -401,6 +411,8 @@ class NativeEngine:
                 kv[:, :, dst] = kv[:, :, src]
                 if self.kv_fp8:
                     self.kv_scale[:, :, dst] = self.kv_scale[:, :, src]
+                if self.routes is not None:
+                    self.routes.copy_blocks(src, dst)
         if self.cuda and not 0 < sp.top_k < logits.shape[-1] and sp.top_p >= 1.0:
             tok, lp = sample_fused(logits, sp.temperature, int(self._step_seeds.integers(2**31 - 1)))
         else:
@@ -485,6 +497,9 @@ class NativeEngine:
             gen.manual_seed(seed)
         stop = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
         sched = Scheduler(self.blocks, self.max_num_seqs, self.max_num_batched_tokens, self.max_blocks_per_seq, max_new)
+        if self.routes is not None:  # a finished row's routes are gathered before its blocks are freed
+            self.routes.new_call()
+            sched.on_retire = self.routes.retired
         resumed = self._resume_kept(sched, prompt_ids, sampling.continuations, max_new) if n == 1 else {}
         parents = [Sequence(row=p * n, prompt_index=p, tokens=list(map(int, ids)), num_prompt=len(ids),
                             max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids) if p not in resumed]
@@ -547,6 +562,7 @@ class NativeEngine:
             logprobs=[s.logprobs for s in rows],
             finish_reason=[s.finish_reason for s in rows],
             handles=handles,
+            routed_experts=self.routes.result(rows) if self.routes is not None else None,
         )
 
     # ---- partial rollouts: rows that keep their KV cache between calls -----------------------------------------

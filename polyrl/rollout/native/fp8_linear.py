@@ -244,9 +244,14 @@ def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None, lm_h
         model.lm_head = FP8Linear(head)
     if min_elements is None:
         min_elements = MIN_FP8_ELEMENTS if model.embed.weight.is_cuda else 0
+    from polyrl.rollout.native.moe import quantize_experts
+
     for blk in model.layers:
-        for parent, name in ((blk.attn, "qkv"), (blk.attn, "o"), (blk.mlp, "gate_up"), (blk.mlp, "down")):
-            lin = getattr(parent, name)
+        mlp = getattr(blk.mlp, "shared", None) or blk.mlp  # a MoE layer: its shared expert (the experts: below)
+        for parent, name in ((blk.attn, "qkv"), (blk.attn, "o"), (mlp, "gate_up"), (mlp, "down")):
+            lin = getattr(parent, name, None)
             if name in gemms and isinstance(lin, nn.Linear) and lin.weight.numel() > min_elements:
                 setattr(parent, name, FP8Linear(getattr(parent, name)))
+    if {"gate_up", "down"} <= set(gemms):
+        quantize_experts(model)
     model._targets = None  # HF-name targets point at the old modules: rebuilt on the next load

@@ -1,4 +1,5 @@
-"""The native engine's own decoder: Qwen2 / Qwen2.5 / Qwen3 / Llama in one small module.
+"""The native engine's own decoder: Qwen2 / Qwen2.5 / Qwen3 / Llama, and Qwen2-MoE / Qwen3-MoE (moe.py), in one small
+module.
 
 Same math as the HF modules (RMSNorm in fp32 then cast, RoPE tables cast to the activation dtype, residual adds in the
 activation dtype), so greedy decoding matches HF token for token in fp32 and logprobs stay close in bf16. What differs
@@ -19,9 +20,15 @@ import torch
 from torch import nn
 
 from polyrl.rollout.native.attention import FUSED_ROPE, AttnMeta, paged_attention, write_kv
+from polyrl.rollout.native.moe import (MOE_MODEL_TYPES, PER_EXPERT_NAME, MoE, fused_names_covered, is_moe_layer,
+                                      moe_hf_targets)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama") + MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModel(ValueError):
+    """The native engine cannot run this model (an architecture or feature it lacks); the `hf` backend may."""
 
 
 @dataclass
@@ -41,28 +48,45 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # MoE (moe.py); num_experts == 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise UnsupportedModel(
                 f"rollout.name=native supports model_type in {SUPPORTED_MODEL_TYPES}, got model_type={mt!r}; "
                 "use actor_rollout_ref.rollout.name=hf for this model."
             )
         if getattr(cfg, "use_sliding_window", False) or any(
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
         ):
-            raise ValueError(
+            raise UnsupportedModel(
                 f"rollout.name=native has no sliding-window attention (model_type={mt!r} with sliding window "
                 "layers); use actor_rollout_ref.rollout.name=hf for this model."
             )
         if getattr(cfg, "mlp_bias", False):
-            raise ValueError(f"rollout.name=native has no MLP bias (model_type={mt!r}); use rollout.name=hf.")
+            raise UnsupportedModel(f"rollout.name=native has no MLP bias (model_type={mt!r}); use rollout.name=hf.")
+        if mt != "qwen2" and getattr(cfg, "attention_bias", False):  # o_proj has a bias too there
+            raise UnsupportedModel(f"rollout.name=native has no attention output bias (model_type={mt!r} with "
+                                   "attention_bias=True); use rollout.name=hf.")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"rollout.name=native supports hidden_act='silu', got {act!r}; use rollout.name=hf.")
+            raise UnsupportedModel(f"rollout.name=native supports hidden_act='silu', got {act!r}; use rollout.name=hf.")
         heads = cfg.num_attention_heads
+        moe = {}
+        if mt in MOE_MODEL_TYPES:
+            moe = dict(num_experts=getattr(cfg, "num_experts", None) or cfg.num_local_experts,
+                       num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                       shared_expert_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+                       norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+                       moe_layers=tuple(i for i in range(cfg.num_hidden_layers) if is_moe_layer(cfg, i)))
         return cls(
             model_type=mt,
             vocab_size=cfg.vocab_size,
@@ -73,10 +97,12 @@ class ModelSpec:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=True if mt == "qwen2" else bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=mt == "qwen3",
+            qkv_bias=True if mt == "qwen2" else bool(getattr(cfg, "qkv_bias", True)) if mt == "qwen2_moe" else
+            bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
+            **moe,
         )
 
 
@@ -156,16 +182,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, s: ModelSpec):
+    def __init__(self, s: ModelSpec, index: int = 0):
         super().__init__()
         self.ln1 = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.attn = Attention(s)
         self.ln2 = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s)
+        self.mlp = MoE(s) if index in s.moe_layers else MLP(s)
 
     def forward(self, x, cos, sin, meta):
         x = x + self.attn(self.ln1(x), cos, sin, meta)
-        return x + self.mlp(self.ln2(x))
+        h = self.ln2(x)
+        return x + (self.mlp(h, meta.slot_mapping, meta.decode) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 # bf16 down projections run as split-K over K slices (`sliced_linear`, one batched cuBLAS call; the next
@@ -215,7 +242,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = s
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(Block(s) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(Block(s, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rope_cos = self.rope_sin = None
@@ -244,13 +271,19 @@ class CausalLM(nn.Module):
 
         # FP8 GEMMs whose input the producing kernel quantises (the same choice for every layer: same shapes)
         first, rows = self.layers[0], x.shape[0]
-        fp8_qkv, fp8_gate_up, fp8_down = (takes_fp8_rows(m, rows) for m in (first.attn.qkv, first.mlp.gate_up,
-                                                                             first.mlp.down))  # fmt: skip
-        split_down, act_slice = down_partials(first.mlp.down, rows)
+        dense = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MLP)), None)
+        fp8_qkv = takes_fp8_rows(first.attn.qkv, rows)
+        fp8_gate_up, fp8_down = (dense is not None and takes_fp8_rows(m, rows) for m in (getattr(dense, "gate_up", None),
+                                                                                         getattr(dense, "down", None)))
+        split_down, act_slice = down_partials(dense.down, rows) if dense is not None else (None, None)
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
+            if isinstance(layer.mlp, MoE):
+                h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps)
+                x = layer.mlp(h, meta.slot_mapping, meta.decode)
+                continue
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
             act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down, slice_cols=act_slice)
             # the next add_rmsnorm sums split partials (residual is set from the first layer on)
@@ -295,9 +328,12 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.M
         if a.q_norm is not None:
             whole(p + "self_attn.q_norm.weight", a.q_norm.weight)
             whole(p + "self_attn.k_norm.weight", a.k_norm.weight)
-        rows(p + "mlp.gate_proj.weight", blk.mlp.gate_up, "weight", 0, inter)
-        rows(p + "mlp.up_proj.weight", blk.mlp.gate_up, "weight", inter, 2 * inter)
-        rows(p + "mlp.down_proj.weight", blk.mlp.down, "weight", 0, hid)
+        if isinstance(blk.mlp, MoE):
+            out.update(moe_hf_targets(p + "mlp.", blk.mlp))
+        else:
+            rows(p + "mlp.gate_proj.weight", blk.mlp.gate_up, "weight", 0, inter)
+            rows(p + "mlp.up_proj.weight", blk.mlp.gate_up, "weight", inter, 2 * inter)
+            rows(p + "mlp.down_proj.weight", blk.mlp.down, "weight", 0, hid)
         whole(p + "input_layernorm.weight", blk.ln1.weight)
         whole(p + "post_attention_layernorm.weight", blk.ln2.weight)
     return out
@@ -334,6 +370,8 @@ def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Te
         else:
             view.copy_(t, non_blocking=True)
         seen.add(name)
+    if model.spec.num_experts:  # per-expert names stand for the fused ones `required_hf_names` lists
+        seen |= fused_names_covered(seen, model.spec.num_experts)
     if model.spec.tie_word_embeddings and model.lm_head is not None and seen & {"model.embed_tokens.weight",
                                                                                 "lm_head.weight"}:
         model.lm_head.load_rows(0, model.spec.vocab_size, model.embed.weight)  # the FP8 head's copy of the embedding
@@ -341,7 +379,7 @@ def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Te
 
 
 def required_hf_names(model: CausalLM) -> set[str]:
-    names = set(_hf_targets(model))
+    names = {n for n in _hf_targets(model) if not PER_EXPERT_NAME.match(n)}
     if model.spec.tie_word_embeddings:
         names.discard("lm_head.weight")
     return names

@@ -79,6 +79,7 @@ class Scheduler:
         # partial rollouts: whether a row retired at its length limit keeps its blocks (parked), by row
         self.keep_at_limit: Callable[[int], bool] = lambda row: False
         self.parked: set[Sequence] = set()
+        self.on_retire: Callable[[Sequence], None] | None = None  # the engine's routing record (before blocks go)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def _set_blocks(self, seq: Sequence, start: int = 0) -> None:
@@ -99,6 +100,8 @@ class Scheduler:
     def retire(self, seq: Sequence, park: bool = False) -> None:
         """Free a sequence's blocks and seat (after its last forward was launched; the stream orders reuse). `park`:
         keep its blocks (the engine decides once the last token is known: engine.py `_keep`)."""
+        if self.on_retire is not None:
+            self.on_retire(seq)
         if seq in self.running:
             self.running.remove(seq)
         if park:

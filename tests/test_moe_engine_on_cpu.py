@@ -1,0 +1,203 @@
+"""Native engine on Mixture-of-Experts models (CPU, CI): tiny random `qwen3_moe` and `qwen2_moe` against HF.
+
+Tolerances as tests/test_native_rollout_on_cpu.py: fp32 greedy tokens equal HF `generate` exactly, log-probs within
+1e-4 of HF's log_softmax on the same tokens; FP8 experts (CPU emulation of the e4m3 numbers) within 0.15 nats.
+Routing record (R3): the engine's top-k expert ids equal HF's router top-k on the same prompt + response, -1 on the
+last token.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from polyrl.rollout.base import SamplingParams  # noqa: E402
+from polyrl.rollout.native import NativeEngine  # noqa: E402
+from polyrl.rollout.native.moe import FP8Experts, MoE, grouped_linear, sort_by_expert  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tiny(kind="qwen3_moe", seed=0, layers=3):
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if kind == "qwen3_moe":  # one dense layer among the sparse ones, renormalised top-k
+        cfg = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], **common)
+    else:  # a shared expert with its sigmoid gate, raw top-k weights
+        cfg = Qwen2MoeConfig(shared_expert_intermediate_size=48, norm_topk_prob=False, **common)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # HF initialises routers near zero: spread them so that routing differs per token
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return m
+
+
+def _prompts(lengths, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(m, prompt, n):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        return m.generate(torch.tensor([prompt]), generation_config=gc)[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(m, prompt, toks):
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None]).squeeze(1)
+
+
+def _hf_routes(m, ids):
+    """HF's router top-k ids per MoE layer for one sequence: [len(ids), moe layers, k]."""
+    got = []
+    hooks = [mod.register_forward_hook(lambda _m, _i, out: got.append(out[2]))
+             for name, mod in m.named_modules() if name.endswith("mlp.gate")]
+    with torch.no_grad():
+        m(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return torch.stack(got, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_greedy_and_logprobs_equal_hf_under_chunking_sharing_and_continuous_batching(kind):
+    m = _tiny(kind)
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=3, max_num_batched_tokens=16, num_kv_tokens=1024)
+    assert sum(isinstance(layer.mlp, MoE) for layer in eng.model.layers) == (2 if kind == "qwen3_moe" else 3)
+    prompts = _prompts([3, 21, 1, 9])
+    out = eng.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    for i, p in enumerate(prompts):
+        ref = _hf_greedy(m, p, 10)
+        assert out.token_ids[2 * i] == ref and out.token_ids[2 * i + 1] == ref, i
+        diff = (_hf_logprobs(m, p, ref) - torch.tensor(out.logprobs[2 * i])).abs().max().item()
+        assert diff < 1e-4, diff
+    assert out.routed_experts is None and eng.blocks.all_free()
+
+
+def test_update_weights_round_trip_under_both_hf_expert_layouts():
+    """The trainer's fused 3-D names (`experts.gate_up_proj`) and checkpoints' per-expert names load the same."""
+    m, m2 = _tiny("qwen2_moe", seed=0), _tiny("qwen2_moe", seed=1)
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024)
+    prompts = _prompts([6, 11])
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = eng.generate(prompts, sp).token_ids
+    eng.update_weights(m2.state_dict().items())
+    after = eng.generate(prompts, sp).token_ids
+    assert after == [_hf_greedy(m2, p, 8) for p in prompts] and after != before
+    eng.update_weights(_per_expert(m.state_dict()).items())
+    assert eng.generate(prompts, sp).token_ids == before
+    with pytest.raises(ValueError, match="shape"):
+        eng.update_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 64, 31))])
+
+
+def _per_expert(state: dict) -> dict:
+    """HF's fused expert tensors split into the per-expert names of checkpoints (and transformers 4.x)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = w[: w.shape[0] // 2]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = w[w.shape[0] // 2 :]
+        elif name.endswith("experts.down_proj"):
+            for e, w in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = w
+        else:
+            out[name] = t
+    return out
+
+
+def test_a_per_expert_state_dict_builds_the_engine_and_a_missing_expert_is_named():
+    from types import SimpleNamespace
+
+    m = _tiny("qwen3_moe", layers=1)
+    state = _per_expert(m.state_dict())
+    view = SimpleNamespace(config=m.config, model=m.model, parameters=m.parameters, state_dict=lambda: state)
+    eng = NativeEngine.from_hf(view, dtype=torch.float32, num_kv_tokens=256)
+    p = _prompts([5])
+    assert eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=6)).token_ids[0] == _hf_greedy(m, p[0], 6)
+    del state["model.layers.0.mlp.experts.7.down_proj.weight"]
+    with pytest.raises(ValueError, match="down_proj"):
+        NativeEngine.from_hf(view, dtype=torch.float32, num_kv_tokens=256)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_recorded_routes_equal_hf_router_top_k_on_prompt_and_response(kind):
+    m = _tiny(kind)
+    # block_size 4: odd prompt lengths fork a partial block (its routes are copied with its K/V); few KV tokens:
+    # preemption recomputes rows
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16, num_kv_tokens=56,
+                               block_size=4, record_routes=True)
+    prompts = _prompts([7, 13, 2])
+    out = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))
+    num_moe = 2 if kind == "qwen3_moe" else 3
+    for r, toks in enumerate(out.token_ids):
+        ids = prompts[out.prompt_index[r]] + toks
+        got = out.routed_experts[r]
+        assert got.dtype == torch.int16 and got.shape == (len(ids), num_moe, 2)
+        assert (got[-1] == -1).all()
+        ref = _hf_routes(m, ids)[:-1]
+        # top-2 of 8 as a set: HF and the engine may order a near-tie differently within the k
+        assert torch.equal(got[:-1].long().sort(-1).values, ref.sort(-1).values), r
+    assert eng.stats["num_preempted"] > 0 and eng.blocks.all_free()
+
+
+def test_routes_stop_at_a_stop_token_and_survive_release_and_resume():
+    m = _tiny("qwen3_moe")
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=512, record_routes=True)
+    p = _prompts([9])
+    ref = _hf_greedy(m, p[0], 10)
+    stop = ref[3]
+    eng.release_memory()
+    eng.resume()
+    out = eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop,)))
+    toks = out.token_ids[0]
+    assert toks == ref[: ref.index(stop) + 1] and out.routed_experts[0].shape[0] == 9 + len(toks)
+    assert torch.equal(out.routed_experts[0][:-1].long().sort(-1).values,
+                       _hf_routes(m, p[0] + toks)[:-1].sort(-1).values)
+
+
+def test_record_routes_on_a_dense_model_is_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    m = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ValueError, match="record_routes=True needs a Mixture-of-Experts model"):
+        NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=64, record_routes=True)
+
+
+def test_fp8_experts_stay_close_to_hf_and_requantise_on_update():
+    m, m2 = _tiny("qwen2_moe", seed=0), _tiny("qwen2_moe", seed=1)
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024, quantization="fp8")
+    assert all(isinstance(layer.mlp.experts, FP8Experts) for layer in eng.model.layers)
+    prompts = _prompts([5, 12])
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for model in (m, m2):
+        if model is m2:
+            eng.update_weights(model.state_dict().items())
+        out = eng.generate(prompts, sp)
+        for i, p in enumerate(prompts):
+            diff = (_hf_logprobs(model, p, out.token_ids[i]) - torch.tensor(out.logprobs[i])).abs().max().item()
+            assert diff < 0.15, diff
+
+
+def test_grouped_gemm_and_the_per_expert_loop_agree_with_empty_experts():
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [0, 3]])  # experts 2 and 4 get no rows
+    order, offs = sort_by_expert(ids, 5)
+    assert offs.tolist() == [2, 5, 5, 8, 8]
+    assert ids.reshape(-1)[order].tolist() == [0, 0, 1, 1, 1, 3, 3, 3]
+    x, w = torch.randn(8, 16), torch.randn(5, 12, 16)
+    ref = torch.cat([x[0:2] @ w[0].t(), x[2:5] @ w[1].t(), x[5:8] @ w[3].t()])
+    for kind in ("grouped_mm", "loop"):
+        assert torch.allclose(grouped_linear(x, w, offs, kind), ref, atol=1e-5), kind
