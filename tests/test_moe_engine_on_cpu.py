@@ -201,3 +201,96 @@ def test_grouped_gemm_and_the_per_expert_loop_agree_with_empty_experts():
     ref = torch.cat([x[0:2] @ w[0].t(), x[2:5] @ w[1].t(), x[5:8] @ w[3].t()])
     for kind in ("grouped_mm", "loop"):
         assert torch.allclose(grouped_linear(x, w, offs, kind), ref, atol=1e-5), kind
+
+
+# ---- models the native engine does not run: the hf backend, said in one line -------------------------------------
+def _tiny_mixtral(vocab=64, **kw):
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128, **kw)).eval()
+
+
+def _tiny_sliding_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                        sliding_window=16, max_window_layers=1)).eval()
+
+
+def _build(model, capsys, **rollout):
+    from polyrl.rollout import make_rollout
+    from polyrl.rollout.config import RolloutConfig
+
+    cfg = RolloutConfig(gpu_memory_utilization=0.5, engine_kwargs={"native": {"num_kv_tokens": 256}},
+                        **{k: v for k, v in rollout.items() if k != "enable_rollout_routing_replay"})
+    if "enable_rollout_routing_replay" in rollout:  # verl's key (the trainer's config defines it)
+        cfg.enable_rollout_routing_replay = rollout["enable_rollout_routing_replay"]
+    capsys.readouterr()
+    eng = make_rollout(cfg, model, pad_token_id=0, device=torch.device("cpu"), max_model_len=64)
+    return eng, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("make, why", [(_tiny_mixtral, "model_type='mixtral'"),
+                                       (_tiny_sliding_qwen2, "sliding-window")])
+def test_a_model_the_engine_does_not_run_generates_on_hf_with_one_line_saying_why(make, why, capsys):
+    from polyrl.rollout.hf import HFRollout
+
+    m = make()
+    eng, out = _build(m, capsys)
+    assert isinstance(eng, HFRollout)
+    lines = [line for line in out.splitlines() if line.startswith("polyrl:")]
+    assert len(lines) == 1 and why in lines[0] and "rollout.name=hf" in lines[0], out
+    p = _prompts([4], vocab=64)
+    gen = eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=5))
+    assert gen.token_ids[0] == _hf_greedy(m, p[0], 5)
+
+
+@pytest.mark.parametrize("key", [dict(quantization="fp8"), dict(kv_cache_dtype="fp8"),
+                                 dict(enable_rollout_routing_replay=True)])
+def test_where_hf_cannot_serve_the_config_either_one_sentence_names_the_supported_types(key, capsys):
+    from polyrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model_type='mixtral'.*'qwen3_moe'") as e:
+        _build(_tiny_mixtral(), capsys, **key)
+    assert str(e.value).count(". ") == 0 and next(iter(key)) in str(e.value)
+
+
+def test_routing_replay_key_reaches_the_engine_and_is_refused_on_a_dense_model(capsys):
+    from polyrl.errors import ConfigError
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    eng, _ = _build(_tiny("qwen3_moe", layers=1), capsys, enable_rollout_routing_replay=True)
+    assert isinstance(eng, NativeEngine) and eng.routes is not None
+    eng, _ = _build(_tiny("qwen3_moe", layers=1), capsys)
+    assert eng.routes is None
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ConfigError, match="enable_rollout_routing_replay=True.*'qwen3'.*set it to False"):
+        _build(dense, capsys, enable_rollout_routing_replay=True)
+
+
+def test_polyrl_train_on_an_unsupported_moe_family_runs_on_hf(tmp_path, capsys):
+    """What issue 47 saw as a ValueError traceback, through the real `polyrl train`: exit 0 and the one line."""
+    from polyrl.cli import main as cli_main
+    from polyrl.data.dataset import write_parquet
+    from polyrl.data.synthetic import make_rows
+    from polyrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model_dir = tmp_path / "mixtral"
+    _tiny_mixtral(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  bos_token_id=None).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    write_parquet(make_rows("reverse", 8, seed=1, split="train"), tmp_path / "train.parquet")
+    code = cli_main(["train", "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",
+                     "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=4",
+                     f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                     "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1", "trainer.logger=[console]",
+                     f"trainer.default_local_dir={tmp_path / 'ckpt'}", "trainer.save_freq=-1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert sum("model_type='mixtral'" in line and "rollout.name=hf" in line for line in out.splitlines()) == 1, out

@@ -33,7 +33,8 @@ from polyrl.rollout.native import attention
 from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
                                              decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
-from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights, required_hf_names, SUPPORTED_ROPE_TYPES
+from polyrl.rollout.native.model import (CausalLM, ModelSpec, UnsupportedModel, load_hf_weights, required_hf_names,
+                                        SUPPORTED_ROPE_TYPES)
 from polyrl.rollout.native.moe import RouteRecorder, route_bytes_per_token
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
 from polyrl.rollout.token_sampling import sample, sample_fused
@@ -54,12 +55,10 @@ class _InFlight:
 def _hf_rope(hf_model) -> tuple[torch.Tensor, float]:
     rot = getattr(getattr(hf_model, "model", hf_model), "rotary_emb", None)
     if rot is None or not hasattr(rot, "inv_freq"):
-        raise ValueError(f"cannot find rotary_emb.inv_freq on {type(hf_model).__name__}; use rollout.name=hf.")
+        raise UnsupportedModel(f"rollout.name=native cannot find rotary_emb.inv_freq on {type(hf_model).__name__}")
     rope_type = getattr(rot, "rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rollout.name=native supports rope types {SUPPORTED_ROPE_TYPES}, got {rope_type!r}; use rollout.name=hf."
-        )
+        raise UnsupportedModel(f"rollout.name=native supports rope types {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
     return rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
 
 
@@ -611,17 +610,27 @@ class NativeEngine:
 
 
 @register_rollout("native")
-def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> NativeEngine:
-    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`."""
+def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int):
+    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`; for a model it
+    cannot run, the hf backend with one line saying why (fallback.py)."""
     from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
     from polyrl.utils.device import to_dtype
 
+    from polyrl.rollout.native.fallback import check_routing_record, fall_back_to_hf
+
     dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
-    return NativeEngine.from_hf(
-        _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
+    record = bool(getattr(cfg, "enable_rollout_routing_replay", False))  # R3 (moe.py's RouteRecorder)
+    try:  # an unsupported model is refused before any weight is copied
+        check_routing_record(cfg, ModelSpec.from_hf_config(model.config), record)
+        return NativeEngine.from_hf(
+            _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, record_routes=record,
+            **(cfg.engine_kwargs.get("native") or {}))
+    except UnsupportedModel as why:
+        return fall_back_to_hf(cfg, model, why, record_routes=record, pad_token_id=pad_token_id, device=device,
+                               max_model_len=max_model_len)
 
 
 class _MergedLoRAView:

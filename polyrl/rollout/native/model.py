@@ -28,7 +28,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class UnsupportedModel(ValueError):
-    """The native engine cannot run this model (an architecture or feature it lacks); the `hf` backend may."""
+    """The native engine cannot run this model (an architecture or feature it lacks); the `hf` backend may
+    (engine.py's `build_native_rollout` falls back to it). `reason` is the fact alone, for that log line."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; the native engine runs model_type in {SUPPORTED_MODEL_TYPES}; use "
+                         "actor_rollout_ref.rollout.name=hf for this model.")
+        self.reason = reason
 
 
 @dataclass
@@ -60,25 +66,20 @@ class ModelSpec:
     def from_hf_config(cls, cfg) -> "ModelSpec":
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"rollout.name=native supports model_type in {SUPPORTED_MODEL_TYPES}, got model_type={mt!r}; "
-                "use actor_rollout_ref.rollout.name=hf for this model."
-            )
+            raise UnsupportedModel(f"rollout.name=native has no decoder for model_type={mt!r}")
         if getattr(cfg, "use_sliding_window", False) or any(
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
         ):
-            raise UnsupportedModel(
-                f"rollout.name=native has no sliding-window attention (model_type={mt!r} with sliding window "
-                "layers); use actor_rollout_ref.rollout.name=hf for this model."
-            )
+            raise UnsupportedModel(f"rollout.name=native has no sliding-window attention (model_type={mt!r} with "
+                                   "sliding window layers)")
         if getattr(cfg, "mlp_bias", False):
-            raise UnsupportedModel(f"rollout.name=native has no MLP bias (model_type={mt!r}); use rollout.name=hf.")
+            raise UnsupportedModel(f"rollout.name=native has no MLP bias (model_type={mt!r})")
         if mt != "qwen2" and getattr(cfg, "attention_bias", False):  # o_proj has a bias too there
             raise UnsupportedModel(f"rollout.name=native has no attention output bias (model_type={mt!r} with "
-                                   "attention_bias=True); use rollout.name=hf.")
+                                   "attention_bias=True)")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModel(f"rollout.name=native supports hidden_act='silu', got {act!r}; use rollout.name=hf.")
+            raise UnsupportedModel(f"rollout.name=native supports hidden_act='silu', got {act!r}")
         heads = cfg.num_attention_heads
         moe = {}
         if mt in MOE_MODEL_TYPES:
