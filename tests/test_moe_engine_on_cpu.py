@@ -294,3 +294,46 @@ def test_polyrl_train_on_an_unsupported_moe_family_runs_on_hf(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert sum("model_type='mixtral'" in line and "rollout.name=hf" in line for line in out.splitlines()) == 1, out
+
+
+# ---- benchmarks/moe_decode.py's CPU-side pieces ---------------------------------------------------------------------
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_decode.py"
+    spec = importlib.util.spec_from_file_location("moe_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_moe_decode_benchmark_roofline_arithmetic_and_model_build():
+    b = _bench()
+    s = b.spec(2, vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=8)
+    assert s.moe_layers == (0, 1) and b.spec().num_layers == 48 and b.spec(24).num_layers == 24
+    assert b.expected_experts_touched(128, 8, 1) == pytest.approx(8)
+    assert b.expected_experts_touched(128, 8, 256) == pytest.approx(128, abs=1e-3)
+    model, inv_freq = b.build_model(s, "cpu")
+    assert inv_freq.shape == (8,) and model.layers[0].mlp.router.weight.std() > 0.5
+    all_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("embed."))
+    expert_bytes = 2 * 8 * 3 * 32 * 8 * 4  # 2 layers x 8 experts x (gate, up, down) x 32 x 8 fp32
+    one_row = all_bytes - expert_bytes * (1 - 2 / 8)  # one token reaches 2 of 8 experts per layer
+    assert b.step_weight_bytes(model, 1) == pytest.approx(one_row)
+    assert b.bf16_step_weight_bytes(model, 1) == pytest.approx(one_row / 2)
+    # 2 rows, prompt 10, 3 new tokens: 2 decode steps over contexts 11 and 12
+    assert b.decode_roofline(2, 10, 3, 100.0, 5, 1000.0) == pytest.approx(4 / ((2 * 100 + 2 * (11 + 12) * 5) / 1000))
+    assert b.kv_bytes_per_token(b.spec(), fp8=False) == 96 * 1024
+
+
+def test_moe_decode_benchmark_expert_fns_agree_on_cpu():
+    b = _bench()
+    torch.manual_seed(0)
+    fns, _ = b.expert_mlp_fns(8, 32, 16, "cpu")
+    _, order, offs = b.routed_pairs(6, 8, 2, "cpu")
+    x = torch.randn(12, 32)
+    ref = fns["grouped_mm"](x, offs)
+    assert torch.allclose(fns["loop"](x, offs), ref, atol=1e-5)
+    fp8 = fns["scaled_grouped_mm (fp8)"](x, offs)
+    assert (fp8 - ref).abs().max() < 0.05 * ref.abs().max()
