@@ -8,7 +8,8 @@ sigmoid(shared_expert_gate(x)).
 Experts run as two grouped GEMMs (`torch._grouped_mm`, CPU and CUDA): the T*k (token, expert) pairs are sorted by
 expert, each expert multiplies its contiguous run of rows, and the rows go back to token order. Every shape depends
 on T and k only and the group offsets stay on the device (`searchsorted` over the sorted ids), so the decode step has
-no host sync and CUDA graphs capture it. `GROUPED_GEMM` names the kernel per regime (decode: the CUDA-graph decode
+no host sync and CUDA graphs capture it (torch's CUTLASS kernel: bf16 on sm_90/sm_100; elsewhere on CUDA, where
+torch's fallback syncs, small GEMMs gather each row's expert weight instead). `GROUPED_GEMM` names the kernel per regime (decode: the CUDA-graph decode
 step; prefill: everything else); `benchmarks/moe_decode.py --gemms` measures the choices.
 
 Weights: `Experts.gate_up` is [E, 2I, H] (gate rows first, then up rows: HF's fused `experts.gate_up_proj`) and
@@ -29,6 +30,7 @@ sequence's rows when it retires (engine.py `_copy_routes`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import TYPE_CHECKING
@@ -65,9 +67,27 @@ def sort_by_expert(ids_TK: torch.Tensor, num_experts: int):
     return order, offs
 
 
+@functools.cache
+def _cutlass_grouped_mm(device: torch.device) -> bool:
+    """Whether torch._grouped_mm has its CUTLASS kernel here (bf16 on sm_90 / sm_100). Elsewhere on CUDA it loops
+    over the groups after copying the offsets to the host: a sync that CUDA graphs cannot capture."""
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+GATHER_MAX_BYTES = 1 << 30  # the per-row weight gather (CUDA without the CUTLASS kernel) up to this many bytes
+
+
 def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, kind: str) -> torch.Tensor:
     """Row run e of x (rows offs[e-1]..offs[e]) times w[e]^T, for every expert e: [M, N]."""
     if kind == "grouped_mm":
+        M, (_, N, K) = x_MK.shape[0], w_ENK.shape
+        if x_MK.is_cuda and not (x_MK.dtype == torch.bfloat16 and _cutlass_grouped_mm(x_MK.device)) and \
+                M * N * K * w_ENK.element_size() <= GATHER_MAX_BYTES:
+            # sync-free where torch's own fallback is not (fp32 tests, small models on other GPUs): each row's
+            # expert weight gathered, one batched GEMV
+            rows = torch.arange(M, device=x_MK.device, dtype=offs_E.dtype)
+            expert = torch.searchsorted(offs_E, rows, right=True)
+            return torch.bmm(w_ENK[expert], x_MK[:, :, None])[..., 0]
         return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
     assert kind == "loop", kind
     out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
