@@ -21,7 +21,7 @@ def _tiny(kind: str, dtype=torch.float32, seed=0):
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
                   num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_experts=16,
                   num_experts_per_tok=4, max_position_embeddings=1024, tie_word_embeddings=False)
     if kind == "qwen3_moe":

@@ -24,7 +24,8 @@ def _tiny(kind="qwen3_moe", seed=0, layers=3):
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    # 2 x moe_intermediate != hidden, so a transposed expert layout could not load silently
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                   num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
     if kind == "qwen3_moe":  # one dense layer among the sparse ones, renormalised top-k
@@ -98,7 +99,7 @@ def test_update_weights_round_trip_under_both_hf_expert_layouts():
     eng.update_weights(_per_expert(m.state_dict()).items())
     assert eng.generate(prompts, sp).token_ids == before
     with pytest.raises(ValueError, match="shape"):
-        eng.update_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 64, 31))])
+        eng.update_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 24, 64))])
 
 
 def _per_expert(state: dict) -> dict:
@@ -337,3 +338,27 @@ def test_moe_decode_benchmark_expert_fns_agree_on_cpu():
     assert torch.allclose(fns["loop"](x, offs), ref, atol=1e-5)
     fp8 = fns["scaled_grouped_mm (fp8)"](x, offs)
     assert (fp8 - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_experts_narrowed_to_intermediate_shards_sum_to_the_whole():
+    """Tensor parallelism shards each expert's intermediate dimension from outside (`narrow_intermediate`): the
+    shards' outputs are partial sums of the whole layer's."""
+    import copy
+
+    from polyrl.rollout.native.moe import Experts
+
+    torch.manual_seed(0)
+    ex = Experts(8, 32, 24)
+    with torch.no_grad():
+        ex.gate_up.normal_()
+        ex.down.normal_()
+    x, ids = torch.randn(5, 32), torch.randint(0, 8, (5, 2))
+    w = torch.rand(5, 2)
+    whole = ex(x, ids, w)
+    parts = []
+    for lo, hi in ((0, 8), (8, 24)):
+        shard = copy.deepcopy(ex)
+        shard.narrow_intermediate(lo, hi)
+        assert shard.gate_up.shape == (8, 2 * (hi - lo), 32) and shard.down.shape == (8, 32, hi - lo)
+        parts.append(shard(x, ids, w))
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-4)

@@ -71,7 +71,8 @@ class KeptRow:
 
 
 class NativeEngine:
-    """Paged-KV, continuously batched, CUDA-graph decoding for Qwen2/2.5/3 and Llama models."""
+    """Paged-KV, continuously batched, CUDA-graph decoding for Qwen2/2.5/3, Llama and Qwen2/3-MoE models.
+    `record_routes`: MoE routing replay (R3), `Generation.routed_experts` (moe.py's RouteRecorder)."""
 
     @classmethod
     def from_hf(
