@@ -155,21 +155,26 @@ def build_model(s, device, fp8_experts: bool = False, seed: int = 0):
     return model, inv_freq
 
 
-def run_engine(args, bw: float, dev_name: str) -> dict:
+def run_engine(args, bw: float, dev_name: str, s=None, device: str = "cuda") -> dict:
+    """The engine run (module docstring). `s` / `device`: another spec and device (CPU: the CI check of this code,
+    with wall time standing in for the decode steps' GPU time)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
     from polyrl.rollout.native import cuda_graph
 
-    s = spec(args.layers)
+    s = s or spec(args.layers)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = CONFIGS[args.config]
     prompt = args.context - args.new // 2
     max_len = prompt + args.new
     t0 = time.perf_counter()
-    model, inv_freq = build_model(s, "cuda", fp8_experts=cfg.get("quantization") == "fp8")
-    model.set_rope(inv_freq, 1.0, max_len, "cuda")
-    eng = NativeEngine(model, device="cuda", gpu_memory_utilization=args.gpu_memory_utilization,
+    model, inv_freq = build_model(s, device, fp8_experts=cfg.get("quantization") == "fp8")
+    model.set_rope(inv_freq, 1.0, max_len, device)
+    eng = NativeEngine(model, device=device, gpu_memory_utilization=args.gpu_memory_utilization,
                        max_num_seqs=args.rows, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
-                       enforce_eager=False, block_size=16, seed=0, num_kv_tokens=None, **cfg)
+                       enforce_eager=False, block_size=16, seed=0,
+                       num_kv_tokens=None if cuda else args.rows * max_len, **cfg)
     print(f"built in {time.perf_counter() - t0:.0f} s: weights {eng.weight_bytes() / 1e9:.1f} GB, KV cache "
           f"{eng.num_blocks * eng.block_size:,} tokens (needs {args.rows * max_len:,})", flush=True)
     if eng.num_blocks * eng.block_size < args.rows * max_len:
@@ -183,13 +188,15 @@ def run_engine(args, bw: float, dev_name: str) -> dict:
     eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0,
                                          forced_lengths=[4] * args.rows))
     cuda_graph.CAPTURE_AFTER = after
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = eng.generate(prompts, sp)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     assert out.lengths == [args.new] * args.rows
-    st = eng.stats
+    st = dict(eng.stats)
+    if not cuda:
+        st["decode_gpu_s"] = wall
     decode_tokens = args.rows * (args.new - 1)
     tps = decode_tokens / st["decode_gpu_s"]
     fp8_kv = cfg.get("kv_cache_dtype") == "fp8"
@@ -201,7 +208,7 @@ def run_engine(args, bw: float, dev_name: str) -> dict:
              ms_per_step=st["decode_gpu_s"] / max(st["num_decode_steps"], 1) * 1e3, wall_s=wall,
              prefill_gpu_s=st["prefill_gpu_s"], preempted=st["num_preempted"], step_weight_gb=W / 1e9,
              roofline=roof, roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
-             copy_bw_tbs=bw / 1e12, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+             copy_bw_tbs=bw / 1e12, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
              grouped_gemm=dict(__import__("polyrl.rollout.native.moe", fromlist=["GROUPED_GEMM"]).GROUPED_GEMM))
     print(json.dumps(r), flush=True)
     print(f"decode {tps:,.0f} tok/s ({r['ms_per_step']:.2f} ms a step) = {tps / roof:.0%} of the roofline "

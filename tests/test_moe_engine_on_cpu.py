@@ -362,3 +362,19 @@ def test_experts_narrowed_to_intermediate_shards_sum_to_the_whole():
         assert shard.gate_up.shape == (8, 2 * (hi - lo), 32) and shard.down.shape == (8, 32, hi - lo)
         parts.append(shard(x, ids, w))
     assert torch.allclose(parts[0] + parts[1], whole, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp8kv_w8"])
+def test_moe_decode_benchmark_engine_run_on_a_tiny_spec(config, tmp_path):
+    """The GPU script's engine path end to end on CPU (a tiny spec): it builds, generates, and writes its row."""
+    from types import SimpleNamespace
+
+    b = _bench()
+    s = b.spec(2, vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=16)
+    rows_out = tmp_path / "BENCHMARKS.md"
+    args = SimpleNamespace(layers=None, config=config, rows=4, context=20, new=6, gpu_memory_utilization=0.9,
+                           max_num_batched_tokens=64, rows_out=str(rows_out))
+    r = b.run_engine(args, 1e11, "cpu", s=s, device="cpu")
+    assert r["decode_tokens_per_s"] > 0 and 0 < r["frac_roofline"] and r["prompt"] == 17
+    assert "moe_decode.py (engine, decode only)" in rows_out.read_text()
