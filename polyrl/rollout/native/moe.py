@@ -142,13 +142,17 @@ class Experts(nn.Module):
     @torch.no_grad()
     def narrow_intermediate(self, lo: int, hi: int) -> None:
         """Keep intermediate columns [lo, hi) of every expert (tensor parallelism, from outside): the gate and up
-        rows of that range and the matching down columns; the output becomes this shard's partial sum."""
-        I = self.inter
-        gu = self.gate_up.data.view(self.num_experts, 2, I, self.hidden)[:, :, lo:hi]
-        self.gate_up = nn.Parameter(gu.reshape(self.num_experts, 2 * (hi - lo), self.hidden).clone(),
+        rows of that range and the matching down columns; the output becomes this shard's partial sum. FP8 experts
+        keep their row scales (a gate/up row's scale moves with it; a down row's covers all its columns, so it stays
+        valid for a slice of them)."""
+        E, I, H, n = self.num_experts, self.inter, self.hidden, hi - lo
+        self.gate_up = nn.Parameter(self.gate_up.data.view(E, 2, I, H)[:, :, lo:hi].reshape(E, 2 * n, H).clone(),
                                     requires_grad=False)
         self.down = nn.Parameter(self.down.data[:, :, lo:hi].contiguous(), requires_grad=False)
-        self.inter = hi - lo
+        if hasattr(self, "gate_up_scale"):
+            scale = self.gate_up_scale.data.view(E, 2, I)[:, :, lo:hi].reshape(E, 2 * n).clone()
+            self.gate_up_scale = nn.Parameter(scale, requires_grad=False)
+        self.inter = n
 
 
 class FP8Experts(Experts):
@@ -191,9 +195,6 @@ class FP8Experts(Experts):
 
     def _down(self, act, offs, kind):
         return _fp8_grouped(act, self.down, self.down_scale, offs, self.out_dtype)
-
-    def narrow_intermediate(self, lo: int, hi: int) -> None:
-        raise NotImplementedError("narrow FP8 experts before quantising them (shard the bf16 experts first)")
 
 
 def _fp8_grouped(x, w_ENK, s_EN, offs, out_dtype):
