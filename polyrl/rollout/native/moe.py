@@ -292,11 +292,17 @@ def set_route_buffer(model, routes: torch.Tensor | None) -> None:
 
 
 class _ExpertRows:
-    """`load_hf_weights`' owner for one expert's rows of a 3-D expert weight (HF's per-expert names): writes through
-    the live parameter (offloading swaps its storage), quantising where the experts are FP8."""
+    """`load_hf_weights`' target and owner for one expert's rows of a 3-D expert weight (HF's per-expert names), or
+    the whole of it (FP8): reads and writes through the live parameter, never a stored view (offloading swaps a
+    parameter's storage, and a view would keep the old one alive), quantising where the experts are FP8."""
 
     def __init__(self, experts: Experts, name: str, expert: int | None):
         self.experts, self.name, self.expert = experts, name, expert
+
+    @property
+    def data(self) -> torch.Tensor:
+        w = getattr(self.experts, self.name).data
+        return w if self.expert is None else w[self.expert]
 
     @torch.no_grad()
     def load_rows(self, lo: int, hi: int, w: torch.Tensor) -> None:
@@ -321,9 +327,9 @@ def moe_hf_targets(prefix: str, m: MoE) -> dict:
     for e in range(m.num_experts):
         q = f"{prefix}experts.{e}."
         gate_up, down = _ExpertRows(ex, "gate_up", e), _ExpertRows(ex, "down", e)
-        out[q + "gate_proj.weight"] = (ex.gate_up[e], 0, I, gate_up)
-        out[q + "up_proj.weight"] = (ex.gate_up[e], I, 2 * I, gate_up)
-        out[q + "down_proj.weight"] = (ex.down[e], 0, H, down)
+        out[q + "gate_proj.weight"] = (gate_up, 0, I, gate_up)
+        out[q + "up_proj.weight"] = (gate_up, I, 2 * I, gate_up)
+        out[q + "down_proj.weight"] = (down, 0, H, down)
     if m.shared is not None:
         s, Is = m.shared, m.shared.inter
 
