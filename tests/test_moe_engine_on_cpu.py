@@ -383,3 +383,21 @@ def test_moe_decode_benchmark_engine_run_on_a_tiny_spec(config, tmp_path):
     r = b.run_engine(args, 1e11, "cpu", s=s, device="cpu")
     assert r["decode_tokens_per_s"] > 0 and 0 < r["frac_roofline"] and r["prompt"] == 17
     assert "moe_decode.py (engine, decode only)" in rows_out.read_text()
+
+
+def test_routes_of_rows_continued_on_a_kept_cache_cover_both_calls():
+    """Partial rollouts with R3: a row continued on its kept KV cache reports routes for the whole sequence, the
+    first call's positions included (they stay in the kept blocks)."""
+    m = _tiny("qwen3_moe")
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=16, num_kv_tokens=1024,
+                               record_routes=True)
+    prompts = _prompts([3, 21, 9])
+    a = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, keep_unfinished=True))
+    cont = [p + t for p, t in zip(prompts, a.token_ids)]
+    b = eng.generate(cont, SamplingParams(temperature=0.0, max_new_tokens=5, continuations=a.handles))
+    assert eng.stats["num_resumed"] == 3
+    for i, c in enumerate(cont):
+        ids = c + b.token_ids[i]
+        got = b.routed_experts[i]
+        assert got.shape[0] == len(ids) and (got[-1] == -1).all()
+        assert torch.equal(got[:-1].long().sort(-1).values, _hf_routes(m, ids)[:-1].sort(-1).values), i
