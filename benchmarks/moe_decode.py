@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/moe_decode.py --config bf16 --rows-out BENCHMARKS.md       # 109 GB: an H200
     PYTHONPATH=. python benchmarks/moe_decode.py --config bf16 --layers 24                    # the cut fits an H100
     PYTHONPATH=. python benchmarks/moe_decode.py --gemms                                      # grouped-GEMM table
+    PYTHONPATH=. python benchmarks/moe_decode.py --config fp8kv_w8 --layers 8 --profile       # where a step goes
 
 The model is Qwen3-30B-A3B's shape with random weights, built straight into the engine's layout (no HF model, no
 download): 48 layers (`--layers N` cuts), hidden 2048, 128 experts top-8 with moe_intermediate 768, 32 q / 4 kv heads
@@ -213,6 +214,12 @@ def run_engine(args, bw: float, dev_name: str, s=None, device: str = "cuda") -> 
     print(json.dumps(r), flush=True)
     print(f"decode {tps:,.0f} tok/s ({r['ms_per_step']:.2f} ms a step) = {tps / roof:.0%} of the roofline "
           f"{roof:,.0f} ({args.config}; {tps / roof_bf16:.0%} of bf16's {roof_bf16:,.0f}); bar: 60%", flush=True)
+    if getattr(args, "profile", False):  # kernel breakdown of a decode-heavy run: 64-token prompts, 64 new tokens
+        from rollout import profile_decode
+
+        short = [p[:64] for p in prompts]
+        profile_decode(eng, s.vocab_size, short, SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True,
+                                                                seed=0), label=f"[moe_decode {args.config}]")
     if args.rows_out:
         from _record import append_row
 
@@ -315,6 +322,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gemms", action="store_true", help="the grouped-GEMM comparison instead of the engine run")
+    ap.add_argument("--profile", action="store_true", help="after the engine run, a kernel breakdown (torch.profiler)")
     ap.add_argument("--rows-out", default=None, help="append BENCHMARKS.md rows here")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
