@@ -179,9 +179,10 @@ def test_record_routes_on_a_dense_model_is_refused():
         NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=64, record_routes=True)
 
 
-def test_fp8_experts_stay_close_to_hf_and_requantise_on_update():
+def test_fp8_experts_and_kv_stay_close_to_hf_and_requantise_on_update():
     m, m2 = _tiny("qwen2_moe", seed=0), _tiny("qwen2_moe", seed=1)
-    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024, quantization="fp8")
+    eng = NativeEngine.from_hf(m, dtype=torch.float32, num_kv_tokens=1024, quantization="fp8", kv_cache_dtype="fp8",
+                               record_routes=True)
     assert all(isinstance(layer.mlp.experts, FP8Experts) for layer in eng.model.layers)
     prompts = _prompts([5, 12])
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
