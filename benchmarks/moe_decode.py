@@ -25,10 +25,10 @@ expected number that B rows x k picks reach, E (1 - (1 - k/E)^B) (uniform routin
 are the config's own (e4m3 + scales in FP8), also given for bf16, over the copy bandwidth measured here
 (`benchmarks/rollout.copy_bandwidth`, as every roofline in this repo). The issue's bar: 60% of it.
 
-Grouped GEMMs (`--gemms`): one MoE layer's two expert projections (gate_up then down, the activation between them
-not timed) at decode sizes (1-512 token rows, so 8-4,096 (token, expert) pairs) and prefill sizes (2k-16k tokens),
-routing drawn uniformly: `torch._grouped_mm` (bf16), `torch._scaled_grouped_mm` (e4m3 with row scales), and a
-per-expert loop of cuBLAS GEMMs (its host sync included, as the engine would pay it). One layer's experts are 1.2 GB
+Grouped GEMMs (`--gemms`): one MoE layer's experts (gate_up GEMM, SiLU-and-multiply, down GEMM) at decode sizes (1-512 token rows, so 8-4,096 (token, expert) pairs) and prefill sizes (2k-16k tokens),
+routing drawn uniformly: `torch._grouped_mm` (bf16), polyrl's Triton grouped GEMM (grouped_gemm.py, bf16),
+`torch._scaled_grouped_mm` (e4m3 with row scales), and a per-expert loop of cuBLAS GEMMs (its host sync included, as
+the engine would pay it). One layer's experts are 1.2 GB
 in bf16, far past the L2, so every call reads them from HBM as decode does. The last lines print the per-regime winner
 as a `moe.GROUPED_GEMM` table to paste into polyrl/rollout/native/moe.py (the loop can never be the decode choice:
 CUDA graphs cannot capture its host sync).
@@ -245,21 +245,25 @@ def routed_pairs(tokens: int, num_experts: int, top_k: int, device, seed: int = 
 
 
 def expert_mlp_fns(E: int, H: int, I: int, device):
-    """name -> fn(x_sorted [M, H], offs) running one layer's gate_up and down GEMMs (the activation not timed)."""
-    from polyrl.rollout.native.moe import Experts, FP8Experts, grouped_linear
+    """name -> fn(x_sorted [M, H], offs) running one layer's experts as the engine does: gate_up GEMM, SiLU-and-
+    multiply (the same kernel for every variant), down GEMM."""
+    from polyrl.rollout.native.moe import Experts, FP8Experts, _silu_mul, grouped_linear
 
     ex = Experts(E, H, I).to(device=device, dtype=torch.bfloat16 if torch.device(device).type == "cuda"
                              else torch.float32)
     with torch.no_grad():
         ex.gate_up.normal_(0, 0.02)
         ex.down.normal_(0, 0.02)
-    fns = {"grouped_mm": lambda x, offs: grouped_linear(grouped_linear(x, ex.gate_up, offs, "grouped_mm")[:, :I],
-                                                        ex.down, offs, "grouped_mm"),
-           "loop": lambda x, offs: grouped_linear(grouped_linear(x, ex.gate_up, offs, "loop")[:, :I], ex.down,
-                                                  offs, "loop")}
+    def mlp(kind):
+        return lambda x, offs: grouped_linear(_silu_mul(grouped_linear(x, ex.gate_up, offs, kind)), ex.down, offs,
+                                              kind)
+
+    fns = {"grouped_mm": mlp("grouped_mm"), "loop": mlp("loop")}
+    if torch.device(device).type == "cuda":
+        fns["triton"] = mlp("triton")
     if torch.device(device).type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9:
         fx = FP8Experts(ex)
-        fns["scaled_grouped_mm (fp8)"] = lambda x, offs: fx._down(fx._gate_up(x, offs, None)[:, :I].contiguous(),
+        fns["scaled_grouped_mm (fp8)"] = lambda x, offs: fx._down(_silu_mul(fx._gate_up(x, offs, None), fp8=True),
                                                                   offs, None)
     return fns, ex
 
@@ -282,17 +286,22 @@ def bench_gemms(bw: float, dev_name: str, rows_out: str | None) -> dict:
             roof_us = layer_bf16 * touched / E / bw * 1e6
             row = dict(regime=regime, tokens=T, pairs=T * K, touched=touched, roofline_us=roof_us)
             for name, fn in fns.items():
-                if name == "loop":  # host-synced: events around eager calls
-                    row[name] = triton.testing.do_bench(lambda: fn(x, offs), warmup=5, rep=50) * 1e3
-                else:
-                    row[name] = triton.testing.do_bench_cudagraph(lambda: fn(x, offs)) * 1e3
+                try:
+                    if name == "loop":  # host-synced: events around eager calls
+                        row[name] = triton.testing.do_bench(lambda: fn(x, offs), warmup=5, rep=50) * 1e3
+                    else:
+                        row[name] = triton.testing.do_bench_cudagraph(lambda: fn(x, offs)) * 1e3
+                except Exception as e:  # one kernel failing leaves the others' numbers
+                    print(f"{name} at {T} tokens failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    row[name] = float("inf")
             results.append(row)
             for name in fns:
                 if name != "loop" or regime == "prefill":
                     best.setdefault(regime, {}).setdefault(name, []).append(row[name])
             print(f"| {regime} | {T} | {T * K} | {touched:.0f} | "
                   + " | ".join(f"{row[n]:.1f} us" for n in fns) + f" | {roof_us:.1f} us |", flush=True)
-    # the per-regime winner among the bf16 kernels (FP8 is a separate choice: rollout.quantization)
+    # the per-regime winner among the bf16 kernels (FP8 is a separate choice: rollout.quantization; the loop is not
+    # a decode candidate: graphs cannot capture its sync)
     table = {regime: min((n for n in times if "fp8" not in n), key=lambda n: sum(times[n]))
              for regime, times in best.items()}
     print(f"\nGROUPED_GEMM = {table}  # moe.py: the sum over each regime's sizes, bf16 kernels ({dev_name})")
@@ -304,7 +313,8 @@ def bench_gemms(bw: float, dev_name: str, rows_out: str | None) -> dict:
                 g = row["grouped_mm"]
                 append_row(dev_name, f"moe_decode.py --gemms ({row['regime']})",
                            f"Qwen3-30B-A3B expert MLP (gate_up + down GEMMs, one layer), {row['tokens']} tokens x top-8 "
-                           f"uniform, {row['touched']:.0f} experts touched; loop {row['loop']:.1f} us"
+                           f"uniform, {row['touched']:.0f} experts touched; loop {row['loop']:.1f} us, Triton "
+                           f"{row['triton']:.1f} us"
                            + (f", scaled_grouped_mm (fp8) {row['scaled_grouped_mm (fp8)']:.1f} us"
                               if "scaled_grouped_mm (fp8)" in row else ""),
                            f"_grouped_mm {g:.1f} us", "-", f"{row['roofline_us']:.1f} us (bf16 bytes at "

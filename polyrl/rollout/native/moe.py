@@ -42,10 +42,14 @@ if TYPE_CHECKING:
     from polyrl.rollout.native.model import ModelSpec
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
-# The expert GEMM per regime: "grouped_mm" (torch._grouped_mm, one launch per projection) or "loop" (one GEMM per
-# expert: host-synced, eager only, so never under CUDA graphs). Fill from `benchmarks/moe_decode.py --gemms` (the
+# The expert GEMM per regime: "grouped_mm" (torch._grouped_mm, one launch per projection), "triton"
+# (grouped_gemm.py, one launch, 16-row tiles at decode sizes) or "loop" (one GEMM per expert: host-synced, eager
+# only, so never under CUDA graphs). Fill from `benchmarks/moe_decode.py --gemms` (the
 # winner per regime at Qwen3-30B-A3B's layer shape); not yet measured, so `_grouped_mm` everywhere.
-GROUPED_GEMM = {"decode": "grouped_mm", "prefill": os.environ.get("POLYRL_MOE_PREFILL_GEMM", "grouped_mm")}
+# POLYRL_MOE_DECODE_GEMM / POLYRL_MOE_PREFILL_GEMM override them for an A/B run.
+GROUPED_GEMM = {"decode": os.environ.get("POLYRL_MOE_DECODE_GEMM", "grouped_mm"),
+                "prefill": os.environ.get("POLYRL_MOE_PREFILL_GEMM", "grouped_mm")}
+assert GROUPED_GEMM["decode"] in ("grouped_mm", "triton"), "the decode step is captured: no host-synced loop"
 ROUTE_DTYPE = torch.int16
 
 
@@ -77,6 +81,23 @@ def _cutlass_grouped_mm(device: torch.device) -> bool:
 GATHER_MAX_BYTES = 1 << 30  # the per-row weight gather (CUDA without the CUTLASS kernel) up to this many bytes
 
 
+def tile_table(offs_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_gemm.py's tiles: (expert, first row) of every `block_m`-row tile of each expert's run of sorted rows,
+    padded with expert -1 to the worst case cdiv(M, block_m) + E tiles; device ops only (no host sync)."""
+    E = offs_E.shape[0]
+    ends = offs_E.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = -(-num_rows // block_m) + E
+    t = torch.arange(max_tiles, device=offs_E.device)
+    expert = torch.searchsorted(tile_end, t, right=True)
+    real = expert < E
+    e = expert.clamp(max=E - 1)
+    first = starts[e] + (t - (tile_end[e] - tiles[e])) * block_m
+    return torch.where(real, e, -1).to(torch.int32), first.to(torch.int32)
+
+
 def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, kind: str) -> torch.Tensor:
     """Row run e of x (rows offs[e-1]..offs[e]) times w[e]^T, for every expert e: [M, N]."""
     if kind == "grouped_mm":
@@ -89,6 +110,12 @@ def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
             expert = torch.searchsorted(offs_E, rows, right=True)
             return torch.bmm(w_ENK[expert], x_MK[:, :, None])[..., 0]
         return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+    if kind == "triton":  # grouped_gemm.py (CUDA); elsewhere torch's kernel
+        if not x_MK.is_cuda:
+            return grouped_linear(x_MK, w_ENK, offs_E, "grouped_mm")
+        from polyrl.rollout.native.grouped_gemm import grouped_gemm
+
+        return grouped_gemm(x_MK, w_ENK, offs_E)
     assert kind == "loop", kind
     out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
     start = 0
