@@ -21,7 +21,7 @@ from polyrl.rollout.native.moe import tile_table
 
 
 @triton.jit
-def _grouped_gemm_kernel(X, W, Y, TILE_EXPERT, TILE_ROW, OFFS, N, K, stride_we, num_tiles_max,
+def _grouped_gemm_kernel(X, W, Y, TILE_EXPERT, TILE_ROW, OFFS, N, K, stride_we,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -67,6 +67,5 @@ def grouped_gemm(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, 
     y = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     x_MK, w_ENK = x_MK.contiguous(), w_ENK.contiguous()
     grid = (expert.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
-    _grouped_gemm_kernel[grid](x_MK, w_ENK, y, expert, first, offs_E, N, K, w_ENK.stride(0), expert.shape[0],
-                               BLOCK_M=bm, **cfg)
+    _grouped_gemm_kernel[grid](x_MK, w_ENK, y, expert, first, offs_E, N, K, w_ENK.stride(0), BLOCK_M=bm, **cfg)
     return y
