@@ -25,20 +25,19 @@ expected number that B rows x k picks reach, E (1 - (1 - k/E)^B) (uniform routin
 are the config's own (e4m3 + scales in FP8), also given for bf16, over the copy bandwidth measured here
 (`benchmarks/rollout.copy_bandwidth`, as every roofline in this repo). The issue's bar: 60% of it.
 
-Grouped GEMMs (`--gemms`): one MoE layer's experts (gate_up GEMM, SiLU-and-multiply, down GEMM) at decode sizes (1-512 token rows, so 8-4,096 (token, expert) pairs) and prefill sizes (2k-16k tokens),
-routing drawn uniformly: `torch._grouped_mm` (bf16), polyrl's Triton grouped GEMM (grouped_gemm.py, bf16),
-`torch._scaled_grouped_mm` (e4m3 with row scales), and a per-expert loop of cuBLAS GEMMs (its host sync included, as
-the engine would pay it). One layer's experts are 1.2 GB
-in bf16, far past the L2, so every call reads them from HBM as decode does. The last lines print the per-regime winner
-as a `moe.GROUPED_GEMM` table to paste into polyrl/rollout/native/moe.py (the loop can never be the decode choice:
-CUDA graphs cannot capture its host sync).
+Grouped GEMMs (`--gemms`): one MoE layer's experts (gate_up GEMM, SiLU-and-multiply, down GEMM) at decode sizes
+(1-512 token rows, so 8-4,096 (token, expert) pairs) and prefill sizes (2k-16k tokens), routing drawn uniformly:
+`torch._grouped_mm` (bf16), polyrl's Triton grouped GEMM (grouped_gemm.py, bf16), `torch._scaled_grouped_mm` (e4m3
+with row scales), and a per-expert loop of cuBLAS GEMMs (its host sync included, as the engine would pay it). One
+layer's experts are 1.2 GB in bf16, far past the L2, so every call reads them from HBM as decode does. The last
+lines print the per-regime winner as a `moe.GROUPED_GEMM` table to paste into polyrl/rollout/native/moe.py (the loop
+can never be the decode choice: CUDA graphs cannot capture its host sync).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -52,7 +51,8 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048
                      qk_norm=True, tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128,
                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
 ROPE_THETA = 1e6
-CONFIGS = {"bf16": dict(), "fp8kv": dict(kv_cache_dtype="fp8"), "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8")}
+CONFIGS = {"bf16": dict(), "fp8kv": dict(kv_cache_dtype="fp8"),
+           "fp8kv_w8": dict(kv_cache_dtype="fp8", quantization="fp8")}
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_TOKENS = (2048, 8192, 16384)
 
@@ -173,7 +173,8 @@ def run_engine(args, bw: float, dev_name: str, s=None, device: str = "cuda") -> 
     model, inv_freq = build_model(s, device, fp8_experts=cfg.get("quantization") == "fp8")
     model.set_rope(inv_freq, 1.0, max_len, device)
     eng = NativeEngine(model, device=device, gpu_memory_utilization=args.gpu_memory_utilization,
-                       max_num_seqs=args.rows, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
+                       max_num_seqs=args.rows, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=max_len,
                        enforce_eager=False, block_size=16, seed=0,
                        num_kv_tokens=None if cuda else args.rows * max_len, **cfg)
     print(f"built in {time.perf_counter() - t0:.0f} s: weights {eng.weight_bytes() / 1e9:.1f} GB, KV cache "
@@ -312,7 +313,8 @@ def bench_gemms(bw: float, dev_name: str, rows_out: str | None) -> dict:
             if row["tokens"] in (256, 8192):
                 g = row["grouped_mm"]
                 append_row(dev_name, f"moe_decode.py --gemms ({row['regime']})",
-                           f"Qwen3-30B-A3B expert MLP (gate_up + down GEMMs, one layer), {row['tokens']} tokens x top-8 "
+                           f"Qwen3-30B-A3B experts (gate_up, SiLU-mul, down; one layer), {row['tokens']} tokens x "
+                           f"top-8 "
                            f"uniform, {row['touched']:.0f} experts touched; loop {row['loop']:.1f} us, Triton "
                            f"{row['triton']:.1f} us"
                            + (f", scaled_grouped_mm (fp8) {row['scaled_grouped_mm (fp8)']:.1f} us"

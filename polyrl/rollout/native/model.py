@@ -274,8 +274,8 @@ class CausalLM(nn.Module):
         first, rows = self.layers[0], x.shape[0]
         dense = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MLP)), None)
         fp8_qkv = takes_fp8_rows(first.attn.qkv, rows)
-        fp8_gate_up, fp8_down = (dense is not None and takes_fp8_rows(m, rows) for m in (getattr(dense, "gate_up", None),
-                                                                                         getattr(dense, "down", None)))
+        fp8_gate_up, fp8_down = (dense is not None and takes_fp8_rows(getattr(dense, name), rows)
+                                 for name in ("gate_up", "down"))
         split_down, act_slice = down_partials(dense.down, rows) if dense is not None else (None, None)
         residual = None
         for layer in self.layers:

@@ -9,8 +9,9 @@ Experts run as two grouped GEMMs (`torch._grouped_mm`, CPU and CUDA): the T*k (t
 expert, each expert multiplies its contiguous run of rows, and the rows go back to token order. Every shape depends
 on T and k only and the group offsets stay on the device (`searchsorted` over the sorted ids), so the decode step has
 no host sync and CUDA graphs capture it (torch's CUTLASS kernel: bf16 on sm_90/sm_100; elsewhere on CUDA, where
-torch's fallback syncs, small GEMMs gather each row's expert weight instead). `GROUPED_GEMM` names the kernel per regime (decode: the CUDA-graph decode
-step; prefill: everything else); `benchmarks/moe_decode.py --gemms` measures the choices.
+torch's fallback syncs, small GEMMs gather each row's expert weight instead). `GROUPED_GEMM` names the kernel per
+regime (decode: the CUDA-graph decode step; prefill: everything else), `torch._grouped_mm` or grouped_gemm.py's Triton
+kernel; `benchmarks/moe_decode.py --gemms` measures the choices.
 
 Weights: `Experts.gate_up` is [E, 2I, H] (gate rows first, then up rows: HF's fused `experts.gate_up_proj`) and
 `Experts.down` [E, H, I] (HF's `experts.down_proj`); both are also reachable under HF's older per-expert names
