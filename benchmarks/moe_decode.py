@@ -27,11 +27,11 @@ are the config's own (e4m3 + scales in FP8), also given for bf16, over the copy 
 
 Grouped GEMMs (`--gemms`): one MoE layer's experts (gate_up GEMM, SiLU-and-multiply, down GEMM) at decode sizes
 (1-512 token rows, so 8-4,096 (token, expert) pairs) and prefill sizes (2k-16k tokens), routing drawn uniformly:
-`torch._grouped_mm` (bf16), polyrl's Triton grouped GEMM (grouped_gemm.py, bf16), `torch._scaled_grouped_mm` (e4m3
+`torch._grouped_mm` (bf16), `torch._scaled_grouped_mm` (e4m3
 with row scales), and a per-expert loop of cuBLAS GEMMs (its host sync included, as the engine would pay it). One
 layer's experts are 1.2 GB in bf16, far past the L2, so every call reads them from HBM as decode does. The last
-lines print the per-regime winner as a `moe.GROUPED_GEMM` table to paste into polyrl/rollout/native/moe.py (the loop
-can never be the decode choice: CUDA graphs cannot capture its host sync).
+lines print the per-regime winner (`_grouped_mm` won both on an H100, 2026-11-27, over a Triton grouped GEMM that
+was then removed; the loop can never be the decode choice: CUDA graphs cannot capture its host sync).
 """
 
 from __future__ import annotations
@@ -210,8 +210,7 @@ def run_engine(args, bw: float, dev_name: str, s=None, device: str = "cuda") -> 
              ms_per_step=st["decode_gpu_s"] / max(st["num_decode_steps"], 1) * 1e3, wall_s=wall,
              prefill_gpu_s=st["prefill_gpu_s"], preempted=st["num_preempted"], step_weight_gb=W / 1e9,
              roofline=roof, roofline_bf16=roof_bf16, frac_roofline=tps / roof, frac_roofline_bf16=tps / roof_bf16,
-             copy_bw_tbs=bw / 1e12, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-             grouped_gemm=dict(__import__("polyrl.rollout.native.moe", fromlist=["GROUPED_GEMM"]).GROUPED_GEMM))
+             copy_bw_tbs=bw / 1e12, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     print(json.dumps(r), flush=True)
     print(f"decode {tps:,.0f} tok/s ({r['ms_per_step']:.2f} ms a step) = {tps / roof:.0%} of the roofline "
           f"{roof:,.0f} ({args.config}; {tps / roof_bf16:.0%} of bf16's {roof_bf16:,.0f}); bar: 60%", flush=True)
@@ -228,7 +227,7 @@ def run_engine(args, bw: float, dev_name: str, s=None, device: str = "cuda") -> 
                    f"Qwen3-30B-A3B shape, random weights, {s.num_layers} layers, 128 experts top-8; {args.rows} rows "
                    f"x P{prompt} + {args.new} new (mean decode context {args.context}); {args.config}; "
                    f"{r['ms_per_step']:.2f} ms a step; weights read a step {W / 1e9:.1f} GB; preempted "
-                   f"{r['preempted']}; experts {r['grouped_gemm']}",
+                   f"{r['preempted']}; experts torch._grouped_mm",
                    f"{tps:,.0f} decode tok/s", "-", f"roofline {roof:,.0f} ({args.config}), bf16 {roof_bf16:,.0f} "
                    f"(copy BW {bw / 1e12:.2f} TB/s)", "-", f"{tps / roof:.0%} ({tps / roof_bf16:.0%} of bf16)",
                    args.rows_out)
@@ -260,8 +259,6 @@ def expert_mlp_fns(E: int, H: int, I: int, device):
                                               kind)
 
     fns = {"grouped_mm": mlp("grouped_mm"), "loop": mlp("loop")}
-    if torch.device(device).type == "cuda":
-        fns["triton"] = mlp("triton")
     if torch.device(device).type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9:
         fx = FP8Experts(ex)
         fns["scaled_grouped_mm (fp8)"] = lambda x, offs: fx._down(_silu_mul(fx._gate_up(x, offs, None), fp8=True),
@@ -305,7 +302,7 @@ def bench_gemms(bw: float, dev_name: str, rows_out: str | None) -> dict:
     # a decode candidate: graphs cannot capture its sync)
     table = {regime: min((n for n in times if "fp8" not in n), key=lambda n: sum(times[n]))
              for regime, times in best.items()}
-    print(f"\nGROUPED_GEMM = {table}  # moe.py: the sum over each regime's sizes, bf16 kernels ({dev_name})")
+    print(f"\nwinner per regime: {table}  # the sum over each regime's sizes, bf16 kernels ({dev_name})")
     if rows_out:
         from _record import append_row
 
@@ -315,8 +312,7 @@ def bench_gemms(bw: float, dev_name: str, rows_out: str | None) -> dict:
                 append_row(dev_name, f"moe_decode.py --gemms ({row['regime']})",
                            f"Qwen3-30B-A3B experts (gate_up, SiLU-mul, down; one layer), {row['tokens']} tokens x "
                            f"top-8 "
-                           f"uniform, {row['touched']:.0f} experts touched; loop {row['loop']:.1f} us, Triton "
-                           f"{row['triton']:.1f} us"
+                           f"uniform, {row['touched']:.0f} experts touched; loop {row['loop']:.1f} us"
                            + (f", scaled_grouped_mm (fp8) {row['scaled_grouped_mm (fp8)']:.1f} us"
                               if "scaled_grouped_mm (fp8)" in row else ""),
                            f"_grouped_mm {g:.1f} us", "-", f"{row['roofline_us']:.1f} us (bf16 bytes at "

@@ -403,30 +403,3 @@ def test_routes_of_rows_continued_on_a_kept_cache_cover_both_calls():
         assert got.shape[0] == len(ids) and (got[-1] == -1).all()
         assert torch.equal(got[:-1].long().sort(-1).values, _hf_routes(m, ids)[:-1].sort(-1).values), i
 
-
-@pytest.mark.parametrize("block_m", [1, 2, 4])
-def test_the_triton_kernels_tile_table_covers_every_row_once(block_m):
-    """grouped_gemm.py's tiles (built on the device, no sync): each real tile lies inside one expert's run, every row
-    is in exactly one tile, the padding tiles are marked -1; a torch emulation of the kernel over the table gives the
-    grouped GEMM."""
-    from polyrl.rollout.native.moe import tile_table
-
-    torch.manual_seed(0)
-    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [0, 3], [1, 4]])  # experts 2 and 5 empty
-    order, offs = sort_by_expert(ids, 6)
-    M = ids.numel()
-    expert, first = tile_table(offs, M, block_m)
-    assert expert.shape[0] == -(-M // block_m) + 6
-    x, w = torch.randn(M, 16), torch.randn(6, 12, 16)
-    y, seen = torch.full((M, 12), float("nan")), torch.zeros(M, dtype=torch.long)
-    for e, r0 in zip(expert.tolist(), first.tolist()):
-        if e < 0:
-            continue
-        start = 0 if e == 0 else int(offs[e - 1])
-        end = int(offs[e])
-        assert start <= r0 < end
-        rows = slice(r0, min(r0 + block_m, end))
-        y[rows] = x[rows] @ w[e].t()
-        seen[rows] += 1
-    assert (seen == 1).all()
-    assert torch.allclose(y, grouped_linear(x, w, offs, "grouped_mm"), atol=1e-5)

@@ -193,7 +193,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, meta):
         x = x + self.attn(self.ln1(x), cos, sin, meta)
         h = self.ln2(x)
-        return x + (self.mlp(h, meta.slot_mapping, meta.decode) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + (self.mlp(h, meta.slot_mapping) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 # bf16 down projections run as split-K over K slices (`sliced_linear`, one batched cuBLAS call; the next
@@ -283,7 +283,7 @@ class CausalLM(nn.Module):
             x = layer.attn.forward_fused(h, positions_T, self.rope_cos, self.rope_sin, meta)
             if isinstance(layer.mlp, MoE):
                 h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps)
-                x = layer.mlp(h, meta.slot_mapping, meta.decode)
+                x = layer.mlp(h, meta.slot_mapping)
                 continue
             h, residual = add_rmsnorm(x, residual, layer.ln2.weight, layer.ln2.eps, fp8=fp8_gate_up)
             act = silu_mul(layer.mlp.gate_up(h), fp8=fp8_down, slice_cols=act_slice)

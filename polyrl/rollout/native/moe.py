@@ -9,9 +9,11 @@ Experts run as two grouped GEMMs (`torch._grouped_mm`, CPU and CUDA): the T*k (t
 expert, each expert multiplies its contiguous run of rows, and the rows go back to token order. Every shape depends
 on T and k only and the group offsets stay on the device (`searchsorted` over the sorted ids), so the decode step has
 no host sync and CUDA graphs capture it (torch's CUTLASS kernel: bf16 on sm_90/sm_100; elsewhere on CUDA, where
-torch's fallback syncs, small GEMMs gather each row's expert weight instead). `GROUPED_GEMM` names the kernel per
-regime (decode: the CUDA-graph decode step; prefill: everything else), `torch._grouped_mm` or grouped_gemm.py's Triton
-kernel; `benchmarks/moe_decode.py --gemms` measures the choices.
+torch's fallback syncs, small GEMMs gather each row's expert weight instead). `torch._grouped_mm` won every regime
+`benchmarks/moe_decode.py --gemms` measured at Qwen3-30B-A3B's layer shape on an H100 (2026-11-27: decode at 256
+tokens 475 us against 563 for a Triton grouped GEMM with 16-row tiles and 14,102 for a per-expert loop; prefill at
+8,192 tokens 1,332 against 2,530 and 8,276), so the Triton kernel went (git keeps it, commit ac3fa6f) and the loop
+stays only as the benchmark's and the tests' reference.
 
 Weights: `Experts.gate_up` is [E, 2I, H] (gate rows first, then up rows: HF's fused `experts.gate_up_proj`) and
 `Experts.down` [E, H, I] (HF's `experts.down_proj`); both are also reachable under HF's older per-expert names
@@ -32,7 +34,6 @@ sequence's rows when it retires (engine.py `_copy_routes`).
 from __future__ import annotations
 
 import functools
-import os
 import re
 from typing import TYPE_CHECKING
 
@@ -43,14 +44,6 @@ if TYPE_CHECKING:
     from polyrl.rollout.native.model import ModelSpec
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
-# The expert GEMM per regime: "grouped_mm" (torch._grouped_mm, one launch per projection), "triton"
-# (grouped_gemm.py, one launch, 16-row tiles at decode sizes) or "loop" (one GEMM per expert: host-synced, eager
-# only, so never under CUDA graphs). Fill from `benchmarks/moe_decode.py --gemms` (the
-# winner per regime at Qwen3-30B-A3B's layer shape); not yet measured, so `_grouped_mm` everywhere.
-# POLYRL_MOE_DECODE_GEMM / POLYRL_MOE_PREFILL_GEMM override them for an A/B run.
-GROUPED_GEMM = {"decode": os.environ.get("POLYRL_MOE_DECODE_GEMM", "grouped_mm"),
-                "prefill": os.environ.get("POLYRL_MOE_PREFILL_GEMM", "grouped_mm")}
-assert GROUPED_GEMM["decode"] in ("grouped_mm", "triton"), "the decode step is captured: no host-synced loop"
 ROUTE_DTYPE = torch.int16
 
 
@@ -82,22 +75,6 @@ def _cutlass_grouped_mm(device: torch.device) -> bool:
 GATHER_MAX_BYTES = 1 << 30  # the per-row weight gather (CUDA without the CUTLASS kernel) up to this many bytes
 
 
-def tile_table(offs_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """grouped_gemm.py's tiles: (expert, first row) of every `block_m`-row tile of each expert's run of sorted rows,
-    padded with expert -1 to the worst case cdiv(M, block_m) + E tiles; device ops only (no host sync)."""
-    E = offs_E.shape[0]
-    ends = offs_E.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    max_tiles = -(-num_rows // block_m) + E
-    t = torch.arange(max_tiles, device=offs_E.device)
-    expert = torch.searchsorted(tile_end, t, right=True)
-    real = expert < E
-    e = expert.clamp(max=E - 1)
-    first = starts[e] + (t - (tile_end[e] - tiles[e])) * block_m
-    return torch.where(real, e, -1).to(torch.int32), first.to(torch.int32)
-
 
 def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, kind: str) -> torch.Tensor:
     """Row run e of x (rows offs[e-1]..offs[e]) times w[e]^T, for every expert e: [M, N]."""
@@ -111,12 +88,6 @@ def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
             expert = torch.searchsorted(offs_E, rows, right=True)
             return torch.bmm(w_ENK[expert], x_MK[:, :, None])[..., 0]
         return torch._grouped_mm(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
-    if kind == "triton":  # grouped_gemm.py (CUDA); elsewhere torch's kernel
-        if not x_MK.is_cuda:
-            return grouped_linear(x_MK, w_ENK, offs_E, "grouped_mm")
-        from polyrl.rollout.native.grouped_gemm import grouped_gemm
-
-        return grouped_gemm(x_MK, w_ENK, offs_E)
     assert kind == "loop", kind
     out = x_MK.new_empty(x_MK.shape[0], w_ENK.shape[1])
     start = 0
@@ -264,11 +235,11 @@ class MoE(nn.Module):
             w = w / w.sum(dim=-1, keepdim=True)
         return ids, w.to(x_TD.dtype)
 
-    def forward(self, x_TD: torch.Tensor, slot_mapping: torch.Tensor | None = None, decode: bool = False):
+    def forward(self, x_TD: torch.Tensor, slot_mapping: torch.Tensor | None = None):
         ids, w = self.route(x_TD)
         if self.routes is not None and slot_mapping is not None:
             self.routes.index_copy_(0, slot_mapping, ids.to(ROUTE_DTYPE))
-        out = self.experts(x_TD, ids, w, GROUPED_GEMM["decode" if decode else "prefill"])
+        out = self.experts(x_TD, ids, w, "grouped_mm")
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x_TD)) * self.shared(x_TD)
         return out
