@@ -97,3 +97,28 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
             whole = out[:, off:off + chunk * rest].reshape(W * chunk, rest)[: t.shape[0]]
             off += chunk * rest
             yield name, whole.reshape(t.shape)
+
+
+class GatheredModel:
+    """What `NativeEngine.from_hf` reads from an HF model (config, rope, a parameter's dtype, the state dict), for
+    an FSDP2-sharded one: `state_dict()` streams full tensors from `stream()` (a collective every rank runs, e.g.
+    `full_tensors_by_layer`), so a tensor-parallel engine is built from the trainer's shards without any GPU holding
+    the full model."""
+
+    def __init__(self, model, stream):
+        self._base, self._stream = model, stream
+
+    def state_dict(self):
+        stream = self._stream
+
+        class _Items:
+            def items(self):
+                return stream()
+
+        return _Items()
+
+    def __getattr__(self, name):
+        base = self._base
+        if hasattr(base, "get_base_model"):  # peft: the HF model's config and rotary embedding
+            base = base.get_base_model()
+        return getattr(base, name)

@@ -132,6 +132,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             from polyrl.distributed.parallelize import parallelize
 
             self.rollout_replica = copy.deepcopy(model)
+            if roles.rollout.tensor_model_parallel_size > 1:  # the engine streams its slices from the FSDP shards;
+                self.rollout_replica.to("cpu")  # the replica stays only as the reference's and HF export's template
             parallelize(model, self.dist.mesh, roles.actor.fsdp_config, self.device)
         self.model = model
         self.export_dtype = export_dtype(t.export_dtype, roles.model.path, trained=next(model.parameters()).dtype)
@@ -229,13 +231,22 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
 
     def _make_engine(self):
         cfg = self.cfg
-        return make_rollout(cfg.actor_rollout_ref.rollout, self._rollout_model(),
-                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
-                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        r = cfg.actor_rollout_ref.rollout
+        tp = {}
+        if r.tensor_model_parallel_size > 1:  # replicas of N consecutive ranks (rollout/native/tensor_parallel.py)
+            from polyrl.rollout.native.tensor_parallel import TPGroup
+
+            tp = {"tp": TPGroup.consecutive(r.tensor_model_parallel_size)}
+        return make_rollout(r, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length, **tp)
 
     def _rollout_model(self):
         """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy); with several
         processes this rank's full replica, refilled tensor by tensor after each update."""
+        if self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1:  # no full replica on any GPU
+            from polyrl.distributed.weights import GatheredModel, full_tensors_by_layer
+
+            return GatheredModel(self.model, lambda: full_tensors_by_layer(merged_state_dict(self.model).items()))
         return self.rollout_replica if self.dist.is_distributed else self.model
 
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -412,6 +423,10 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
     def _weights_for_rollout(self):
         if getattr(self.engine, "model", None) is self.model:
             return []  # the engine generates with the actor module itself: already up to date
+        if self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1:  # a layer at a time; each rank
+            from polyrl.distributed.weights import full_tensors_by_layer  # keeps its TP slice
+
+            return full_tensors_by_layer(merged_state_dict(self.model).items())
         if self.dist.is_distributed:  # all-gather one tensor at a time into this rank's replica
             from polyrl.distributed.weights import full_tensors
 

@@ -611,17 +611,25 @@ class NativeEngine:
 
 
 @register_rollout("native")
-def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> NativeEngine:
-    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`."""
+def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int, tp=None):
+    """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`. `tp` (a
+    `tensor_parallel.TPGroup` of more than one rank): this rank's slice of a replica, behind `ReplicaRollout`."""
     from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
     from polyrl.utils.device import to_dtype
 
     dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
-    return NativeEngine.from_hf(
-        _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+    engine = NativeEngine.from_hf(
+        model if tp is not None else _merged_view(model), device=device, dtype=dtype,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
         max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, **(cfg.engine_kwargs.get("native") or {}))
+        kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, tp=tp,
+        **(cfg.engine_kwargs.get("native") or {}))
+    if tp is not None and tp.size > 1:
+        from polyrl.rollout.native.tensor_parallel import ReplicaRollout
+
+        return ReplicaRollout(engine, tp)
+    return engine
 
 
 class _MergedLoRAView:

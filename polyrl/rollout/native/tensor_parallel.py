@@ -215,3 +215,47 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     if bias is not None:
         lin.bias.data = bias.contiguous()
     return lin
+
+
+class ReplicaRollout:
+    """The rollout interface for one rank of a TP replica: the group's ranks each bring their own prompts (the
+    trainer deals prompts to every rank as in data-parallel rollout), the replica generates all of them in one
+    engine call on every rank of the group, and each rank gets back its own rows. So the trainer, FSDP over all
+    ranks, is unchanged. Everything else passes through to the engine."""
+
+    _ROW_FIELDS = ("forced_lengths", "max_new_tokens_per_row")
+
+    def __init__(self, engine, tp: TPGroup):
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "tp", tp)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.engine, name, value)
+
+    def generate(self, prompt_ids, sampling):
+        from polyrl.rollout.base import Generation
+
+        if sampling.keep_unfinished or sampling.continuations:
+            raise ConfigError("partial rollouts (kept KV caches) are not supported with "
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size > 1; set it to 1.")
+        box = [None] * self.tp.size
+        dist.all_gather_object(box, (list(prompt_ids), sampling), group=self.tp.group)
+        n = sampling.n
+        counts = [len(p) for p, _ in box]
+        merged = dataclasses.replace(box[0][1])  # the group's first rank's settings (seed included) for every row
+        for f in self._ROW_FIELDS:
+            lists = [getattr(sp, f) for _, sp in box]
+            if any(x is not None for x in lists):
+                assert all(x is not None for x in lists), f"{f} set on some ranks of a TP group only"
+                setattr(merged, f, [v for x in lists for v in x])
+        everything = [p for ps, _ in box for p in ps]
+        if not everything:
+            return Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        out = self.engine.generate(everything, merged)
+        first = sum(counts[: self.tp.rank])
+        lo, hi = first * n, (first + counts[self.tp.rank]) * n
+        return Generation(prompt_index=[i - first for i in out.prompt_index[lo:hi]], token_ids=out.token_ids[lo:hi],
+                          logprobs=out.logprobs[lo:hi], finish_reason=out.finish_reason[lo:hi])
