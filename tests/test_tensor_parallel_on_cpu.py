@@ -214,3 +214,55 @@ def test_trainer_with_tp2_replicas_matches_data_parallel_rollout(tp_model_dir, s
         for key in ("actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     assert two[1]["timing_s/update_weights"] > 0
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except OSError:
+                continue
+    return kids + [g for k in kids for g in _descendants(k)]
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"\0RANK={rank}\0".encode() in b"\0" + f.read():
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("POLYRL_SLOW_TESTS"), reason="two 2-process runs, ~70 s; POLYRL_SLOW_TESTS=1")
+def test_a_killed_tp_worker_ends_the_run_with_one_sentence_and_resume_works(tp_model_dir, synth_data_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}
+    argv = [sys.executable, *_train_argv(tp_model_dir, synth_data_dir, tmp_path, 2, 3, "trainer.resume_mode=auto")]
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 240
+    while not marker.exists() and job.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    victim = _rank_pid(job.pid, 1)
+    assert victim is not None, "rank 1 not found"
+    os.kill(victim, signal.SIGKILL)  # a process this test started (its own job's rank 1)
+    _, err = job.communicate(timeout=240)
+    assert job.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("polyrl: error: the 2-process job stopped") and "resume_mode=auto" in last, last
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r["step"] for r in _metrics(tmp_path)]
+    assert steps[-1] == 3 and steps.count(1) == 1  # resumed after a checkpoint, not from scratch
