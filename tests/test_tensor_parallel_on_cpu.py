@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, init_file: str, results):
     kw = dict(dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=32, num_kv_tokens=1024)
     for kind in ("qwen3", "llama"):
         m = _tiny(kind)
-        for tag, extra in (("bf", {}), ("fp8kv", {"kv_cache_dtype": "fp8"})):
+        for tag, extra in (("bf", {}), ("fp8kv", {"kv_cache_dtype": "fp8"}), ("fp8w", {"quantization": "fp8"})):
             one = NativeEngine.from_hf(m, **kw, **extra) if rank == 0 else None
             two = NativeEngine.from_hf(m, tp=tp, **kw, **extra)
             out[kind, tag, "kv_heads"] = two.kv.shape[-2]
@@ -120,13 +120,23 @@ def tp_results():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-@pytest.mark.parametrize("tag", ["bf", "fp8kv"])
+@pytest.mark.parametrize("tag", ["bf", "fp8kv", "fp8w"])
 def test_tp2_greedy_equals_tp1(tp_results, kind, tag):
+    """fp8kv: per-(token, kv head) scales are the same on a shard, so only the sum order differs. fp8w: qkv and
+    gate_up rows keep their scales, but the row-parallel o and down quantise their inputs per token over the local
+    columns and their weight rows over the local slice, so TP 2 is a (slightly) different FP8 model than TP 1."""
     (tok1, lp1), (tok2, lp2) = tp_results[0][kind, tag, "greedy"]
-    assert tok2 == tok1
+    if tag == "fp8w":  # a random tiny model's near-ties flip under e4m3 noise: compare rows up to their first
+        # different token (deterministic on CPU: 40 of 64 tokens agree here)
+        same = [next((i for i, (a, b) in enumerate(zip(r1, r2)) if a != b), len(r1)) for r1, r2 in zip(tok1, tok2)]
+        assert sum(same) >= 0.5 * sum(map(len, tok1)), same
+        lp1 = [r[:k] for r, k in zip(lp1, same)]
+        lp2 = [r[:k] for r, k in zip(lp2, same)]
+    else:
+        assert tok2 == tok1
     gap = max(abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2))
-    assert gap < (LP_TOL if tag == "bf" else 1e-3), gap  # fp8 KV: a per-head scale may round the other way
-    assert tp_results[1][kind, tag, "greedy"][1] == (tok2, lp2)  # both ranks return the same rows
+    assert gap < {"bf": LP_TOL, "fp8kv": 1e-3, "fp8w": 3e-2}[tag], gap
+    assert tp_results[1][kind, tag, "greedy"][1] == tp_results[0][kind, tag, "greedy"][1]  # the same on both ranks
     assert tp_results[0][kind, tag, "kv_heads"] == tp_results[1][kind, tag, "kv_heads"] == 1  # 2 kv heads / 2 ranks
 
 
