@@ -131,9 +131,10 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
+            if roles.rollout.tensor_model_parallel_size > 1:  # the engine streams its slices from the FSDP shards
+                model.to("cpu")  # and this host copy is only the reference's and HF export's template; FSDP2 moves
+                torch.cuda.empty_cache()  # each rank's shards back to its GPU (no second full copy on any GPU)
             self.rollout_replica = copy.deepcopy(model)
-            if roles.rollout.tensor_model_parallel_size > 1:  # the engine streams its slices from the FSDP shards;
-                self.rollout_replica.to("cpu")  # the replica stays only as the reference's and HF export's template
             parallelize(model, self.dist.mesh, roles.actor.fsdp_config, self.device)
         self.model = model
         self.export_dtype = export_dtype(t.export_dtype, roles.model.path, trained=next(model.parameters()).dtype)
