@@ -121,16 +121,22 @@ def allreduce_busbw(group, n: int, nbytes: int = 256 << 20, iters: int = 10) -> 
     return nbytes * 2 * (n - 1) / n / ((time.perf_counter() - t0) / iters)
 
 
-def decode_allreduce_s(group, rows: int, hidden: int, count: int, reps: int = 20) -> float:
+def decode_allreduce_s(tp, kind: str, rows: int, hidden: int, count: int, reps: int = 20) -> float:
     """Seconds for `count` all-reduces of [rows, hidden] bf16 (one decode step's), replayed from a CUDA graph as the
-    engine's decode graph issues them."""
+    engine's decode graph issues them, through `kind` (nccl, or tensor_parallel.SymmAllReduce's symm_one/two)."""
+    from polyrl.rollout.native.tensor_parallel import SymmAllReduce
+
     x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
-    dist.all_reduce(x, group=group)  # the communicator exists before capture
+    if kind == "nccl":
+        op = lambda: dist.all_reduce(x, group=tp.group)  # noqa: E731
+    else:
+        op = lambda s=SymmAllReduce(tp, kind, x.numel()): s(x)  # noqa: E731
+    op()  # the communicator / symmetric buffer exist before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(count):
-            dist.all_reduce(x, group=group)
+            op()
     graph.replay()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -140,6 +146,59 @@ def decode_allreduce_s(group, rows: int, hidden: int, count: int, reps: int = 20
     e.record()
     e.synchronize()
     return s.elapsed_time(e) / 1e3 / reps
+
+
+def run_one(args, spec, prompts, sp, tp, fp8: bool, kind: str, bw: float, dev_name: str) -> None:
+    """One TP size (and all-reduce kind) on the ranks of `tp`: decode tok/s, roofline, all-reduce against the link."""
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import tensor_parallel
+
+    n, group, rank = tp.size, tp.group, tp.rank
+    if n > 1:
+        tensor_parallel.ALLREDUCE = kind  # read by shard_model
+    busbw = allreduce_busbw(group, n) if n > 1 else 0.0
+    engine = build_engine(spec, tp, fp8, args)
+    # warm-up at the full batch: Triton compiles and the decode graph of this size is captured here
+    engine.generate(prompts, SamplingParams(n=1, max_new_tokens=8, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, sp)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    dec_s = st["decode_gpu_s"]
+    steps = args.new - 1  # the first new token comes from the prefill
+    tok_s = args.batch * steps / dec_s
+    kv_tok = engine.block_bytes / engine.block_size  # this rank's KV bytes per token (its kv heads)
+    ctx = args.prompt + np.arange(1, args.new)  # context of each decode step
+    bytes_read = engine.weight_bytes() * steps + float(ctx.sum()) * args.batch * kv_tok
+    limit_s = bytes_read / bw
+    ar_s = ar_limit = 0.0
+    if n > 1:
+        count = 2 * spec.num_layers
+        ar_s = decode_allreduce_s(tp, kind, args.batch, spec.hidden_size, count) * steps
+        ar_limit = count * 2 * (n - 1) / n * args.batch * spec.hidden_size * 2 / busbw * steps
+    weights_gb = engine.weight_bytes() / 1e9
+    del engine
+    torch.cuda.empty_cache()
+    if rank != 0:
+        return
+    name = f"TP {n}" + (" FP8 weights" if fp8 else "") + (f", all-reduce {kind}" if n > 1 else "")
+    line = (f"{name}: {tok_s:,.0f} tok/s decode ({tok_s / n:,.0f} per GPU), {dec_s:.2f} s decode GPU time, "
+            f"{wall:.2f} s wall, at most {st['max_batch']} rows at once; roofline {limit_s:.2f} s = "
+            f"{limit_s / dec_s:.0%} ({weights_gb:.1f} GB weights/GPU, KV {kv_tok / 1024:.0f} KiB/token/GPU, "
+            f"copy BW {bw / 1e12:.2f} TB/s)")
+    if n > 1:
+        line += (f"; all-reduce {ar_s:.2f} s alone ({ar_s / dec_s:.0%} of decode) against the link's "
+                 f"{ar_limit:.2f} s ({ar_limit / ar_s:.0%}; NCCL bus BW {busbw / 1e9:.0f} GB/s measured)")
+    print(line, flush=True)
+    cut = f" {args.layers} layers" if args.layers else ""
+    shape = (f"{args.shape}{cut}, random weights, B={args.batch} x {args.prompt}+{args.new}, KV {args.kv}, {name}, "
+             "CUDA graphs")
+    peer = f"all-reduce {ar_s:.2f} s vs link {ar_limit:.2f} s ({busbw / 1e9:.0f} GB/s)" if n > 1 else "-"
+    append_row(dev_name, "tp_decode.py decode under tensor parallelism", shape,
+               f"{tok_s:,.0f} tok/s ({tok_s / n:,.0f}/GPU)", peer,
+               f"{limit_s:.2f} s roofline ({bw / 1e12:.2f} TB/s copy)", "-", f"{limit_s / dec_s:.0%}", args.rows_out)
 
 
 def main() -> None:
@@ -153,6 +212,7 @@ def main() -> None:
     ap.add_argument("--kv", default="auto", help="kv_cache_dtype: auto (bf16) or fp8")
     ap.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--allreduce", default="nccl", help="TP > 1: nccl, symm_one, symm_two (comma list: each)")
     ap.add_argument("--rows-out", default=None, help="BENCHMARKS.md path (default: the repo's)")
     args = ap.parse_args()
 
@@ -177,53 +237,11 @@ def main() -> None:
             continue
         # every rank takes part in new_group; ranks >= n sit this size out
         group = dist.new_group(list(range(n))) if n > 1 else None
-        if rank < n:
-            tp = TPGroup(rank=rank, size=n, group=group, src=0)
-            busbw = allreduce_busbw(group, n) if n > 1 else 0.0
-            engine = build_engine(spec, tp, fp8, args)
-            # warm-up at the full batch: Triton compiles and the decode graph of this size is captured here
-            engine.generate(prompts, SamplingParams(n=1, max_new_tokens=8, ignore_eos=True))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.generate(prompts, sp)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            st = engine.stats
-            dec_s = st["decode_gpu_s"]
-            steps = args.new - 1  # the first new token comes from the prefill
-            tok_s = args.batch * steps / dec_s
-            kv_tok = engine.block_bytes / engine.block_size  # this rank's KV bytes per token (its kv heads)
-            ctx = args.prompt + np.arange(1, args.new)  # context of each decode step
-            bytes_read = engine.weight_bytes() * steps + float(ctx.sum()) * args.batch * kv_tok
-            limit_s = bytes_read / bw
-            ar_s = ar_limit = 0.0
-            if n > 1:
-                count = 2 * spec.num_layers
-                ar_s = decode_allreduce_s(group, args.batch, spec.hidden_size, count) * steps
-                ar_limit = count * 2 * (n - 1) / n * args.batch * spec.hidden_size * 2 / busbw * steps
-            if rank == 0:
-                name = f"TP {n}" + (" FP8 weights" if fp8 else "")
-                line = (f"{name}: {tok_s:,.0f} tok/s decode ({tok_s / n:,.0f} per GPU), {dec_s:.2f} s decode GPU "
-                        f"time, {wall:.2f} s wall, at most {st['max_batch']} rows at once; roofline {limit_s:.2f} s "
-                        f"= {limit_s / dec_s:.0%} "
-                        f"({engine.weight_bytes() / 1e9:.1f} GB weights/GPU, KV {kv_tok / 1024:.0f} KiB/token/GPU, "
-                        f"copy BW {bw / 1e12:.2f} TB/s)")
-                if n > 1:
-                    line += (f"; all-reduce {ar_s:.2f} s alone ({ar_s / dec_s:.0%} of decode) against the link's "
-                             f"{ar_limit:.2f} s ({ar_limit / ar_s:.0%}; bus BW {busbw / 1e9:.0f} GB/s measured)")
-                print(line, flush=True)
-                cut = f" {args.layers} layers" if args.layers else ""
-                shape = (f"{args.shape}{cut}, random weights, B={args.batch} x {args.prompt}+{args.new}, "
-                         f"KV {args.kv}, {name}, CUDA graphs")
-                peer = (f"all-reduce {ar_s:.2f} s vs link {ar_limit:.2f} s ({busbw / 1e9:.0f} GB/s)" if n > 1
-                        else "-")
-                append_row(dev_name, "tp_decode.py decode under tensor parallelism", shape,
-                           f"{tok_s:,.0f} tok/s ({tok_s / n:,.0f}/GPU)", peer,
-                           f"{limit_s:.2f} s roofline ({bw / 1e12:.2f} TB/s copy)",
-                           "-", f"{limit_s / dec_s:.0%}", args.rows_out)
-            del engine
-            torch.cuda.empty_cache()
-        dist.barrier()
+        for kind in (args.allreduce.split(",") if n > 1 else ["-"]):
+            if rank < n:
+                run_one(args, spec, prompts, sp, TPGroup(rank=rank, size=n, group=group, src=0), fp8, kind, bw,
+                        dev_name)
+            dist.barrier()
     dist.destroy_process_group()
 
 

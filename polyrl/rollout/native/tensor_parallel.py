@@ -40,6 +40,7 @@ table of (HF name -> dim, how) so expert weights only add rows to `_split`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -48,6 +49,14 @@ import torch.distributed as dist
 from torch import nn
 
 from polyrl.errors import ConfigError
+
+# The all-reduce of decode-sized messages (rows x hidden, 2.6 MB at 256 rows of a 32B): "nccl" (default;
+# `dist.all_reduce`, captured in the decode graphs) or an experiment, "symm_one" / "symm_two": torch's
+# symmetric-memory one-shot / two-shot all-reduce over NVLink peer access (`SymmAllReduce`), for messages up to
+# SYMM_MAX_ROWS rows; larger ones (prefill chunks) stay on NCCL. `benchmarks/tp_decode.py --allreduce` times all three
+# at the decode message size and end to end; the loser goes once measured.
+ALLREDUCE = os.environ.get("POLYRL_TP_ALLREDUCE", "nccl")
+SYMM_MAX_ROWS = 1024
 
 
 @dataclass
@@ -174,7 +183,8 @@ def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
     qkv_rows = [(r * q, (r + 1) * q), (Q + r * kv, Q + (r + 1) * kv), (Q + KV + r * kv, Q + KV + (r + 1) * kv)]
     gu_rows = [(r * inter, (r + 1) * inter), (full.intermediate_size + r * inter, full.intermediate_size +
                                               (r + 1) * inter)]
-    reduce = _ReduceOutput(tp)
+    reduce = _ReduceOutput(tp, SymmAllReduce(tp, ALLREDUCE, SYMM_MAX_ROWS * full.hidden_size)
+                           if tp.size > 1 and ALLREDUCE != "nccl" else None)
     with torch.no_grad():
         for blk in model.layers:
             a, m = blk.attn, blk.mlp
@@ -201,11 +211,53 @@ def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
 class _ReduceOutput:
     """Forward hook: sum a row-parallel layer's partial output over the group, in place."""
 
-    def __init__(self, tp: TPGroup):
-        self.tp = tp
+    def __init__(self, tp: TPGroup, symm: "SymmAllReduce | None" = None):
+        self.tp, self.symm = tp, symm
 
     def __call__(self, module, args, out):
+        if self.symm is not None and self.symm.serves(out):
+            return self.symm(out)
         return self.tp.all_reduce_(out)
+
+
+class SymmAllReduce:
+    """In-place sum over the group through a symmetric-memory buffer (torch.distributed._symmetric_memory): the
+    message is copied into this rank's buffer, then `one_shot_all_reduce_out` (each rank reads every peer's buffer
+    and sums) or `two_shot_all_reduce_` (reduce-scatter + all-gather through the buffers) writes the sum. The buffer
+    is allocated and exchanged (a collective) on the first CUDA call, which every rank makes at the same point
+    (the engine's profiling prefill), never inside graph capture."""
+
+    def __init__(self, tp: TPGroup, kind: str, max_numel: int):
+        if kind not in ("symm_one", "symm_two"):
+            raise ConfigError(f"POLYRL_TP_ALLREDUCE={kind!r} is not an all-reduce; use nccl, symm_one or symm_two.")
+        self.tp, self.kind, self.max_numel = tp, kind, max_numel
+        self.buf = None
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.is_contiguous() and x.numel() <= self.max_numel
+
+    def _setup(self, x: torch.Tensor) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = self.tp.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+        self.buf = symm_mem.empty(self.max_numel, dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(self.buf, self.tp.group)
+        self.group_name = name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buf is None:
+            self._setup(x)
+        flat = x.view(-1)
+        part = self.buf[: flat.numel()]
+        part.copy_(flat)
+        if self.kind == "symm_one":
+            torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group_name, flat)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", self.group_name)
+            flat.copy_(part)
+        return x
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
