@@ -81,3 +81,22 @@ def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide the model's "
                                           r"num_key_value_heads=2"):
         check_divides(type("S", (), dict(num_heads=12, num_kv_heads=2, intermediate_size=8960))(), 4)
+
+
+def test_a_tp_replica_seats_the_rows_of_all_its_ranks():
+    """Under TP 4 a replica generates 4 ranks' rows and holds 1/4 of each row's KV per GPU: more seats, same room."""
+    import torch
+
+    from polyrl.learner.memory import choose
+
+    kw = dict(device=torch.device("cuda"), free=70 * GiB, total=80 * GiB, max_seq_len=4096, num_rollout_rows=128,
+              engine_on_device=True, extra_static=0, world_size=4, compile_layers=True, checkpointing=True,
+              update_tokens=8192, trains=False)
+    shape = QWEN3_32B
+    one = choose(shape, engine_bytes=engine_weight_bytes(shape, 4), tp_size=1, **kw)["seats"]
+    four = choose(shape, engine_bytes=engine_weight_bytes(shape, 4), tp_size=4, **kw)["seats"]
+    import re
+
+    fit = [int(re.search(r"(\d+) fit the KV cache", c.reason).group(1)) for c in (one, four)]
+    assert "128 rows per generation call" in one.reason and "512 rows per generation call" in four.reason
+    assert fit[1] >= 4 * fit[0]  # each row costs a quarter of its KV per GPU (39 -> 159 here)

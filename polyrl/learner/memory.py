@@ -138,14 +138,16 @@ def compile_choice(shape: ModelShape, *, cuda: bool, tokens_per_step: int, peak_
 def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
            checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048,
-           peak_flops: float = 0.0, trains: bool = True, engine_bytes: int | None = None) -> dict[str, Choice]:
+           peak_flops: float = 0.0, trains: bool = True, engine_bytes: int | None = None,
+           tp_size: int = 1) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
     `trains=False`: a process that only generates (the off-policy rollout GPU) holds no optimizer state.
 
     `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
     rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
     without. `peak_flops` (the device's dense bf16 peak; 0: unknown) sizes the compile decision. `engine_bytes`:
-    the engine's weights on this GPU where they are not a bf16 replica (a tensor-parallel slice)."""
+    the engine's weights on this GPU where they are not a bf16 replica (a tensor-parallel slice); `tp_size`: GPUs
+    per replica (its engine generates the rows of `tp_size` ranks, each rank holding 1/tp_size of their KV)."""
     cuda = device.type == "cuda"
     out: dict[str, Choice] = {}
     if compile_layers is None:
@@ -193,10 +195,11 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                                f"+ {engine / GiB:.1f} GiB weights; {room / GiB:.1f} GiB left beside the trainer")
         # every row of a call decodes at once where the cache holds them at full length: no second wave, no tail
         # paid twice (512 rows on one H100 at 256 seats decode in two waves)
-        fit = int((min(want, room) - engine - 2 * GiB) / ((max_seq_len + 32) * shape.kv_bytes_per_token))
-        seats = max(DEFAULT_MAX_NUM_SEQS, min(MAX_AUTO_NUM_SEQS, num_rollout_rows, fit) // 8 * 8)
+        fit = int((min(want, room) - engine - 2 * GiB) / ((max_seq_len + 32) * shape.kv_bytes_per_token) * tp_size)
+        replica_rows = num_rollout_rows * tp_size
+        seats = max(DEFAULT_MAX_NUM_SEQS, min(MAX_AUTO_NUM_SEQS, replica_rows, fit) // 8 * 8)
         out["seats"] = Choice("actor_rollout_ref.rollout.max_num_seqs", seats,
-                              f"{num_rollout_rows} rows per generation call, {max(0, fit)} fit the KV cache at full "
+                              f"{replica_rows} rows per generation call, {max(0, fit)} fit the KV cache at full "
                               f"length; between {DEFAULT_MAX_NUM_SEQS} (verl's default) and {MAX_AUTO_NUM_SEQS}")
         # the KV cache may stay through the update when both fit: no re-allocation, CUDA graphs kept
         cache = min(0.95, util) * total - engine
@@ -310,7 +313,7 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
                      peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0,
-                     engine_bytes=engine_bytes)
+                     engine_bytes=engine_bytes, tp_size=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
     made: list[Choice] = [tp_choice] if tp_choice else []
 
     def take(name, holder, attr, key=None, read=True):
