@@ -39,7 +39,7 @@ def _layer_key(name: str) -> str:
 
 def full_tensors_by_layer(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """`full_tensors`, one all-gather per decoder layer instead of one per tensor: the layer's FSDP2 row shards go
-    into one flat buffer per dtype, one `all_gather_into_tensor`, and come out as full tensors. The transient
+    into one flat buffer per dtype, one all-gather, and come out as full tensors. The transient
     memory is one layer's full weights (0.8 GB at Qwen3-32B in bf16), never the model. A tensor that is not a
     plain row shard (HSDP replicas are fine; anything else) falls back to `full_tensor`. For a tensor-parallel engine
     each rank then keeps its own slice (`tensor_parallel.TensorParallel.local_tensors`)."""
@@ -90,7 +90,8 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
             shapes.append((chunk, rest))
         flat = torch.cat(pieces)
         out = torch.empty(W * flat.numel(), dtype=dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name (torch 2.13)
+        gather(out, flat, group=group)
         out = out.view(W, -1)
         off = 0
         for (name, t), (chunk, rest) in zip(items, shapes):

@@ -131,9 +131,11 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
-            if roles.rollout.tensor_model_parallel_size > 1:  # the engine streams its slices from the FSDP shards
-                model.to("cpu")  # and this host copy is only the reference's and HF export's template; FSDP2 moves
-                torch.cuda.empty_cache()  # each rank's shards back to its GPU (no second full copy on any GPU)
+            if roles.rollout.tensor_model_parallel_size > 1:
+                # a TP engine streams its slices from the FSDP shards, so the full copy below only serves as the
+                # reference's and HF export's template: keep it in host memory (FSDP2 moves the shards to the GPU)
+                model.to("cpu")
+                torch.cuda.empty_cache()
             self.rollout_replica = copy.deepcopy(model)
             parallelize(model, self.dist.mesh, roles.actor.fsdp_config, self.device)
         self.model = model
