@@ -306,8 +306,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
         free = int(dist.all_reduce(torch.tensor(free, dtype=torch.float64, device=device), op="min"))
     rows = data.train_batch_size * r.n // max(1, world_size)
     tp_choice, engine_bytes = _tensor_parallel(cfg, model, shape, device, world_size, role, rows, max_seq_len)
-    if engine_bytes is not None and device.type == "cuda":  # the loaded policy leaves the GPU (ppo.py): no replica
-        free += shape.num_params * shape.param_bytes
+    if engine_bytes is not None and device.type == "cuda" and next(model.parameters()).is_cuda:
+        free += shape.num_params * shape.param_bytes  # the loaded policy leaves the GPU (ppo.py): no replica there
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",

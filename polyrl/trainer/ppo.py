@@ -124,7 +124,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
 
-        model = load_policy(roles.model, device=self.device)
+        # a set rollout TP size keeps the full policy off the GPUs (FSDP2 moves each rank's shards there)
+        host = self.dist.is_distributed and (roles.rollout.tensor_model_parallel_size or 1) > 1
+        model = load_policy(roles.model, device=torch.device("cpu") if host else self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
         made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None,
                            role=self.ROLE)
