@@ -51,7 +51,7 @@ def digit_fraction(text: str) -> float:
 
 
 def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, seed: int = 0, shape: str = "1.5b",
-          device: str = "cuda"):
+          device: str = "cuda", layers: int | None = None):
     """Save model (bf16 safetensors), tokenizer, parquet data and reward file under `work`."""
     from transformers import AutoModelForCausalLM
 
@@ -70,6 +70,13 @@ def setup(work: Path, *, init_std: float, num_prompts: int, prompt_tokens: int, 
                         rope_theta=1e6, initializer_range=init_std)
     if shape == "r1-1.5b":  # DeepSeek-R1-Distill-Qwen-1.5B (seed 002): the 1.5B dims with an untied LM head
         cfg.tie_word_embeddings = False
+    if shape == "qwen3-32b":  # issue 48 (rollout TP): Qwen3-32B's dims, untied head; --layers cuts the 64 layers
+        from transformers import Qwen3Config
+
+        cfg = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=5120, intermediate_size=25600,
+                          num_hidden_layers=layers or 64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False,
+                          initializer_range=init_std)
     if shape == "tiny":  # CPU smoke runs: same code path, a 2-layer model
         cfg = type(cfg)(vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -229,7 +236,8 @@ def main(argv=None):
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--extra", nargs="*", default=[], help="extra polyrl train overrides (e.g. profiler keys)")
-    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b", "tiny"])
+    ap.add_argument("--shape", default="1.5b", choices=["1.5b", "7b", "tiny", "qwen3-32b"])
+    ap.add_argument("--layers", type=int, default=None, help="qwen3-32b: keep the first N of its 64 layers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -243,7 +251,8 @@ def main(argv=None):
     ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
     if rank == 0:  # one writer; the other ranks wait for its files
         model_dir, tok_dir, rows = setup(work, init_std=args.init_std, num_prompts=args.prompts * world * args.steps,
-                                         prompt_tokens=128, shape=args.shape, device=args.device)
+                                         prompt_tokens=128, shape=args.shape, device=args.device,
+                                         layers=args.layers)
         ready.write_text("ok")
     else:
         while not ready.exists():
@@ -340,7 +349,8 @@ def record(args, report, length, device):
         from _record import append_row
 
         tim = r["polyrl"]
-        model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer"}[args.shape]
+        model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer",
+                 "qwen3-32b": f"Qwen3-32B{f' ({args.layers} layers)' if args.layers else ''}"}[args.shape]
         shape = (f"GRPO step, {model} shape (init std {args.init_std}), {args.prompts}x{args.n}, prompt 128, "
                  f"resp <= {length}; rollout={report['rollout']}; gen {tim.get('timing_s/gen', 0):.1f}s, update "
                  f"{tim.get('timing_s/update_actor', 0):.1f}s, step {tim.get('timing_s/step', 0):.1f}s"

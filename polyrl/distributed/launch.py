@@ -65,7 +65,12 @@ def maybe_launch(job: Job, argv: list[str], *, module: str = "polyrl.train") -> 
         return None
     if job.nnodes > 1:
         return launch_on_ray(job, argv, module=module)
-    return subprocess.call(torchrun_command(job.num_processes, ["-m", module, *argv]))
+    code = subprocess.call(torchrun_command(job.num_processes, ["-m", module, *argv]))
+    if code != 0:  # torchrun ended the other ranks (a TP replica or FSDP cannot go on without one): say so last
+        print(f"polyrl: error: the {job.num_processes}-process job stopped (exit status {code}) because a process "
+              "failed or was killed (torchrun's report above names it); rerun the same command with "
+              "trainer.resume_mode=auto to resume from the last checkpoint.", file=sys.stderr)
+    return code
 
 
 # ------------------------------------------------------------------------------------------------ multi-node launch

@@ -138,20 +138,23 @@ def compile_choice(shape: ModelShape, *, cuda: bool, tokens_per_step: int, peak_
 def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, max_seq_len: int, num_rollout_rows: int,
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
            checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048,
-           peak_flops: float = 0.0, trains: bool = True) -> dict[str, Choice]:
+           peak_flops: float = 0.0, trains: bool = True, engine_bytes: int | None = None,
+           tp_size: int = 1) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
     `trains=False`: a process that only generates (the off-policy rollout GPU) holds no optimizer state.
 
     `free` is measured with the policy loaded; `extra_static` counts copies the caller knows of (reference, critic,
     rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
-    without. `peak_flops` (the device's dense bf16 peak; 0: unknown) sizes the compile decision."""
+    without. `peak_flops` (the device's dense bf16 peak; 0: unknown) sizes the compile decision. `engine_bytes`:
+    the engine's weights on this GPU where they are not a bf16 replica (a tensor-parallel slice); `tp_size`: GPUs
+    per replica (its engine generates the rows of `tp_size` ranks, each rank holding 1/tp_size of their KV)."""
     cuda = device.type == "cuda"
     out: dict[str, Choice] = {}
     if compile_layers is None:
         out["compile"] = compile_choice(shape, cuda=cuda, tokens_per_step=num_rollout_rows * max_seq_len,
                                         peak_flops=peak_flops)
         compile_layers = out["compile"].value
-    engine = shape.num_params * 2 if engine_on_device else 0
+    engine = (shape.num_params * 2 if engine_bytes is None else engine_bytes) if engine_on_device else 0
     optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size) if trains else 0
     head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
     static = optimizer + engine + head + extra_static
@@ -192,10 +195,11 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                                f"+ {engine / GiB:.1f} GiB weights; {room / GiB:.1f} GiB left beside the trainer")
         # every row of a call decodes at once where the cache holds them at full length: no second wave, no tail
         # paid twice (512 rows on one H100 at 256 seats decode in two waves)
-        fit = int((min(want, room) - engine - 2 * GiB) / ((max_seq_len + 32) * shape.kv_bytes_per_token))
-        seats = max(DEFAULT_MAX_NUM_SEQS, min(MAX_AUTO_NUM_SEQS, num_rollout_rows, fit) // 8 * 8)
+        fit = int((min(want, room) - engine - 2 * GiB) / ((max_seq_len + 32) * shape.kv_bytes_per_token) * tp_size)
+        replica_rows = num_rollout_rows * tp_size
+        seats = max(DEFAULT_MAX_NUM_SEQS, min(MAX_AUTO_NUM_SEQS, replica_rows, fit) // 8 * 8)
         out["seats"] = Choice("actor_rollout_ref.rollout.max_num_seqs", seats,
-                              f"{num_rollout_rows} rows per generation call, {max(0, fit)} fit the KV cache at full "
+                              f"{replica_rows} rows per generation call, {max(0, fit)} fit the KV cache at full "
                               f"length; between {DEFAULT_MAX_NUM_SEQS} (verl's default) and {MAX_AUTO_NUM_SEQS}")
         # the KV cache may stay through the update when both fit: no re-allocation, CUDA graphs kept
         cache = min(0.95, util) * total - engine
@@ -207,6 +211,60 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
             + (f"fit together in {spare / GiB:.1f} GiB: the cache stays" if keep
                else f"do not fit together in {spare / GiB:.1f} GiB: the cache is released while training"))
     return out
+
+
+TP_ENGINE_RESERVE = 2 * GiB  # the engine's prefill activations and sampler, as `choose` reserves
+# auto tensor parallelism asks for a KV cache that holds this many of a replica's rows at full length: rows past it
+# queue, and since most rows are shorter than the maximum, the engine (which gives its cache all the memory left)
+# usually runs more at once
+TP_MIN_SEATS = 64
+
+
+def engine_weight_bytes(shape: ModelShape, tp_size: int = 1, *, fp8: bool = False, tied: bool = False) -> int:
+    """One rank's engine weights: the decoder layers' 1/tp_size (e4m3 bytes with FP8 weights: `quantization=fp8`
+    puts every large layer GEMM in FP8), plus the embedding and LM head, which every rank holds whole
+    (tensor_parallel.py says why)."""
+    vocab = shape.vocab * shape.hidden * (1 if tied else 2)
+    layers = max(0, shape.num_params - vocab)
+    return int(2 * vocab + layers * (1 if fp8 else 2) / tp_size)
+
+
+def choose_tp_size(shape: ModelShape, *, num_heads: int, num_kv_heads: int, gpus_per_node: int, room: int,
+                   rows_per_rank: int, max_seq_len: int, fp8: bool, tied: bool,
+                   seats: int = TP_MIN_SEATS) -> Choice:
+    """`rollout.tensor_model_parallel_size=auto`: the fewest GPUs per replica whose share of the weights and of a KV
+    cache big enough for the batch fit in `room` (bytes free beside the trainer's state on one GPU). Big enough: the
+    replica's rows at full length, up to `seats` of them (TP_MIN_SEATS). A TP group of N ranks generates the rows
+    of its N ranks, and each rank holds 1/N of every row's KV (its kv heads), so a rank's KV share does not grow
+    with N while its share of the layer weights falls as 1/N; data-parallel replicas (N = 1) decode fastest when
+    they fit. Candidates: divisors of the node's GPUs that split the heads, kv heads and MLP evenly. With FP8
+    weights off, the reason says whether they would have fitted at a smaller N (`rollout.quantization=fp8`)."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    sizes = [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0 and num_heads % n == 0
+             and num_kv_heads % n == 0 and shape.intermediate % n == 0]
+
+    def need(n: int, fp8_w: bool) -> tuple[int, int, int]:
+        kv = min(n * rows_per_rank, seats) * (max_seq_len + 32) * shape.kv_bytes_per_token // n
+        w = engine_weight_bytes(shape, n, fp8=fp8_w, tied=tied)
+        return w + TP_ENGINE_RESERVE + kv, w, kv
+
+    for n in sizes:
+        total, w, kv = need(n, fp8)
+        if total <= room:
+            why = (f"{w / GiB:.1f} GiB of {'FP8 ' if fp8 else ''}weights + {kv / GiB:.1f} GiB of KV cache "
+                   f"({min(n * rows_per_rank, seats)} rows x {max_seq_len} tokens) + {TP_ENGINE_RESERVE / GiB:.0f} "
+                   f"GiB per GPU fit the {room / GiB:.1f} GiB beside the trainer")
+            if n > 1:
+                smaller = sizes[sizes.index(n) - 1]
+                why += f"; at {smaller} they need {need(smaller, fp8)[0] / GiB:.1f} GiB"
+                if not fp8 and need(smaller, True)[0] <= room:
+                    why += (f" (with FP8 weights, rollout.quantization=fp8, {smaller} GPU(s) per replica would fit: "
+                            f"{need(smaller, True)[0] / GiB:.1f} GiB)")
+            return Choice(key, n, why)
+    n = sizes[-1]
+    return Choice(key, n, f"even at {n} GPUs per replica the engine needs {need(n, fp8)[0] / GiB:.1f} GiB per GPU, "
+                          f"{room / GiB:.1f} GiB free beside the trainer: the largest size, its KV cache will be "
+                          "smaller than the batch")
 
 
 def resolve_switches(cfg) -> None:
@@ -247,14 +305,18 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     if world_size > 1:
         free = int(dist.all_reduce(torch.tensor(free, dtype=torch.float64, device=device), op="min"))
     rows = data.train_batch_size * r.n // max(1, world_size)
+    tp_choice, engine_bytes = _tensor_parallel(cfg, model, shape, device, world_size, role, rows, max_seq_len)
+    if engine_bytes is not None and device.type == "cuda" and next(model.parameters()).is_cuda:
+        free += shape.num_params * shape.param_bytes  # the loaded policy leaves the GPU (ppo.py): no replica there
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",
                      trains=role != "rollout",
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
-                     peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0)
-    made: list[Choice] = []
+                     peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0,
+                     engine_bytes=engine_bytes, tp_size=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+    made: list[Choice] = [tp_choice] if tp_choice else []
 
     def take(name, holder, attr, key=None, read=True):
         """Fill an auto key; log it only where it is read (a budget without token-budget micro-batches is not)."""
@@ -295,6 +357,56 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     for c in made:
         log(f"polyrl: auto {c.key}={c.value} ({c.reason})")
     return made
+
+
+def trainer_state_bytes(cfg, shape: ModelShape, world_size: int) -> int:
+    """The trainer's bytes on each GPU outside the update's activations, all FSDP-sharded over `world_size`: its
+    weights, Adam state and gradients, a frozen reference (full fine-tuning with a KL term), a critic; plus the LM
+    head's chunk workspace."""
+    a, m = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
+    weights = shape.num_params * shape.param_bytes
+    total = weights + shape.num_trainable * 3 * shape.param_bytes
+    if (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not m.lora_rank and not m.lora_adapter_path:
+        total += weights
+    if cfg.critic.enable:
+        total += weights * 4
+    return total // world_size + 2048 * shape.vocab * 8
+
+
+def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, role: str, rows: int,
+                     max_seq_len: int) -> tuple[Choice | None, int | None]:
+    """Resolve `rollout.tensor_model_parallel_size` (auto: `choose_tp_size`, on CUDA with the native engine and
+    several processes; else 1) and return (the auto choice or None, one rank's engine weight bytes under TP or
+    None for a full replica). A set size is kept; one the model's heads do not divide is refused here."""
+    from polyrl.rollout.native.tensor_parallel import check_divides
+
+    r, c = cfg.actor_rollout_ref.rollout, model.config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    made = None
+    if r.tensor_model_parallel_size is None:
+        r.tensor_model_parallel_size = 1
+        if device.type == "cuda" and r.name == "native" and role == "colocated" and world_size > 1:
+            _, total = device_memory(device)
+            per_node = min(world_size, cfg.trainer.n_gpus_per_node)
+            trainer = trainer_state_bytes(cfg, shape, world_size)
+            made = choose_tp_size(shape, num_heads=heads, num_kv_heads=kv_heads, gpus_per_node=per_node,
+                                  room=int(total * (1 - HEADROOM) - trainer), rows_per_rank=rows,
+                                  max_seq_len=max_seq_len, fp8=r.quantization == "fp8", tied=tied)
+            r.tensor_model_parallel_size = made.value
+    n = r.tensor_model_parallel_size
+    if n == 1:
+        return made, None
+    check_divides(_Heads(heads, kv_heads, shape.intermediate), n)
+    return made, engine_weight_bytes(shape, n, fp8=r.quantization == "fp8", tied=tied)
+
+
+@dataclass(frozen=True)
+class _Heads:
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
 
 
 CPU_PACK_MAX_TOKENS = 2048

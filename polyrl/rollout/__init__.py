@@ -23,13 +23,15 @@ def rollout_backends() -> dict:
     return ROLLOUT_BACKENDS
 
 
-def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int) -> RolloutEngine:
-    """Build the engine named by `actor_rollout_ref.rollout.name` around the actor's weights."""
+def make_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int, **extra) -> RolloutEngine:
+    """Build the engine named by `actor_rollout_ref.rollout.name` around the actor's weights. `extra`: what only
+    some backends take (the native engine's `tp` group)."""
     backends = rollout_backends()
     if cfg.name not in backends:
         raise ConfigError(f"actor_rollout_ref.rollout.name={cfg.name!r} is not a registered rollout backend; use one "
                           f"of {sorted(backends)}.")
-    return backends[cfg.name](cfg, model, pad_token_id=pad_token_id, device=device, max_model_len=max_model_len)
+    return backends[cfg.name](cfg, model, pad_token_id=pad_token_id, device=device, max_model_len=max_model_len,
+                             **extra)
 
 
 __all__ = ["ROLLOUT_BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "make_rollout", "register_rollout",

@@ -62,8 +62,10 @@ class RolloutConfig:
     """Release the KV cache while the trainer trains; None: auto, kept when it fits beside the update (memory.py)."""
     load_format: str = "dummy"
     """verl's initial weight format; polyrl syncs real weights before the first rollout either way."""
-    tensor_model_parallel_size: int = 1
-    """Rollout tensor parallelism; polyrl's engine is data-parallel only, so this must be 1."""
+    tensor_model_parallel_size: int | None = None
+    """GPUs per rollout replica (tensor parallelism, native engine; must divide a node's GPUs); replicas are
+    data-parallel. None: auto, the fewest GPUs where the weights and a KV cache for the batch fit beside the trainer
+    (learner/memory.py; 1 for models that fit one GPU)."""
     data_parallel_size: int = 1
     """Rollout data parallel size (derived from the number of processes)."""
     max_num_batched_tokens: int = 8192

@@ -112,6 +112,35 @@ def check_batch_sizes(cfg) -> None:
                           f"{d.train_batch_size}.")
 
 
+def check_tensor_parallel(cfg) -> None:
+    """Rollout tensor parallelism (rollout/native/tensor_parallel.py): None is auto (learner/memory.py picks it); a
+    set size must split one node's GPUs (or, on CPU, the processes) into whole replicas. The model's heads are
+    checked where the model is known (`tensor_parallel.check_divides`)."""
+    import os
+
+    r = cfg.actor_rollout_ref.rollout
+    tp = r.tensor_model_parallel_size
+    key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"
+    if tp is None or tp == 1:
+        return
+    if tp < 1:
+        raise ConfigError(f"{key} must be at least 1 (or null: auto).")
+    if r.name != "native":
+        raise ConfigError(f"{key}: tensor parallelism is in the native engine only; use rollout.name=native or 1.")
+    ngpu = _gpus_available()
+    per_node = cfg.trainer.n_gpus_per_node if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
+        cfg.trainer.n_gpus_per_node
+    what = "GPUs of a node (trainer.n_gpus_per_node)" if ngpu else "processes"
+    if tp > per_node or per_node % tp:
+        raise ConfigError(f"{key} does not divide the {per_node} {what}; use a divisor of {per_node}.")
+    if cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1:
+        raise ConfigError(f"{key} with actor.ulysses_sequence_parallel_size > 1 is not supported yet (both group "
+                          "consecutive ranks); use one of them.")
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"{key}: the off-policy pipeline (hybrid_engine=False) runs one-process rollout replicas; "
+                          "set it to 1 there.")
+
+
 def check_sequence_parallel(cfg) -> None:
     """Ulysses (polyrl/distributed/ulysses.py): the actor's degree, which the reference shares; no critic SP."""
     import os
@@ -229,11 +258,7 @@ def check_supported(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.name={r.name!r} is unknown; use one of "
                           f"{sorted(rollout_backends())}.")
     _check_low_precision_rollout(r)
-    if r.tensor_model_parallel_size > 1:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: polyrl's engine "
-            "runs one full replica per GPU (data-parallel rollout), which is faster for models that fit one GPU; "
-            "set it to 1.")
+    check_tensor_parallel(cfg)
     check_sequence_parallel(cfg)
     for role, fsdp in (("actor", roles.actor.fsdp_config), ("ref", roles.ref.fsdp_config)):
         if fsdp.cpu_offload and ngpu == 0:

@@ -124,13 +124,20 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         if t.total_training_steps is not None:  # verl: an explicit step count wins over total_epochs
             self.total_steps = t.total_training_steps
 
-        model = load_policy(roles.model, device=self.device)
+        # a set rollout TP size keeps the full policy off the GPUs (FSDP2 moves each rank's shards there)
+        host = self.dist.is_distributed and (roles.rollout.tensor_model_parallel_size or 1) > 1
+        model = load_policy(roles.model, device=torch.device("cpu") if host else self.device)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
         made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None,
                            role=self.ROLE)
         if self.dist.is_distributed:  # this rank's engine gets a full replica; the trained copy is FSDP2-sharded
             from polyrl.distributed.parallelize import parallelize
 
+            if roles.rollout.tensor_model_parallel_size > 1:
+                # a TP engine streams its slices from the FSDP shards, so the full copy below only serves as the
+                # reference's and HF export's template: keep it in host memory (FSDP2 moves the shards to the GPU)
+                model.to("cpu")
+                torch.cuda.empty_cache()
             self.rollout_replica = copy.deepcopy(model)
             parallelize(model, self.dist.mesh, roles.actor.fsdp_config, self.device)
         self.model = model
@@ -229,13 +236,22 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
 
     def _make_engine(self):
         cfg = self.cfg
-        return make_rollout(cfg.actor_rollout_ref.rollout, self._rollout_model(),
-                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
-                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        r = cfg.actor_rollout_ref.rollout
+        tp = {}
+        if r.tensor_model_parallel_size > 1:  # replicas of N consecutive ranks (rollout/native/tensor_parallel.py)
+            from polyrl.rollout.native.tensor_parallel import TPGroup
+
+            tp = {"tp": TPGroup.consecutive(r.tensor_model_parallel_size)}
+        return make_rollout(r, self._rollout_model(), pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length, **tp)
 
     def _rollout_model(self):
         """The engine's source of weights: on CPU/hf the actor module itself (shared, nothing to copy); with several
         processes this rank's full replica, refilled tensor by tensor after each update."""
+        if self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1:  # no full replica on any GPU
+            from polyrl.distributed.weights import GatheredModel, full_tensors_by_layer
+
+            return GatheredModel(self.model, lambda: full_tensors_by_layer(merged_state_dict(self.model).items()))
         return self.rollout_replica if self.dist.is_distributed else self.model
 
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -412,6 +428,10 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
     def _weights_for_rollout(self):
         if getattr(self.engine, "model", None) is self.model:
             return []  # the engine generates with the actor module itself: already up to date
+        if self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1:  # a layer at a time; each rank
+            from polyrl.distributed.weights import full_tensors_by_layer  # keeps its TP slice
+
+            return full_tensors_by_layer(merged_state_dict(self.model).items())
         if self.dist.is_distributed:  # all-gather one tensor at a time into this rank's replica
             from polyrl.distributed.weights import full_tensors
 

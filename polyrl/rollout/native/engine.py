@@ -95,8 +95,11 @@ class NativeEngine:
         decode_kernel: str = "auto",
         fp8_lm_head: bool = False,
         record_routes: bool = False,
+        tp=None,
     ) -> "NativeEngine":
-        """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept."""
+        """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept.
+        `tp`: a `tensor_parallel.TPGroup` of more than one rank makes this engine one rank's slice of a replica
+        (tensor_parallel.py); every rank of the group then calls every method with the same arguments."""
         if isinstance(model_or_path, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
@@ -111,9 +114,15 @@ class NativeEngine:
         max_model_len = max_model_len or spec.max_position_embeddings
         with torch.device("meta"):
             model = CausalLM(spec)
+        shards = None
+        if tp is not None and tp.size > 1:  # cut on the meta device: no rank ever allocates the full model
+            from polyrl.rollout.native.tensor_parallel import shard_model
+
+            shards = shard_model(model, tp)
         model = model.to(dtype).to_empty(device=device)
         model.set_rope(inv_freq, attn_scaling, max_model_len, device)
-        loaded = load_hf_weights(model, hf.state_dict().items())
+        named = hf.state_dict().items()
+        loaded = load_hf_weights(model, shards.local_tensors(named) if shards else named)
         missing = required_hf_names(model) - loaded
         if missing:
             raise ValueError(
@@ -123,12 +132,13 @@ class NativeEngine:
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
                    kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements,
-                   decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head, record_routes=record_routes)
+                   decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head, record_routes=record_routes,
+                   shards=shards)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
                  quantization=None, fp8_min_elements=None, decode_kernel="auto", fp8_lm_head=False,
-                 record_routes=False):
+                 record_routes=False, shards=None):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -136,6 +146,7 @@ class NativeEngine:
                 f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1."
             )
         self.model, self.spec, self.device = model.eval(), model.spec, torch.device(device)
+        self.shards = shards  # tensor_parallel.TensorParallel: this engine is one rank of a TP replica (or None)
         model.fused = self.device.type == "cuda"
         self.dtype = model.embed.weight.dtype
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -191,6 +202,8 @@ class NativeEngine:
         self.last_update_weights_s = 0.0
         self.stats: dict[str, float] = {}
         self.num_blocks = self._plan_kv(gpu_memory_utilization, num_kv_tokens)
+        if shards is not None:  # the ranks' schedulers run in lockstep: one cache size for the group
+            self.num_blocks = shards.group.min_int(self.num_blocks)
         self._alloc_kv()
 
     # ---- memory ------------------------------------------------------------------------------------------------
@@ -296,6 +309,8 @@ class NativeEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused layout in place (graphs stay valid); time in `last_update_weights_s`."""
         t0 = time.perf_counter()
+        if self.shards is not None:  # this rank's slice of each full tensor
+            named_tensors = self.shards.local_tensors(named_tensors)
         load_hf_weights(self.model, named_tensors)  # FP8 weights are quantised row by row as they arrive
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -417,6 +432,8 @@ class NativeEngine:
             tok, lp = sample_fused(logits, sp.temperature, int(self._step_seeds.integers(2**31 - 1)))
         else:
             tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, gen)
+        if self.shards is not None:
+            self.shards.same_tokens(tok, lp)
         self.tok_buf[sample_slots] = tok
         R = len(step.sample_seqs)
         th, lh = self._tok_host[k][:R], self._lp_host[k][:R]
@@ -611,9 +628,10 @@ class NativeEngine:
 
 
 @register_rollout("native")
-def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int):
+def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device, max_model_len: int, tp=None):
     """`rollout.name=native`: the engine around the actor's (LoRA-merged) weights, sized by `cfg`; for a model it
-    cannot run, the hf backend with one line saying why (fallback.py)."""
+    cannot run, the hf backend with one line saying why (fallback.py). `tp` (a `tensor_parallel.TPGroup` of more
+    than one rank): this rank's slice of a replica, behind `ReplicaRollout`."""
     from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
     from polyrl.utils.device import to_dtype
 
@@ -623,15 +641,21 @@ def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device,
     record = bool(getattr(cfg, "enable_rollout_routing_replay", False))  # R3 (moe.py's RouteRecorder)
     try:  # an unsupported model is refused before any weight is copied
         check_routing_record(cfg, ModelSpec.from_hf_config(model.config), record)
-        return NativeEngine.from_hf(
-            _merged_view(model), device=device, dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        engine = NativeEngine.from_hf(
+            model if tp is not None else _merged_view(model), device=device, dtype=dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, record_routes=record,
+            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, record_routes=record, tp=tp,
             **(cfg.engine_kwargs.get("native") or {}))
     except UnsupportedModel as why:
         return fall_back_to_hf(cfg, model, why, record_routes=record, pad_token_id=pad_token_id, device=device,
                                max_model_len=max_model_len)
+    if tp is not None and tp.size > 1:
+        from polyrl.rollout.native.tensor_parallel import ReplicaRollout
+
+        return ReplicaRollout(engine, tp)
+    return engine
 
 
 class _MergedLoRAView:

@@ -251,7 +251,9 @@ def quantize_model(model, gemms=FP8_GEMMS, min_elements: int | None = None, lm_h
         for parent, name in ((blk.attn, "qkv"), (blk.attn, "o"), (mlp, "gate_up"), (mlp, "down")):
             lin = getattr(parent, name, None)
             if name in gemms and isinstance(lin, nn.Linear) and lin.weight.numel() > min_elements:
-                setattr(parent, name, FP8Linear(getattr(parent, name)))
+                fp8 = FP8Linear(lin)
+                fp8._forward_hooks.update(lin._forward_hooks)  # tensor_parallel.py's all-reduce stays on the layer
+                setattr(parent, name, fp8)
     if {"gate_up", "down"} <= set(gemms):
         quantize_experts(model)
     model._targets = None  # HF-name targets point at the old modules: rebuilt on the next load

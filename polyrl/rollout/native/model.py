@@ -248,6 +248,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rope_cos = self.rope_sin = None
         self.fused = False  # CUDA: fused Triton elementwise kernels (fused.py); same math, ~4x fewer kernels
+        self.split_down = True  # the fused path may hand down's partial products to the next add_rmsnorm
 
     def set_rope(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int, device) -> None:
         # inv_freq comes from the HF module, so llama3/linear scaling is already folded in
@@ -276,7 +277,8 @@ class CausalLM(nn.Module):
         fp8_qkv = takes_fp8_rows(first.attn.qkv, rows)
         fp8_gate_up, fp8_down = (dense is not None and takes_fp8_rows(getattr(dense, name), rows)
                                  for name in ("gate_up", "down"))
-        split_down, act_slice = down_partials(dense.down, rows) if dense is not None else (None, None)
+        split_down, act_slice = (down_partials(dense.down, rows) if dense is not None and self.split_down
+                                 else (None, None))
         residual = None
         for layer in self.layers:
             h, residual = add_rmsnorm(x, residual, layer.ln1.weight, layer.ln1.eps, fp8=fp8_qkv)

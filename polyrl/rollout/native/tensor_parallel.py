@@ -1,0 +1,313 @@
+"""Tensor parallelism for the native engine, applied from outside the model (`shard_model(model, tp)`).
+
+One rollout replica spans `tp.size` GPUs (`actor_rollout_ref.rollout.tensor_model_parallel_size`); replicas are
+data-parallel. The model code stays single-GPU: `shard_model` swaps each block's projections for their local slice,
+rewrites the model's `spec` to the local shape (so the engine allocates a KV cache of its own kv heads only, and
+the HF-name loader maps onto local sizes), and adds the all-reduce as a forward hook on the two row-parallel layers.
+
+The split is Megatron's:
+- `qkv` and `gate_up` are column-parallel: rank r keeps q heads [r*H/N, (r+1)*H/N), kv heads likewise, and the
+  matching gate and up rows. Attention is per head, so RoPE, q/k norms, the paged cache writes and the decode
+  kernels run unchanged on the local heads (the fused RoPE paths included).
+- `o` and `down` are row-parallel (their input columns split the same way); each gives a partial sum, and one
+  all-reduce per attention block and one per MLP block (a forward hook on `o` and `down`) makes it whole. Hooks fire
+  on both the plain and the fused forward, and inside CUDA-graph capture (`dist.all_reduce` on NCCL is capturable
+  in torch >= 2.x; the graph's warm-up run creates the communicator before capture).
+- The embedding and the LM head are replicated. Why: after the all-reduce every rank holds the same hidden state,
+  so a replicated head gives every rank the same logits and the same sampled token from the same seed, with no
+  collective at the head. The cost is V*D bytes read per decode step on each rank (1.55 GB at Qwen3-32B, about 9%
+  of a TP4 rank's 16 GB of layer weights); a vocab-parallel head would read V*D/N instead but all-gather [B, V]
+  logits every step (78 MB at 256 rows in bf16), which at the batch sizes RL decodes costs about as much, and it
+  needs a sampler over sharded logits. Ranks still broadcast group rank 0's sampled ids and log-probs after each
+  step (`same_tokens`, 12 bytes a row): a single diverging token would desynchronise the schedulers and hang the
+  collectives, so agreement is enforced, not assumed.
+- Fused paths: the fused RoPE (rope_kv, paged_decode_rope) and FP8-fed inputs (add_rmsnorm / silu_mul handing
+  `FP8Rows` on) work on the local shapes unchanged. The down projection's partial products (bf16 `SLICED_DOWN`,
+  FP8 `PARTIALS`, summed by the next add_rmsnorm) are turned off: the all-reduce needs one output tensor, and
+  reducing every partial would move `parts` times the bytes. Their launch tables are keyed by the full models'
+  shapes anyway.
+- FP8 weights: `quantize_model` runs after sharding (the engine's `__init__`), so every e4m3 row is scaled by its
+  local slice; `update_weights` slices before quantising (`local_tensors`).
+
+MoE (planned, the moe-engine branch adds the layers): experts will be split along their intermediate dimension
+(each rank holds every expert's gate_up rows and down columns for its 1/N of moe_intermediate), not expert-parallel.
+Why: the router and the top-k run replicated on identical hidden states, every rank computes its slice of every
+routed expert's output, and the MoE block ends with the same single all-reduce as a dense MLP; no all-to-all
+dispatch, no load imbalance between ranks, and CUDA graphs keep static shapes. `shard_model` already splits by a
+table of (HF name -> dim, how) so expert weights only add rows to `_split`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyrl.errors import ConfigError
+
+# The all-reduce of decode-sized messages (rows x hidden, 2.6 MB at 256 rows of a 32B): "nccl" (default;
+# `dist.all_reduce`, captured in the decode graphs) or an experiment, "symm_one" / "symm_two": torch's
+# symmetric-memory one-shot / two-shot all-reduce over NVLink peer access (`SymmAllReduce`), for messages up to
+# SYMM_MAX_ROWS rows; larger ones (prefill chunks) stay on NCCL. `benchmarks/tp_decode.py --allreduce` times all three
+# at the decode message size and end to end; the loser goes once measured.
+ALLREDUCE = os.environ.get("POLYRL_TP_ALLREDUCE", "nccl")
+SYMM_MAX_ROWS = 1024
+
+
+@dataclass
+class TPGroup:
+    """The ranks of one rollout replica: `size` consecutive ranks, this process being `rank` among them."""
+
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch ProcessGroup (None: one process)
+    src: int = 0  # global rank of the group's rank 0 (broadcast source)
+
+    @classmethod
+    def consecutive(cls, size: int) -> "TPGroup":
+        """Groups of `size` consecutive ranks over the whole job (every rank must call this: `new_group` is
+        collective). With one process, or size 1, a group of one."""
+        if size == 1 or not dist.is_initialized():
+            assert size == 1, f"tensor parallel size {size} needs a process group"
+            return cls()
+        world, me = dist.get_world_size(), dist.get_rank()
+        assert world % size == 0, (world, size)
+        mine = None
+        for first in range(0, world, size):
+            g = dist.new_group(list(range(first, first + size)))
+            if first <= me < first + size:
+                mine = cls(rank=me - first, size=size, group=g, src=first)
+        return mine
+
+    @property
+    def index(self) -> int:
+        """Which replica this rank belongs to (the group's first global rank / size)."""
+        return self.src // self.size
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def min_int(self, x: int) -> int:
+        """The smallest of every rank's `x` (KV block counts must agree: the schedulers run in lockstep)."""
+        if self.size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.long, device=_collective_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def broadcast_(self, *ts: torch.Tensor) -> None:
+        if self.size > 1:
+            for t in ts:
+                dist.broadcast(t, src=self.src, group=self.group)
+
+
+def _collective_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+
+
+def check_divides(spec, size: int) -> None:
+    """Refuse a TP size that does not split the heads, kv heads and MLP evenly (one sentence, the fix)."""
+    key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}"
+    for what, n in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
+                    ("intermediate_size", spec.intermediate_size)):
+        if n % size:
+            raise ConfigError(f"{key} does not divide the model's {what}={n} (each rank holds an equal share); use "
+                              f"a divisor of {n}.")
+
+
+def local_spec(spec, size: int):
+    """The shape one rank holds: heads, kv heads and MLP width divided by `size` (the rest replicated)."""
+    return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=spec.num_kv_heads // size,
+                               intermediate_size=spec.intermediate_size // size)
+
+
+def _rows(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([t[lo:hi] for lo, hi in parts])
+
+
+class TensorParallel:
+    """What `shard_model` returns: the group, the full and local shapes, and `local_tensors` (HF tensors -> this
+    rank's slices, for `load_hf_weights`)."""
+
+    def __init__(self, tp: TPGroup, full_spec, shard_spec):
+        self.group, self.full, self.local = tp, full_spec, shard_spec
+
+    def _split(self, name: str) -> tuple[int, int] | None:
+        """(dim, local length) of the HF tensor `name` that this rank slices, or None when it is replicated."""
+        s = self.local
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        leaf = name.rsplit(".", 2)
+        kind = ".".join(leaf[-2:])  # e.g. q_proj.weight
+        table = {"q_proj.weight": (0, q), "q_proj.bias": (0, q), "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
+                 "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, q),
+                 "gate_proj.weight": (0, inter), "up_proj.weight": (0, inter), "down_proj.weight": (1, inter)}
+        return table.get(kind) if ".layers." in name else None
+
+    def local_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full HF tensor `name` (the tensor itself where replicated)."""
+        split = self._split(name)
+        if split is None:
+            return t
+        dim, n = split
+        assert t.shape[dim] == n * self.group.size, (name, tuple(t.shape), n, self.group.size)
+        piece = t.narrow(dim, self.group.rank * n, n)
+        return piece.contiguous() if dim else piece  # column slices: the FP8 quantiser wants rows in one piece
+
+    def local_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            yield name, self.local_tensor(name, t)
+
+    def same_tokens(self, tok: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Group rank 0's sampled ids and log-probs on every rank, in place (module docstring)."""
+        self.group.broadcast_(tok, logprobs)
+
+
+def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
+    """Cut `model` (a `model.CausalLM`, on any device, meta included) down to this rank's slice in place and add the
+    row-parallel all-reduces; returns the `TensorParallel` the engine loads weights through. Call before
+    `quantize_model` (FP8 scales are per local row)."""
+    full = model.spec
+    check_divides(full, tp.size)
+    s = local_spec(full, tp.size)
+    r, hd = tp.rank, full.head_dim
+    q, kv, inter = s.num_heads * hd, s.num_kv_heads * hd, s.intermediate_size
+    Q, KV = full.num_heads * hd, full.num_kv_heads * hd
+    qkv_rows = [(r * q, (r + 1) * q), (Q + r * kv, Q + (r + 1) * kv), (Q + KV + r * kv, Q + KV + (r + 1) * kv)]
+    gu_rows = [(r * inter, (r + 1) * inter), (full.intermediate_size + r * inter, full.intermediate_size +
+                                              (r + 1) * inter)]
+    reduce = _ReduceOutput(tp, SymmAllReduce(tp, ALLREDUCE, SYMM_MAX_ROWS * full.hidden_size)
+                           if tp.size > 1 and ALLREDUCE != "nccl" else None)
+    with torch.no_grad():
+        for blk in model.layers:
+            a, m = blk.attn, blk.mlp
+            a.qkv = _linear(_rows(a.qkv.weight, qkv_rows), _rows(a.qkv.bias, qkv_rows) if a.qkv.bias is not None
+                            else None)
+            a.o = _linear(a.o.weight[:, r * q:(r + 1) * q], None)
+            a.num_heads, a.num_kv_heads, a.q_size, a.kv_size = s.num_heads, s.num_kv_heads, q, kv
+            m.gate_up = _linear(_rows(m.gate_up.weight, gu_rows), None)
+            m.down = _linear(m.down.weight[:, r * inter:(r + 1) * inter], None)
+            m.inter = inter
+            if tp.size > 1:
+                a.o.register_forward_hook(reduce)
+                m.down.register_forward_hook(reduce)
+    model.spec = s
+    model._targets = None  # HF-name targets are rebuilt for the local shapes on the next load
+    if tp.size > 1 and getattr(model, "split_down", False):
+        model.split_down = False
+        if tp.rank == 0:
+            log(f"polyrl: tensor parallel {tp.size}: the down projection's split-K partials are off (the all-reduce "
+                "needs one output per block)")
+    return TensorParallel(tp, full, s)
+
+
+class _ReduceOutput:
+    """Forward hook: sum a row-parallel layer's partial output over the group, in place."""
+
+    def __init__(self, tp: TPGroup, symm: "SymmAllReduce | None" = None):
+        self.tp, self.symm = tp, symm
+
+    def __call__(self, module, args, out):
+        if self.symm is not None and self.symm.serves(out):
+            return self.symm(out)
+        return self.tp.all_reduce_(out)
+
+
+class SymmAllReduce:
+    """In-place sum over the group through a symmetric-memory buffer (torch.distributed._symmetric_memory): the
+    message is copied into this rank's buffer, then `one_shot_all_reduce_out` (each rank reads every peer's buffer
+    and sums) or `two_shot_all_reduce_` (reduce-scatter + all-gather through the buffers) writes the sum. The buffer
+    is allocated and exchanged (a collective) on the first CUDA call, which every rank makes at the same point
+    (the engine's profiling prefill), never inside graph capture."""
+
+    def __init__(self, tp: TPGroup, kind: str, max_numel: int):
+        if kind not in ("symm_one", "symm_two"):
+            raise ConfigError(f"POLYRL_TP_ALLREDUCE={kind!r} is not an all-reduce; use nccl, symm_one or symm_two.")
+        self.tp, self.kind, self.max_numel = tp, kind, max_numel
+        self.buf = None
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.is_contiguous() and x.numel() <= self.max_numel
+
+    def _setup(self, x: torch.Tensor) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = self.tp.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+        self.buf = symm_mem.empty(self.max_numel, dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(self.buf, self.tp.group)
+        self.group_name = name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.buf is None:
+            self._setup(x)
+        flat = x.view(-1)
+        part = self.buf[: flat.numel()]
+        part.copy_(flat)
+        if self.kind == "symm_one":
+            torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group_name, flat)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", self.group_name)
+            flat.copy_(part)
+        return x
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                    dtype=weight.dtype)
+    lin.weight.data = weight.contiguous()
+    if bias is not None:
+        lin.bias.data = bias.contiguous()
+    return lin
+
+
+class ReplicaRollout:
+    """The rollout interface for one rank of a TP replica: the group's ranks each bring their own prompts (the
+    trainer deals prompts to every rank as in data-parallel rollout), the replica generates all of them in one
+    engine call on every rank of the group, and each rank gets back its own rows. So the trainer, FSDP over all
+    ranks, is unchanged. Everything else passes through to the engine."""
+
+    _ROW_FIELDS = ("forced_lengths", "max_new_tokens_per_row")
+
+    def __init__(self, engine, tp: TPGroup):
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "tp", tp)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.engine, name, value)
+
+    def generate(self, prompt_ids, sampling):
+        from polyrl.rollout.base import Generation
+
+        if sampling.keep_unfinished or sampling.continuations:
+            raise ConfigError("partial rollouts (kept KV caches) are not supported with "
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size > 1; set it to 1.")
+        box = [None] * self.tp.size
+        dist.all_gather_object(box, (list(prompt_ids), sampling), group=self.tp.group)
+        n = sampling.n
+        counts = [len(p) for p, _ in box]
+        merged = dataclasses.replace(box[0][1])  # the group's first rank's settings (seed included) for every row
+        for f in self._ROW_FIELDS:
+            lists = [getattr(sp, f) for _, sp in box]
+            if any(x is not None for x in lists):
+                assert all(x is not None for x in lists), f"{f} set on some ranks of a TP group only"
+                setattr(merged, f, [v for x in lists for v in x])
+        everything = [p for ps, _ in box for p in ps]
+        if not everything:
+            return Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        out = self.engine.generate(everything, merged)
+        first = sum(counts[: self.tp.rank])
+        lo, hi = first * n, (first + counts[self.tp.rank]) * n
+        return Generation(prompt_index=[i - first for i in out.prompt_index[lo:hi]], token_ids=out.token_ids[lo:hi],
+                          logprobs=out.logprobs[lo:hi], finish_reason=out.finish_reason[lo:hi])
