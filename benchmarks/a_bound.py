@@ -1,6 +1,6 @@
 """What shape (a) can reach with a kernel per op: each op of a decode step timed alone, summed (#16).
 
-    PYTHONPATH=. python benchmarks/a_bound.py [--rows-out BENCHMARKS.md]
+    PYTHONPATH=. python benchmarks/a_bound.py [--rows-out history]
 
 Shape (a) is Qwen2.5-1.5B (tied head), 256 sequences x 256 prompt + 1,024 new tokens. For each config (FP8 KV + FP8
 weights, the defaults' choice of kernels; and bf16) every op of one decode layer runs alone at 256 rows, cold weights

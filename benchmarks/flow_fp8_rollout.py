@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--lora-modes", action="store_true", help="also: LoRA merged into the base and re-quantised")
     ap.add_argument("--compile", action="store_true", help="compile the blocks as the trainer does")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one batch per precision")
-    ap.add_argument("--rows-out", help="append the BENCHMARKS.md row here (a run on another machine)")
+    ap.add_argument("--rows-out", help="append the row to this JSON-lines file (a run on another machine)")
     ap.add_argument("--compiled-quantisers", default=fp8_linear.COMPILED_QUANTISER,
                     help="with --compile, how blocks quantise a GEMM's input, comma-separated to compare: inductor "
                          "(tensor ops fused by inductor), triton (the hand-written launch)")

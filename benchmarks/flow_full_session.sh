@@ -9,7 +9,7 @@
 #                                                          # GPU: the compiled FP8 sampling test; GPU_TESTS=0 skips them)
 # Or both parts in one call (2026-11-26: ~325 s with STEPS=1 GPU_TESTS=0; the warm-up step takes ~40 s, the save ~56 s,
 # the resumed job's load ~55 s). Eager blocks unless COMPILE=--compile: the compiled run had not finished its warm-up
-# after 575 s. Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names
+# after 575 s. Rows go to $OUT/rows.jsonl, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names
 # the commit.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
@@ -29,14 +29,14 @@ case "${1:?part}" in
     nvidia-smi topo -m | head -6 | tee "$OUT/topo.txt"
     timeout 60 torchrun --standalone --nproc_per_node=4 benchmarks/nccl_bw.py 2>&1 | grep GPUs | tee "$OUT/nccl_bw.txt"
     TAIL=40 run full4_speed timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
-      --record --rows-out "$OUT/rows.md" --note "issue 24: fp32 sharded state, bf16 compute" ;;
+      --record --rows-out "$OUT/rows.jsonl" --note "issue 24: fp32 sharded state, bf16 compute" ;;
   run)
     rm -rf "$CK"; mkdir -p "$CK"
     # no prefault of the host memory: a background 240 GiB prefault (2026-11-26) was still running when the save began
     # 105 s into the run, and the two together ran the 512 GiB host out of memory
     date +"run starts %T" >> "$OUT/disk.txt"
     TAIL=40 run full4 timeout 575 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
-      --save-check "$CK" --record --rows-out "$OUT/rows.md" \
+      --save-check "$CK" --record --rows-out "$OUT/rows.jsonl" \
       --note "issue 24: fp32 sharded state, bf16 compute; checkpoint to $CK after the timed steps"
     date +"run ends %T" >> "$OUT/disk.txt"
     cp "$CK/uninterrupted.json" "$OUT/" 2>/dev/null; du -sh "$CK" | tee -a "$OUT/disk.txt"; free -g | head -2 ;;

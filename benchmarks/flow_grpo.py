@@ -368,7 +368,7 @@ def main() -> None:
                     help="after the timed steps: save a checkpoint under DIR, run one more step, write DIR/uninterrupted.json")
     ap.add_argument("--resume-check", metavar="DIR",
                     help="resume --save-check's checkpoint (no warm-up), run that step, compare with DIR/uninterrupted.json")
-    ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
+    ap.add_argument("--record", action="store_true", help="append a row to benchmarks/history.jsonl (or --rows-out)")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
     ap.add_argument("--note", default="", help="with --record: words added to the row's config column")
     args = ap.parse_args()

@@ -16,15 +16,15 @@
 #   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
 #   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
-# Rows go to $OUT/rows.md (paste into BENCHMARKS.md); logs beside them. POLYRL_COMMIT names the commit in rows.
+# Rows go to $OUT/rows.jsonl (then: python scripts/gen_benchmarks.py add rows.jsonl); logs beside them. POLYRL_COMMIT names the commit in rows.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # REWARD_WORKERS: OCR worker processes (reward.num_workers; the async scorer splits a chunk across them); STEPS: timed
 # steps after the warm-up (3); RUN_S: reward_gpu's limit per run (280 s)
-FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps ${STEPS:-3} --record --rows-out $OUT/rows.md \
+FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps ${STEPS:-3} --record --rows-out $OUT/rows.jsonl \
   --reward-workers ${REWARD_WORKERS:-1}"
 case "${1:?part}" in
   stage)
-    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.md \
+    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.jsonl \
       --compiled-quantisers inductor,triton --trained-steps-bf16 ;;
   bf16)
     run same_work_bf16 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward \

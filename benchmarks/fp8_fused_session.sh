@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 on one H100, the FP8 GEMM inputs quantised by their producers (POLYRL_FP8_FUSED_INPUT; on by default
-# since s1 measured +0.6% on 2026-11-26). Two device calls, each under ~9 min; rows to $OUT/rows.md, logs beside them:
+# since s1 measured +0.6% on 2026-11-26). Two device calls, each under ~9 min; rows to $OUT/rows.jsonl, logs beside them:
 #   bash benchmarks/fp8_fused_session.sh check   # the FP8 GPU tests (incl. the fused producers and the one-launch
 #                                                # weight quantiser), then every decode GEMM bf16 / W8A8 / W8A8 fed
 #   bash benchmarks/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
@@ -74,17 +74,17 @@ case "${1:?part}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
     timeout 330 python3 benchmarks/seed_workloads.py --gemms 2>&1 | grep "^gemm r1-distill" | tee "$OUT/gemms.txt" ;;
   s1)
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.jsonl"
     POLYRL_FP8_FUSED_INPUT=0 timeout 270 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{" | tee "$OUT/s1_plain.txt"
     POLYRL_FP8_FUSED_INPUT=1 timeout 270 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{" | tee "$OUT/s1_fused.txt" ;;
   s1_all)
     POLYRL_FP8_FUSED_INPUT=1 timeout 540 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
-      --rows-out "$OUT/rows.md" --configs fp8kv_w8all 2>&1 | grep "^{" | tee "$OUT/s1_all.txt" ;;
+      --rows-out "$OUT/rows.jsonl" --configs fp8kv_w8all 2>&1 | grep "^{" | tee "$OUT/s1_all.txt" ;;
   probe)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
     timeout 120 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 1,8,16,32,64,128 \
       --gemm-sweep-rows 32 2>&1 | grep "^gemm\|^device\|Error" | tee "$OUT/gemms.txt"
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md"
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.jsonl"
     timeout 240 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 200 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
   splitk)  # the split-K FP8 GEMM: its GPU tests, the 1.5B GEMMs with a launch sweep (the table s1 then loads), s1
@@ -93,7 +93,7 @@ case "${1:?part}" in
     timeout 170 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 1,16,32,64,128 \
       --splitk-table-out "$OUT/splitk_table.json" 2>&1 | grep "^gemm\|^device\|Error" | tee "$OUT/gemms.txt"
     T=$([ -s "$OUT/splitk_table.json" ] && echo "--splitk-table $OUT/splitk_table.json")
-    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.md $T"
+    S1="benchmarks/seed_workloads.py --shapes s1 --seqs 64 --rows-out $OUT/rows.jsonl $T"
     timeout 165 python3 $S1 --configs fp8kv_w8all 2>&1 | grep "^{\|Error" | tee "$OUT/s1_all.txt"
     timeout 165 python3 $S1 --configs fp8kv_w8 2>&1 | grep "^{\|Error" | tee "$OUT/s1.txt" ;;
   rows256)  # the split-K kernel in row blocks up to 256 rows: its GPU tests, then the 1.5B GEMMs at 96-256 rows with
@@ -108,10 +108,10 @@ case "${1:?part}" in
          # kernel table, s1 at the new line, the 8B GEMMs at 96-256 rows (the routing's other shapes)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "splitk or linear or engine" \
       2>&1 | tail -3 | tee "$OUT/tests.txt"
-    A="benchmarks/seed_workloads.py --shapes a --rows-out $OUT/rows.md"
+    A="benchmarks/seed_workloads.py --shapes a --rows-out $OUT/rows.jsonl"
     timeout 120 python3 $A --configs fp8kv_w8,fp8kv_w8gu 2>&1 | grep "^{\\|Error" | tee "$OUT/a.txt"
     timeout 70 python3 $A --configs bf16 --kernels 2>&1 | tail -40 | tee "$OUT/a_bf16_kernels.txt"
-    timeout 150 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out $OUT/rows.md \
+    timeout 150 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out $OUT/rows.jsonl \
       2>&1 | grep "^{\\|Error" | tee "$OUT/s1.txt"
     timeout 90 python3 benchmarks/seed_workloads.py --gemms --gemm-archs llama3.1-8b --gemm-rows 64,96,128,256 \
       --gemm-sweep-rows "" 2>&1 | grep "^gemm\|Error" | tee "$OUT/gemms_8b.txt" ;;
@@ -138,24 +138,24 @@ case "${1:?part}" in
     decode_gpu_tests 200
     for rope in 0 1; do
       POLYRL_DECODE_FUSED_ROPE=$rope timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" | tee -a "$OUT/a.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" | tee -a "$OUT/a.txt"
     done
     for rope in 0 1; do
       POLYRL_DECODE_FUSED_ROPE=$rope timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
-        --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" \
+        --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|Error" | sed "s/^/rope=$rope /" \
         | tee -a "$OUT/s1.txt"
     done ;;
   rope_qwen3)  # rope_heads shared by rope_kv and v2 (Qwen3 norms too): decode-path GPU tests, then s1 and (a) at the
                # defaults (bf16 (a) runs rope_kv on v1), one process each
     decode_gpu_tests 200
-    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
-    timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.md" \
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.jsonl" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
   probe_a)
     timeout 200 python3 benchmarks/decode_kernel.py --regimes bf16 --budget-s 170 2>&1 | tee "$OUT/regimes_bf16.txt"
     for c in fp8kv_w8 bf16; do
-      timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c --kernels --rows-out "$OUT/rows.md" \
+      timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c --kernels --rows-out "$OUT/rows.jsonl" \
         2>&1 | tail -45 | tee "$OUT/a_kernels_$c.txt"
     done ;;
   bf16_v2)
@@ -166,28 +166,28 @@ case "${1:?part}" in
     timeout 80 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 64,128,256 \
       --gemm-sweep-rows "" 2>&1 | grep "^gemm\|^device\|rror" | tee "$OUT/gemms.txt"
     for c in bf16 bf16_v2; do
-      timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs $c --rows-out "$OUT/rows.md" 2>&1 \
+      timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs $c --rows-out "$OUT/rows.jsonl" 2>&1 \
         | grep "^{\|rror" | tee -a "$OUT/a.txt"
     done ;;
   s1_bf16)
     for c in ${CONFIGS:-bf16 bf16_v1}; do
-      timeout 285 python3 benchmarks/seed_workloads.py --shapes s1 --seqs ${SEQS:-64} --configs $c --rows-out "$OUT/rows.md" \
+      timeout 285 python3 benchmarks/seed_workloads.py --shapes s1 --seqs ${SEQS:-64} --configs $c --rows-out "$OUT/rows.jsonl" \
         2>&1 | grep "^{\|rror" | tee -a "$OUT/s1.txt"
     done ;;
   bf16_check)
     for c in bf16 bf16_v1; do
-      timeout 100 python3 benchmarks/seed_workloads.py --shapes s2 --configs $c --rows-out "$OUT/rows.md" 2>&1 \
+      timeout 100 python3 benchmarks/seed_workloads.py --shapes s2 --configs $c --rows-out "$OUT/rows.jsonl" 2>&1 \
         | grep "^{\|rror" | tee -a "$OUT/s2.txt"
     done
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_paged_decode_v2_gpu.py \
       2>&1 | tail -3 | tee "$OUT/tests.txt"
-    timeout 220 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --configs bf16 --rows-out "$OUT/rows.md" 2>&1 \
+    timeout 220 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --configs bf16 --rows-out "$OUT/rows.jsonl" 2>&1 \
       | tail -8 | tee "$OUT/learn.txt" ;;
   rope_cost)
     for c in fp8kv_w8 bf16; do
       for rope in 1 0; do
         POLYRL_DECODE_FUSED_ROPE=$rope timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c \
-          --kernels --rows-out "$OUT/rows.md" 2>&1 | grep "_kernel \|nvjet\|^\[a\|^|" \
+          --kernels --rows-out "$OUT/rows.jsonl" 2>&1 | grep "_kernel \|nvjet\|^\[a\|^|" \
           | tee "$OUT/a_kernels_${c}_rope$rope.txt"
       done
     done ;;
@@ -214,11 +214,11 @@ case "${1:?part}" in
       | tee "$OUT/tests.txt"
     for on in 1 0; do
       POLYRL_SLICED_DOWN=$on timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs bf16 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/a.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/a.txt"
     done
     for on in 1 0; do
       POLYRL_SLICED_DOWN=$on timeout 185 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs bf16 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/s1.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/sliced=$on /" | tee -a "$OUT/s1.txt"
     done ;;
   partials)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k splitk 2>&1 | tail -3 \
@@ -236,21 +236,21 @@ case "${1:?part}" in
       --gemm-archs llama3.1-8b 2>&1 | grep "partials\|add_rmsnorm\|rror" | tee -a "$OUT/partials.txt"
     for on in 1 0; do
       POLYRL_FP8_PARTIALS=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/a.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/a.txt"
     done ;;
   partials_s1)
     for on in 1 0; do
       POLYRL_FP8_PARTIALS=$on timeout 270 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s1.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s1.txt"
     done
-    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 128 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 128 --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/s1_128.txt" ;;
   partials_s2)
     for on in 1 0; do
       POLYRL_FP8_PARTIALS=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s2.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/partials=$on /" | tee -a "$OUT/s2.txt"
     done
-    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.jsonl" 2>&1 | tail -8 \
       | tee "$OUT/learn.txt" ;;
   layout)
     for lay in "1 random" "1 interleaved" "28 random" "28 interleaved" "28 contiguous"; do
@@ -258,7 +258,7 @@ case "${1:?part}" in
       timeout 60 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers $1 \
         --regime-layout $2 --regime-default-only 2>&1 | grep "==\|B=256\|committed" | tee -a "$OUT/layout.txt"
     done
-    timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 \
+    timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" 2>&1 \
       | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
   fast_accum)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -3 \
@@ -268,14 +268,14 @@ case "${1:?part}" in
       | tee "$OUT/fast.txt"
     for on in 1 0; do
       POLYRL_FP8_FAST_ACCUM=$on timeout 90 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | tee -a "$OUT/a.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | tee -a "$OUT/a.txt"
     done ;;
   fast_check)
-    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.jsonl" 2>&1 | tail -8 \
       | tee "$OUT/learn.txt"
     for on in 1 0; do
       POLYRL_FP8_FAST_ACCUM=$on timeout 110 python3 benchmarks/seed_workloads.py --shapes s2 --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | cut -c1-300 | tee -a "$OUT/s2.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/fast=$on /" | cut -c1-300 | tee -a "$OUT/s2.txt"
     done ;;
   masked)
     for kv in e4m3 bf16; do
@@ -287,31 +287,31 @@ case "${1:?part}" in
       producers or engine" 2>&1 | tail -3 | tee "$OUT/tests.txt"
     for on in 1 0; do
       POLYRL_FP8_SLICE_SCALES=$on timeout 70 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-300 | tee -a "$OUT/a.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-300 | tee -a "$OUT/a.txt"
     done ;;
   slices_s1)
     for on in 1 0; do
       POLYRL_FP8_SLICE_SCALES=$on timeout 280 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 \
-        --configs fp8kv_w8 --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-200 \
+        --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/slices=$on /" | cut -c1-200 \
         | tee -a "$OUT/s1.txt"
     done ;;
   slices_learn)
-    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.jsonl" 2>&1 | tail -8 \
       | tee "$OUT/learn.txt"
     for cfg in fp8kv_w8 bf16; do
-      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.jsonl" 2>&1 \
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   prefill)
     for cfg in fp8kv_w8 bf16; do
       timeout 120 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --prefill-kernels \
-        --rows-out "$OUT/rows.md" 2>&1 | grep -v "^{" | tee -a "$OUT/prefill.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep -v "^{" | tee -a "$OUT/prefill.txt"
     done ;;
   pinned)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_fp8_rollout_gpu.py \
       -k "engine or prefix or fork or graph or native" 2>&1 | tail -3 | tee "$OUT/tests.txt"
     for cfg in fp8kv_w8 bf16 fp8kv_w8; do
-      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+      timeout 80 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.jsonl" 2>&1 \
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   prefill_kernel)
@@ -321,7 +321,7 @@ case "${1:?part}" in
     for run in "a fp8kv_w8 1" "a fp8kv_w8 0" "a bf16 1" "a bf16 0" "s2 fp8kv_w8 1" "s2 fp8kv_w8 0"; do
       set -- $run
       POLYRL_PREFILL_KERNEL=$3 timeout 150 python3 benchmarks/seed_workloads.py --shapes $1 --configs $2 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/prefill_kernel=$3 /" | cut -c1-200 \
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/prefill_kernel=$3 /" | cut -c1-200 \
         | tee -a "$OUT/runs.txt"
     done ;;
   one_wave)
@@ -332,7 +332,7 @@ case "${1:?part}" in
       | tee "$OUT/a_kernels.txt"
     for w in 1 0 1 0; do
       POLYRL_FP8_ONE_WAVE=$w timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/one_wave=$w /" | cut -c1-260 | tee -a "$OUT/runs.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/one_wave=$w /" | cut -c1-260 | tee -a "$OUT/runs.txt"
     done ;;
   sampler)  # needs benchmarks/_old_fused.py (the earlier fused.py, carried)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py -k "sampler" 2>&1 | tail -2 \
@@ -341,21 +341,21 @@ case "${1:?part}" in
     for run in "fp8kv_w8 64" "fp8kv_w8 16" "bf16 64" "bf16 16"; do
       set -- $run
       POLYRL_SAMPLE_CHUNKS=$2 timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs $1 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep "^{\|rror" | sed "s/^/chunks=$2 /" | cut -c1-200 | tee -a "$OUT/runs.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep "^{\|rror" | sed "s/^/chunks=$2 /" | cut -c1-200 | tee -a "$OUT/runs.txt"
     done ;;
   final)  # session 28's code: learning (3 seeds), s1 at 64 sequences, the engine and FP8 GPU test files
-    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.md" 2>&1 | tail -8 \
+    timeout 240 python3 benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out "$OUT/rows.jsonl" 2>&1 | tail -8 \
       | tee "$OUT/learn.txt"
-    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.md" \
+    timeout 200 python3 benchmarks/seed_workloads.py --shapes s1 --seqs 64 --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" \
       2>&1 | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/s1.txt"
     timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py tests/test_fp8_rollout_gpu.py \
       2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
   final_a)  # (a) at session 28's final code: FP8 KV + W8 twice, bf16, and the FP8 LM head recipe
     for cfg in fp8kv_w8 bf16 fp8kv_w8head fp8kv_w8; do
-      timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.md" 2>&1 \
+      timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs $cfg --rows-out "$OUT/rows.jsonl" 2>&1 \
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   bound)  # (a) at best with a kernel per op: each op alone, summed (a_bound.py)
-    timeout 300 python3 benchmarks/a_bound.py --rows-out "$OUT/rows.md" 2>&1 | tee "$OUT/bound.txt" ;;
+    timeout 300 python3 benchmarks/a_bound.py --rows-out "$OUT/rows.jsonl" 2>&1 | tee "$OUT/bound.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """The seeds' generation workloads on one GPU, per GPU, next to the seeds' own numbers and the decode roofline (#16).
 
-    PYTHONPATH=. python benchmarks/seed_workloads.py --shapes s1,a --configs bf16,fp8kv,fp8kv_w8 --seqs 64 --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/seed_workloads.py --shapes s1,a --configs bf16,fp8kv,fp8kv_w8 --seqs 64 --rows-out history
     PYTHONPATH=. python benchmarks/seed_workloads.py --gemms          # per-GEMM bf16 vs FP8 at decode sizes
 
 Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):

@@ -112,11 +112,13 @@ def test_each_run_gets_its_own_directory_unless_it_resumes(bf16_model_dir, synth
 
 
 def test_readme_states_real_model_costs_from_the_benchmark_script():
-    """Every `benchmarks/real_model_cost.py` row of BENCHMARKS.md (CPU, GPU) is quoted in the README's cost section."""
+    """Every `benchmarks/real_model_cost.py` row of the benchmark history (CPU, GPU) is quoted in the README's cost
+    section."""
     root = Path(__file__).resolve().parent.parent
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in (root / "BENCHMARKS.md").read_text().splitlines()
-            if line.startswith("|") and "real_model_cost" in line]
-    assert rows, "BENCHMARKS.md has no row from benchmarks/real_model_cost.py"
+    history = [json.loads(line) for line in (root / "benchmarks" / "history.jsonl").read_text().splitlines()]
+    rows = [(r["date"], r["device"], r["title"], r["shape"], r["polyrl"]) for r in history
+            if r["benchmark"] == "real_model_cost"]
+    assert rows, "benchmarks/history.jsonl has no row from benchmarks/real_model_cost.py"
     readme = (root / "README.md").read_text()
     section = readme[readme.index("## What a real model costs"):]
     section = section[: section.index("\n## ", 3)]
