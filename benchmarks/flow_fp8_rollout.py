@@ -21,7 +21,7 @@ optimizer step; it prints each mode's sampling time, mismatch and the re-quantis
 `--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling); `--profile`
 prints the kernels of one timed batch per precision. On an H200 (2026-11-26, compiled, 16 images) bf16 took 10.55 s,
 every step FP8 8.54 s, FP8 on the ODE steps with merged LoRA 8.15 s (the 24.0 s of a 2026-11-24 trainer run came
-from its text-encoder offload, not from FP8: benchmarks/NOTES_flow.md).
+from its text-encoder offload, not from FP8: docs/engineering/NOTES_flow.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24 on a 4x H200 host (`nvidia-h200-x4`, needs_h200: fp32 weights, gradients and AdamW state of the 20.4B DiT
-# are 82 GB per GPU over 4). Carry `.whl_flow` (diffusers, rapidocr; benchmarks/NOTES_flow.md). Two device calls on
+# are 82 GB per GPU over 4). Carry `.whl_flow` (diffusers, rapidocr; docs/engineering/NOTES_flow.md). Two device calls on
 # one warm machine (the checkpoint lives on it between them):
 #   bash benchmarks/flow_full_session.sh run               # the 4-GPU full-FT run: warm-up, timed steps, checkpoint,
 #                                                          # one more step

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23 on the GPU machine, one part per device call (each under ~9 min). Carry `.whl_flow` (the wheels the GPU
-# image lacks: diffusers, rapidocr and their small deps; benchmarks/NOTES_flow.md says how to download them):
+# image lacks: diffusers, rapidocr and their small deps; docs/engineering/NOTES_flow.md says how to download them):
 #   bash benchmarks/flow_session.sh stage      # any 1 GPU: the FP8 rollout stage alone, compiled: bf16, FP8 with the
 #                                              # inductor-fused or Triton quantiser, FP8 on the ODE steps only
 #   bash benchmarks/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling

@@ -1,6 +1,6 @@
 """benchmarks/real_model_gap.py (issue 16's log-prob gap per rollout dtype) on a tiny local model, CPU: it runs to the
 end, prints one table row per config, and the FP8 rows show a wider gap than the bf16 engine's. The real-model
-numbers come from SmolLM2 (benchmarks/NOTES_rollout.md, session 22); this keeps the script runnable."""
+numbers come from SmolLM2 (docs/engineering/NOTES_rollout.md, session 22); this keeps the script runnable."""
 
 import json
 import os

@@ -1,6 +1,6 @@
 """FP8 GEMMs in the DiT's sampling forwards (`actor_rollout_ref.rollout.quantization=fp8`); trained forwards stay bf16.
 
-Sampling is ~68% of a Qwen-Image FlowGRPO step and compute-bound (benchmarks/NOTES_flow.md); Hopper runs e4m3 GEMMs
+Sampling is ~68% of a Qwen-Image FlowGRPO step and compute-bound (docs/engineering/NOTES_flow.md); Hopper runs e4m3 GEMMs
 at twice the bf16 rate. `FP8Sampling(transformer)` gives each selected `nn.Linear` of the transformer blocks a second
 path that reads an e4m3 copy of its weight (one fp32 scale per output row) and quantises its input per token at run
 time. The numbers come from the LLM engine's code, one implementation: `quantize_weight_rows` makes the weight copy

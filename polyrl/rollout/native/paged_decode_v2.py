@@ -7,7 +7,7 @@ in the same launch (the last split of each head block to finish) was tried and m
 8,438 tok/s, H100, 2026-11-26), so the combine stays a second launch.
 
 Why: with e4m3 K/V, v1 is 1.30-1.36x its bf16 speed on an H100 although it reads half the bytes, and measurements put
-the cost on per-token instruction work, not on conversions or the dots (`benchmarks/NOTES_rollout.md`, session 7).
+the cost on per-token instruction work, not on conversions or the dots (`docs/engineering/NOTES_rollout.md`, session 7).
 v1's program owns one (sequence, kv head, split) and, for every token of a tile, loads its block-table entry, builds
 its row pointer and loads its two scales with a stride of `kv_heads` floats; all of that is repeated for each kv head.
 
