@@ -1,6 +1,6 @@
 """Every `from polyrl... import name` in benchmarks/, examples/ and scripts/ (at any depth, inside functions too) names
 something that exists. The benchmarks run on the GPU machine, far from CI; a renamed class once left
-`benchmarks/flow_fp8_rollout.py` unable to start, and nothing here noticed until a device call failed."""
+`benchmarks/probes/flow_fp8_rollout.py` unable to start, and nothing here noticed until a device call failed."""
 
 import ast
 import importlib

@@ -26,7 +26,7 @@ frozen base never changes, so its e4m3 copy is made once. Merged (`merge_lora=Tr
 mode): the copy holds W + scaling * B A, made again before each rollout (0.25 s for Qwen-Image's 20.4B on an H200,
 `timing_s/fp8_quantise`), and the adapter's forward is that one GEMM. Merging removes the adapters' side GEMMs and the
 extra read and write of the output, but rounds the learned update together with the base:
-`benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA r8, 10 steps, window 2,
+`benchmarks/probes/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA r8, 10 steps, window 2,
 CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged with a small adapter
 (`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only steps whose log-probs
 nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8. On an H200 (compiled,

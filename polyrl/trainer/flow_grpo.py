@@ -64,7 +64,7 @@ from polyrl.learner.memory import check_training_state_fits
 from polyrl.utils.timing import StepTimer
 
 # With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`);
-# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/flow_session.sh overlap times both)
+# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/probes/flow_session.sh overlap times both)
 REWARD_OVERLAP = os.environ.get("POLYRL_FLOW_REWARD_OVERLAP", "1") == "1"
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]

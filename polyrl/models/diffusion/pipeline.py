@@ -32,7 +32,7 @@ from polyrl.utils.device import to_dtype
 
 # The text encoder meets a new prompt length nearly every step. cuDNN's attention (an SDPA backend torch picks on
 # Hopper) builds an execution plan for each new shape: 1.09 s of CPU over the 28 layers of Qwen-Image's 7B encoder on
-# an H200, a 2.3 s prompt encoding in a 13 s FlowGRPO step (torch profiler, benchmarks/flow_session.sh encode5,
+# an H200, a 2.3 s prompt encoding in a 13 s FlowGRPO step (torch profiler, benchmarks/probes/flow_session.sh encode5,
 # 2026-11-26). Flash and memory-efficient attention need no plan.
 TEXT_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -195,7 +195,7 @@ RECOMPILE_LIMIT = 64  # graphs per block code object (compile_blocks)
 # (POLYRL_FLOW_UPDATE_DYNAMIC=1, the default until 2026-11-26). Qwen-Image LoRA, 16 images, one H200: static updates
 # took 4.8 / 4.8 / 4.8 s in three timed steps (1.208 img/GPU/s); dynamic ones 4.8-6.0 s, the slow one on whichever
 # step first met a text length in the timed run, though a warm-up had updated on every text bucket
-# (benchmarks/flow_session.sh update_static and workers).
+# (benchmarks/probes/flow_session.sh update_static and workers).
 UPDATE_DYNAMIC = os.environ.get("POLYRL_FLOW_UPDATE_DYNAMIC", "0") == "1"
 
 

@@ -87,7 +87,7 @@ def choose_decode_kernel(name: str, kv_fp8: bool, block_size: int) -> tuple[str,
     """The paged-decode kernel for `engine_kwargs.native.decode_kernel=name`, and why (for the one log line).
 
     `auto` (the default) takes v2 wherever it runs (a power-of-two block size), v1 otherwise. H100 measurements:
-    - e4m3 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context): v2 1.24-1.32x faster than v1 (v1
+    - e4m3 (2026-11-24, `benchmarks/probes/decode_kernel.py`, B = 64/128 x 16k context): v2 1.24-1.32x faster than v1 (v1
       gathers 8-bit V byte by byte); end to end 2.15x -> 2.21x the seed on s1 and 55.5k -> 63.4k tok/s on (a).
     - bf16 (2026-11-26, `decode_kernel.py --regimes bf16`, one layer): with CONFIG at rows 128 and two programs an SM,
       v2 ties v1 at shape (a) (72.7 against 72.6 us) and beats it in s1's bulk and tail (B = 64 x 16k 364 against

@@ -88,7 +88,7 @@ if os.environ.get("POLYRL_FP8_PARTIALS", "1") != "1":
 SLICE_SCALES = os.environ.get("POLYRL_FP8_SLICE_SCALES", "1") == "1"
 # Inside torch.compile (the DiT's compiled blocks) the activation is quantised with plain tensor ops, which inductor
 # fuses into the kernel that produced it, instead of the hand-written Triton launch (`_scaled_mm_rowwise`)
-COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/flow_fp8_rollout.py --compiled-quantisers compares them
+COMPILED_QUANTISER = "inductor"  # or "triton": benchmarks/probes/flow_fp8_rollout.py --compiled-quantisers compares them
 
 
 class FP8Linear(nn.Module):

@@ -299,7 +299,7 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple
     Philox number and took two logs per logit and was compute-bound (206 us for 256 x 152k on an H200). The first
     pass keeps one running max per chunk (one exp a logit), and the second scans one of SAMPLE_CHUNKS chunks per row:
     39.7 / 13.9 us at 256 / 64 rows of Qwen2.5's bf16 logits against 52.6 / 22.6 with per-lane maxima (two exps a
-    logit) and 16 chunks (H100, `benchmarks/sampler_bench.py`, 2026-11-27; one read of the logits is 25.9 / 6.5 us).
+    logit) and 16 chunks (H100, `benchmarks/probes/sampler_bench.py`, 2026-11-27; one read of the logits is 25.9 / 6.5 us).
     """
     R, V = logits_RV.shape
     dev = logits_RV.device

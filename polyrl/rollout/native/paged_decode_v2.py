@@ -27,7 +27,7 @@ v2's design:
   is upcast to fp16 in registers (one conversion instruction on Hopper), scores and softmax stay fp32.
 - Whole steps run without token masks; only a split's last, partial step is masked (`_step(MASKED=True)`).
 
-What it buys, measured statically (no GPU here: `benchmarks/decode_kernel.py --sass` compiles both kernels for sm_90
+What it buys, measured statically (no GPU here: `benchmarks/probes/decode_kernel.py --sass` compiles both kernels for sm_90
 and counts the main loop's SASS instructions per (token, kv head) per warp; Qwen-1.5B heads, committed configs):
 bf16 v1 35.1 -> v2 22.4; e4m3 v1 46.6 -> v2 32.1 (-31%). Both pipeline their K/V loads (cp.async), no spills. The
 largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and sm_90
@@ -50,14 +50,14 @@ One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 onl
 it off): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
 softmax's row max and sum and the move of P into the P.V operand cross warps through shared memory every step. A
 one-warp program of one page a step does none of that; with 4-8x more programs (more splits) it reads the cache
-faster wherever the four-warp launch needed splits anyway. `benchmarks/decode_kernel.py --regimes` (H100, one layer,
+faster wherever the four-warp launch needed splits anyway. `benchmarks/probes/decode_kernel.py --regimes` (H100, one layer,
 2026-11-26): Qwen-1.5B heads at B = 64 x 16k 203 against 214 us, B = 128 x 16k 388 against 419; no better at shape
 (a)'s 256 rows (the four-warp launch fills the GPU unsplit: 45.6 us against 55.5+) nor at the last few rows, and
 worse where one-warp programs would need many splits of a short context (Llama-8B heads at 8 x 4k: 42.1 us with 60
 splits against 35.8), hence FEW_MAX_SPLITS. End to end (seed_workloads.py, A/B in one call): s1 at 64 sequences
 8,825 -> 9,124 and 8,864 -> 9,256 tok/s (the latter with a 64-split cap), s2 5,397 -> 5,998.
 
-Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
+Measured on an H100 (2026-11-24, `benchmarks/probes/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
 e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 was 0.76-1.00x v1 with its
 first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at 64 sequences 5,930 -> 7,714 tok/s
 (FP8 KV + W8), at 128 7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
@@ -202,7 +202,7 @@ def _paged_decode_v2_kernel(
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
-# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/decode_kernel.py`
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/probes/decode_kernel.py`
 # sweeps them on a GPU. e4m3 (H100, 2026-11-24): rows 128, four warps, two programs an SM (no register spills on
 # sm_90; rows 256 with four warps spills). bf16 first had rows 64 and one program an SM (not timed when written) and
 # lost to v1; the e4m3 launch beat it in all engine regimes of `decode_kernel.py --regimes bf16` but one (Llama-8B

@@ -14,7 +14,7 @@ online softmax in fp32). FP8 KV as in the decode kernels: e4m3 bytes upcast to f
 per-(token, head) scale on the score column, V's on the probability column before P.V; nothing dequantised in
 memory. The q heads of a GQA group read the same K/V tiles, from L2 after the first.
 
-Measured (H100, 2026-11-27, `bash benchmarks/fp8_fused_session.sh prefill_kernel`, A/B one process each): (a)'s
+Measured (H100, 2026-11-27, `bash benchmarks/probes/fp8_fused_session.sh prefill_kernel`, A/B one process each): (a)'s
 prefill 0.22 against 0.25 s in FP8 KV + W8 (73.4k against 72.4k tok/s end to end), 0.32 / 0.34 s in bf16, s2's
 (Llama-8B, 128 x 1,024-token prompts) 0.43 / 0.47 s. Against the gather path's attention on the same cache: 4e-3
 (bf16) and 1.3e-2 (e4m3) largest relative error per row; the engine's log-prob gap to HF 6.1e-3 against 5.9e-3 (bf16)

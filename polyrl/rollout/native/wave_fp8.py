@@ -3,7 +3,7 @@
 Why: shape (a)'s decode step runs the 1.5B gate_up (N = 17,920, K = 1,536) at 256 rows. Tiled 128 columns wide that
 is 140 output tiles for 132 SMs, so 8 tiles run as a second wave while the rest of the GPU waits. `_scaled_mm` took
 20.9 us there and 16.0 us for N = 16,896 (132 tiles); a plain Triton tile kernel 26.3 against 16.4 (cold weights,
-H100, `benchmarks/gemm_waves.py --tiles`, 2026-11-27). So the leftover columns cost a whole tile's time.
+H100, `benchmarks/probes/gemm_waves.py --tiles`, 2026-11-27). So the leftover columns cost a whole tile's time.
 
 How: every program owns 128 columns of the first `programs * 128` and, while it streams the x tile through shared
 memory anyway, one more chunk of the leftover columns (16 here: 64 chunks for 1,024 columns) as a second, narrow

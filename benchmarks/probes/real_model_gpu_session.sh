@@ -7,10 +7,10 @@
 #              .gl/smollm2.gguf.part-
 #          pip download --no-deps -d .whl gguf==0.19.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 \
 #              multiprocess==0.70.19 xxhash      # (the device's Python version for xxhash's binary wheel)
-#   run 1: bash benchmarks/real_model_gpu_session.sh stage    carry [".gl/smollm2.gguf.part-00"]
-#   run 2: bash benchmarks/real_model_gpu_session.sh recipe   carry [".gl/smollm2.gguf.part-01", ".whl"]
-#   run 3: bash benchmarks/real_model_gpu_session.sh trl      (30 steps each side; STEPS=20 if it nears 10 min)
-#   or:    bash benchmarks/real_model_gpu_session.sh gap      (real_model_gap.py on the CUDA kernels, issue 16)
+#   run 1: bash benchmarks/probes/real_model_gpu_session.sh stage    carry [".gl/smollm2.gguf.part-00"]
+#   run 2: bash benchmarks/probes/real_model_gpu_session.sh recipe   carry [".gl/smollm2.gguf.part-01", ".whl"]
+#   run 3: bash benchmarks/probes/real_model_gpu_session.sh trl      (30 steps each side; STEPS=20 if it nears 10 min)
+#   or:    bash benchmarks/probes/real_model_gpu_session.sh gap      (real_model_gap.py on the CUDA kernels, issue 16)
 # Results land in $OUT (recipe.txt, real_model_trl.txt, benchmarks_rows.diff: the rows to append here).
 set -uo pipefail
 MODE=${1:-recipe}

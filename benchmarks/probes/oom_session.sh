@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 18 on the GPU machine: one part per device call (each under ~8 min). Run from the repository root:
-#   bash benchmarks/oom_session.sh sweep_short   # H100: resp 256,1024 x user budgets 8k..64k (12 runs)
-#   bash benchmarks/oom_session.sh sweep_4096    # H100: resp 4096 x the same budgets (6 runs, 8 prompts x 8)
-#   bash benchmarks/oom_session.sh readme49152   # H100: the README recipe that crashed (budget 49152, no ckpt)
-#   bash benchmarks/oom_session.sh defaults      # H100 or H200: grpo_step with only model/data/batch/length keys
-#   bash benchmarks/oom_session.sh tuned         # the same device: the best hand-tuned settings, same call shape
-#   bash benchmarks/oom_session.sh defaults_7b   # 2x H200: the 7B shape, defaults, torchrun
-#   bash benchmarks/oom_session.sh tuned_7b      # 2x H200: the same shape, the best hand-tuned 7B row's settings
-#   bash benchmarks/oom_session.sh flow          # H100: Qwen-Image 20B LoRA CFG 512^2, auto memory, latent reward (needs diffusers)
+#   bash benchmarks/probes/oom_session.sh sweep_short   # H100: resp 256,1024 x user budgets 8k..64k (12 runs)
+#   bash benchmarks/probes/oom_session.sh sweep_4096    # H100: resp 4096 x the same budgets (6 runs, 8 prompts x 8)
+#   bash benchmarks/probes/oom_session.sh readme49152   # H100: the README recipe that crashed (budget 49152, no ckpt)
+#   bash benchmarks/probes/oom_session.sh defaults      # H100 or H200: grpo_step with only model/data/batch/length keys
+#   bash benchmarks/probes/oom_session.sh tuned         # the same device: the best hand-tuned settings, same call shape
+#   bash benchmarks/probes/oom_session.sh defaults_7b   # 2x H200: the 7B shape, defaults, torchrun
+#   bash benchmarks/probes/oom_session.sh tuned_7b      # 2x H200: the same shape, the best hand-tuned 7B row's settings
+#   bash benchmarks/probes/oom_session.sh flow          # H100: Qwen-Image 20B LoRA CFG 512^2, auto memory, latent reward (needs diffusers)
 # Rows go to $OUT/rows.jsonl (then: python scripts/gen_benchmarks.py add rows.jsonl), JSON and logs beside them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} HF_HUB_OFFLINE=1 POLYRL_CACHE=/tmp/pcache

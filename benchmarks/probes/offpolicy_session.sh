@@ -10,7 +10,7 @@
 #      fit with activations in the 2026-11-21 update runs); a trainer pool of several GPUs is not built yet
 # Rows go to $OUT/rows.jsonl (then: python scripts/gen_benchmarks.py add rows.jsonl), logs to $OUT/*.log.
 #   4. (PHASE=prefetch) issue 19's fsdp_config.forward_prefetch A/B: multi_gpu.py 1.5b over 2 GPUs, off then on
-#   usage: bash benchmarks/offpolicy_session.sh PHASE [PHASE ...]   PHASE: 1.5b (= colocated offpolicy), colocated,
+#   usage: bash benchmarks/probes/offpolicy_session.sh PHASE [PHASE ...]   PHASE: 1.5b (= colocated offpolicy), colocated,
 #   offpolicy, fp8 (both, FP8 rollout), partial (= partial2k partial1k), partial2k, partial1k, recompute, learn,
 #   prefetch, 7b, all
 #   (a 2-GPU machine counts its whole held time: keep a call under 10 min; each benchmark run is capped at 5 min,

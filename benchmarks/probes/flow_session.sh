@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Issue 23 on the GPU machine, one part per device call (each under ~9 min). Carry `.whl_flow` (the wheels the GPU
 # image lacks: diffusers, rapidocr and their small deps; docs/engineering/NOTES_flow.md says how to download them):
-#   bash benchmarks/flow_session.sh stage      # any 1 GPU: the FP8 rollout stage alone, compiled: bf16, FP8 with the
+#   bash benchmarks/probes/flow_session.sh stage      # any 1 GPU: the FP8 rollout stage alone, compiled: bf16, FP8 with the
 #                                              # inductor-fused or Triton quantiser, FP8 on the ODE steps only
-#   bash benchmarks/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling
-#   bash benchmarks/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
-#   bash benchmarks/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
-#   bash benchmarks/flow_session.sh chunks     # 1 H200: FP8 on the ODE steps, 4 OCR workers, the rollout in one chunk
+#   bash benchmarks/probes/flow_session.sh bf16       # 1 H200: same work as VeRL-Omni, async OCR, bf16 sampling
+#   bash benchmarks/probes/flow_session.sh fp8        # 1 H200: the same with FP8 on the ODE steps (the default FP8 mode)
+#   bash benchmarks/probes/flow_session.sh pair       # 1 H200: bf16 then fp8 in one call (one machine for both)
+#   bash benchmarks/probes/flow_session.sh chunks     # 1 H200: FP8 on the ODE steps, 4 OCR workers, the rollout in one chunk
 #                                              # of 16 images, then in two of 8 (the first one's OCR hides behind the
 #                                              # second one's sampling)
-#   bash benchmarks/flow_session.sh chunk8     # 1 H200: the second of those alone
-#   bash benchmarks/flow_session.sh overlap    # 1 H200: chunk8 with the rewards waited for first, then overlapped
-#   bash benchmarks/flow_session.sh workers    # 1 H200: chunk8 with 4 OCR workers, then 8, in one call
-#   bash benchmarks/flow_session.sh update_static # 1 H200: chunk8, 8 workers, the update dynamic-shape then static
-#   bash benchmarks/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
-#   bash benchmarks/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
+#   bash benchmarks/probes/flow_session.sh chunk8     # 1 H200: the second of those alone
+#   bash benchmarks/probes/flow_session.sh overlap    # 1 H200: chunk8 with the rewards waited for first, then overlapped
+#   bash benchmarks/probes/flow_session.sh workers    # 1 H200: chunk8 with 4 OCR workers, then 8, in one call
+#   bash benchmarks/probes/flow_session.sh update_static # 1 H200: chunk8, 8 workers, the update dynamic-shape then static
+#   bash benchmarks/probes/flow_session.sh fp8_all    # 1 H200: the same with every step in FP8 (+ recompute, TIS)
+#   bash benchmarks/probes/flow_session.sh reward_gpu # 2 H200s: sync vs async reward with a VLM-judge-sized model, on the
 #                                              # actor GPU (sync) or a reward GPU of its own (async), bf16 sampling
 # Rows go to $OUT/rows.jsonl (then: python scripts/gen_benchmarks.py add rows.jsonl); logs beside them. POLYRL_COMMIT names the commit in rows.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
@@ -24,7 +24,7 @@ FAST="--prompts 1 --compile --no-ckpt --micro 4 --rollout-micro 16 --steps ${STE
   --reward-workers ${REWARD_WORKERS:-1}"
 case "${1:?part}" in
   stage)
-    run stage timeout 560 python3 benchmarks/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.jsonl \
+    run stage timeout 560 python3 benchmarks/probes/flow_fp8_rollout.py --compile --batch 16 --repeats 2 --rows-out $OUT/rows.jsonl \
       --compiled-quantisers inductor,triton --trained-steps-bf16 ;;
   bf16)
     run same_work_bf16 timeout 560 python3 benchmarks/flow_grpo.py $FAST --async-reward \

@@ -11,11 +11,11 @@ base (what the trainer does) and adapters merged into the base then re-quantised
 optimizer step; it prints each mode's sampling time, mismatch and the re-quantisation time per optimizer step
 (`--lora-scale` sets the adapter's size: the merged mode's error grows with it).
 
-    python benchmarks/flow_fp8_rollout.py                        # GPU: rollout-stage speedup + mismatch KL
-    python benchmarks/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
-    python benchmarks/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
+    python benchmarks/probes/flow_fp8_rollout.py                        # GPU: rollout-stage speedup + mismatch KL
+    python benchmarks/probes/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
+    python benchmarks/probes/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
                                                                  # and each precision's top kernels
-    python benchmarks/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
+    python benchmarks/probes/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
         # GPU: the activation quantiser fused by inductor vs the Triton launch; and FP8 on the ODE steps only
 
 `--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling); `--profile`
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _record
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _record
 
 from polyrl.algorithms import sde as sde_lib
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device calls on one 4x H200 host, independent jobs on disjoint GPUs at once (each job owns its GPUs through
-# CUDA_VISIBLE_DEVICES; they share only the host's CPUs). Usage: bash benchmarks/x4_session.sh PHASE
+# CUDA_VISIBLE_DEVICES; they share only the host's CPUs). Usage: bash benchmarks/probes/x4_session.sh PHASE
 #   1: GRPO step 1.5B on 1 GPU with TRL in the same process (issues 5, 8) | 2 GPUs (8) | FlowGRPO variants (6)
 #   2: GRPO step 1.5B on 4 GPUs, 7B on 2 GPUs | Ray GPU tests (its wheel arrives in two calls: .ray1 in phase 1,
 #      .ray2 here; the machine must stay warm between them) | FlowGRPO data parallel on 2 GPUs (8)

@@ -1,9 +1,9 @@
 """Paged-decode kernels v1 vs v2 in isolation, bf16 and e4m3 K/V, at long contexts (issue 16). One short GPU call.
 
-    PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out history] [--budget-s 45]
-    TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke
-    PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
-    PYTHONPATH=. python benchmarks/decode_kernel.py --regimes [bf16] --budget-s 120  # v2 launches by engine regime
+    PYTHONPATH=. python benchmarks/probes/decode_kernel.py [--rows-out history] [--budget-s 45]
+    TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/probes/decode_kernel.py --smoke
+    PYTHONPATH=.:/path/to/triton python benchmarks/probes/decode_kernel.py --sass     # no GPU needed
+    PYTHONPATH=. python benchmarks/probes/decode_kernel.py --regimes [bf16] --budget-s 120  # v2 launches by engine regime
 
 Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
 (as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
@@ -38,7 +38,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the probes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record, seed_workloads
 from _record import append_row  # noqa: E402
 
 from polyrl.rollout.native import paged_decode as v1  # noqa: E402

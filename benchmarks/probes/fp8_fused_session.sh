@@ -1,64 +1,64 @@
 #!/usr/bin/env bash
 # Issue 16 on one H100, the FP8 GEMM inputs quantised by their producers (POLYRL_FP8_FUSED_INPUT; on by default
 # since s1 measured +0.6% on 2026-11-26). Two device calls, each under ~9 min; rows to $OUT/rows.jsonl, logs beside them:
-#   bash benchmarks/fp8_fused_session.sh check   # the FP8 GPU tests (incl. the fused producers and the one-launch
+#   bash benchmarks/probes/fp8_fused_session.sh check   # the FP8 GPU tests (incl. the fused producers and the one-launch
 #                                                # weight quantiser), then every decode GEMM bf16 / W8A8 / W8A8 fed
-#   bash benchmarks/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
-#   bash benchmarks/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
-#   bash benchmarks/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs with a sweep
-#   bash benchmarks/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
-#   bash benchmarks/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
+#   bash benchmarks/probes/fp8_fused_session.sh s1      # s1 at 64 sequences, fp8kv_w8 without and with fused inputs
+#   bash benchmarks/probes/fp8_fused_session.sh s1_all  # the same with every decode GEMM in FP8 (fp8kv_w8all), fused inputs
+#   bash benchmarks/probes/fp8_fused_session.sh rows256 # split-K in row blocks to 256 rows: GPU tests, GEMMs with a sweep
+#   bash benchmarks/probes/fp8_fused_session.sh line    # the 2^23 FP8 line: (a) both lines, bf16 kernel table, s1, 8B GEMMs
+#   bash benchmarks/probes/fp8_fused_session.sh probe   # the FP8 GPU tests, the 1.5B GEMMs with cold weights (as the engine
 #                                                # reads them), then s1 fp8kv_w8all against fp8kv_w8 in one call
-#   bash benchmarks/fp8_fused_session.sh rope    # v2 doing rope_kv's work: GPU tests, (a) and s1 without / with it
-#   bash benchmarks/fp8_fused_session.sh rope_qwen3  # the shared rope_heads: GPU tests, s1 and (a) at the defaults
-#   bash benchmarks/fp8_fused_session.sh probe_a # v2's bf16 launches by regime (s1's bf16 tail), then (a)'s kernel
+#   bash benchmarks/probes/fp8_fused_session.sh rope    # v2 doing rope_kv's work: GPU tests, (a) and s1 without / with it
+#   bash benchmarks/probes/fp8_fused_session.sh rope_qwen3  # the shared rope_heads: GPU tests, s1 and (a) at the defaults
+#   bash benchmarks/probes/fp8_fused_session.sh probe_a # v2's bf16 launches by regime (s1's bf16 tail), then (a)'s kernel
 #                                                # tables on this GPU, fp8kv_w8 and bf16
-#   bash benchmarks/fp8_fused_session.sh bf16_v2 # v2 for a bf16 cache: GPU tests, (a)'s e4m3 launches with more warps
+#   bash benchmarks/probes/fp8_fused_session.sh bf16_v2 # v2 for a bf16 cache: GPU tests, (a)'s e4m3 launches with more warps
 #                                                # an SM, the 1.5B FP8 GEMMs past 64 rows, (a) bf16 on v1 and v2
-#   bash benchmarks/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v2 (the default) and v1, one process each
+#   bash benchmarks/probes/fp8_fused_session.sh s1_bf16 # s1 at 64 sequences in bf16 on v2 (the default) and v1, one process each
 #                                                # (SEQS=128: at 128 sequences)
-#   bash benchmarks/fp8_fused_session.sh bf16_check # s2 in bf16 on v1 and v2 (the default now), the GPU tests of the
+#   bash benchmarks/probes/fp8_fused_session.sh bf16_check # s2 in bf16 on v1 and v2 (the default now), the GPU tests of the
 #                                                # engine and v2, learning in bf16 (3 seeds)
-#   bash benchmarks/fp8_fused_session.sh rope_cost # (a)'s kernel tables with and without v2's fused RoPE + K/V write,
+#   bash benchmarks/probes/fp8_fused_session.sh rope_cost # (a)'s kernel tables with and without v2's fused RoPE + K/V write,
 #                                                # FP8 KV + W8 and bf16 (where v2's engine time goes past its
 #                                                # isolated layer time)
-#   bash benchmarks/fp8_fused_session.sh gpu_tests # the one-GPU test files that run the engine (training, async PPO,
+#   bash benchmarks/probes/fp8_fused_session.sh gpu_tests # the one-GPU test files that run the engine (training, async PPO,
 #                                                # offload, OOM, FP8 rollout), after a change to its defaults
-#   bash benchmarks/fp8_fused_session.sh clocks  # SM clock and power every 200 ms while (a) runs in FP8 KV + W8 and
+#   bash benchmarks/probes/fp8_fused_session.sh clocks  # SM clock and power every 200 ms while (a) runs in FP8 KV + W8 and
 #                                                # while the decode kernel runs alone (v2's engine-vs-isolated gap)
-#   bash benchmarks/fp8_fused_session.sh sliced  # the bf16 down projection as 4 K slices (model.SLICED_DOWN): engine
+#   bash benchmarks/probes/fp8_fused_session.sh sliced  # the bf16 down projection as 4 K slices (model.SLICED_DOWN): engine
 #                                                # GPU tests, then (a) and s1 in bf16 with it on and off
-#   bash benchmarks/fp8_fused_session.sh partials # the split-K FP8 GEMM handing its partials to the consumer: GPU
+#   bash benchmarks/probes/fp8_fused_session.sh partials # the split-K FP8 GEMM handing its partials to the consumer: GPU
 #                                                # tests, the 1.5B down / gate_up at 64-256 rows over tile shapes,
 #                                                # then (a)'s e4m3 decode regime with cold caches (4 layers cycled)
-#   bash benchmarks/fp8_fused_session.sh partials_a # FP8 down partials (fp8_linear.PARTIALS) in the engine: GPU
+#   bash benchmarks/probes/fp8_fused_session.sh partials_a # FP8 down partials (fp8_linear.PARTIALS) in the engine: GPU
 #                                                # tests, the down probe at 16-32 rows and at 8B, (a) on and off
-#   bash benchmarks/fp8_fused_session.sh partials_s1 # s1 at 64 sequences in FP8 KV + W8, partials on and off; at 128
-#   bash benchmarks/fp8_fused_session.sh partials_s2 # s2 on and off, learning (3 seeds)
-#   bash benchmarks/fp8_fused_session.sh layout  # (a)'s decode layer alone: 1 or 28 layer caches, pages in random /
+#   bash benchmarks/probes/fp8_fused_session.sh partials_s1 # s1 at 64 sequences in FP8 KV + W8, partials on and off; at 128
+#   bash benchmarks/probes/fp8_fused_session.sh partials_s2 # s2 on and off, learning (3 seeds)
+#   bash benchmarks/probes/fp8_fused_session.sh layout  # (a)'s decode layer alone: 1 or 28 layer caches, pages in random /
 #                                                # engine (interleaved) / contiguous order (the engine-vs-isolated gap)
-#   bash benchmarks/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
+#   bash benchmarks/probes/fp8_fused_session.sh fast_accum # `_scaled_mm` with fast accumulation: GPU tests, the 1.5B GEMMs
 #                                                # at 128-8192 rows both ways, (a) on and off
-#   bash benchmarks/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
-#   bash benchmarks/fp8_fused_session.sh masked  # (a)'s decode layer at 768 context tokens (whole steps) and 784 (a
+#   bash benchmarks/probes/fp8_fused_session.sh fast_check # learning (3 seeds) and s2 with fast accumulation on and off
+#   bash benchmarks/probes/fp8_fused_session.sh masked  # (a)'s decode layer at 768 context tokens (whole steps) and 784 (a
 #                                                # masked last step, as the engine's steps mostly end), bf16 and e4m3
-#   bash benchmarks/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
+#   bash benchmarks/probes/fp8_fused_session.sh slices  # silu_mul's FP8 scales per K split of the down GEMM: GPU tests,
 #                                                # (a) on and off
-#   bash benchmarks/fp8_fused_session.sh slices_s1 # s1 at 64 sequences with silu_mul's per-split FP8 scales on and off
-#   bash benchmarks/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
-#   bash benchmarks/fp8_fused_session.sh prefill # (a) in FP8 KV + W8 and bf16, each with a kernel table of its prefill
-#   bash benchmarks/fp8_fused_session.sh pinned  # step inputs through pinned memory: engine GPU tests, (a) both dtypes
-#   bash benchmarks/fp8_fused_session.sh prefill_kernel # prefill attention from the paged cache in one launch: GPU
+#   bash benchmarks/probes/fp8_fused_session.sh slices_s1 # s1 at 64 sequences with silu_mul's per-split FP8 scales on and off
+#   bash benchmarks/probes/fp8_fused_session.sh slices_learn # learning (3 seeds) with them, then (a) in FP8 KV + W8 and bf16
+#   bash benchmarks/probes/fp8_fused_session.sh prefill # (a) in FP8 KV + W8 and bf16, each with a kernel table of its prefill
+#   bash benchmarks/probes/fp8_fused_session.sh pinned  # step inputs through pinned memory: engine GPU tests, (a) both dtypes
+#   bash benchmarks/probes/fp8_fused_session.sh prefill_kernel # prefill attention from the paged cache in one launch: GPU
 #                                                # tests, then (a) both dtypes and s2, on and off
-#   bash benchmarks/fp8_fused_session.sh one_wave # gate_up at 129-256 rows in one wave of programs (wave_fp8.py): GPU
+#   bash benchmarks/probes/fp8_fused_session.sh one_wave # gate_up at 129-256 rows in one wave of programs (wave_fp8.py): GPU
 #                                                # tests, the GEMM probe, (a) in FP8 KV + W8 on and off (twice)
-#   bash benchmarks/fp8_fused_session.sh sampler # the sampler's pass with one exp a logit: GPU tests, the sampler
+#   bash benchmarks/probes/fp8_fused_session.sh sampler # the sampler's pass with one exp a logit: GPU tests, the sampler
 #                                                # against the earlier one by chunk count, (a) at 64 and 16 chunks
-#   bash benchmarks/fp8_fused_session.sh final   # learning (3 seeds), s1 at 64 sequences, the engine + FP8 GPU tests
-#   bash benchmarks/fp8_fused_session.sh final_a # (a): FP8 KV + W8 twice, bf16, the FP8 LM head recipe
-#   bash benchmarks/fp8_fused_session.sh bound   # (a) at best with a kernel per op (a_bound.py)
-#   OLD=dir bash benchmarks/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
-#   OLD=dir bash benchmarks/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
+#   bash benchmarks/probes/fp8_fused_session.sh final   # learning (3 seeds), s1 at 64 sequences, the engine + FP8 GPU tests
+#   bash benchmarks/probes/fp8_fused_session.sh final_a # (a): FP8 KV + W8 twice, bf16, the FP8 LM head recipe
+#   bash benchmarks/probes/fp8_fused_session.sh bound   # (a) at best with a kernel per op (a_bound.py)
+#   OLD=dir bash benchmarks/probes/fp8_fused_session.sh ab    # A/B against an earlier tree: GPU tests, decode kernels, (a)
+#   OLD=dir bash benchmarks/probes/fp8_fused_session.sh ab_s1 # ... s1 at 64 sequences. OLD is a copy of the earlier tree's
 #                                                # polyrl/ and benchmarks/ (untracked, `git archive REV polyrl
 #                                                # benchmarks | tar -x -C _ab_old`); each runs beside this tree
 set -uo pipefail
@@ -121,7 +121,7 @@ case "${1:?part}" in
     for tree in . "${OLD:-}"; do
       [ -n "$tree" ] || continue
       tag=$([ "$tree" = . ] && echo new || echo old)
-      PYTHONPATH=$tree timeout 100 python3 $tree/benchmarks/decode_kernel.py --budget-s 0 2>&1 | grep "^|" \
+      PYTHONPATH=$tree timeout 100 python3 $tree/benchmarks/probes/decode_kernel.py --budget-s 0 2>&1 | grep "^|" \
         | sed "s/^/$tag /" | tee -a "$OUT/decode_kernel.txt"
       PYTHONPATH=$tree timeout 150 python3 $tree/benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8,bf16 \
         --rows-out "$OUT/rows_$tag.md" 2>&1 | grep "^{\|Error" | tee -a "$OUT/a.txt"
@@ -153,7 +153,7 @@ case "${1:?part}" in
     timeout 200 python3 benchmarks/seed_workloads.py --shapes a --configs bf16,fp8kv_w8 --rows-out "$OUT/rows.jsonl" \
       2>&1 | grep "^{\|rror" | tee -a "$OUT/a.txt" ;;
   probe_a)
-    timeout 200 python3 benchmarks/decode_kernel.py --regimes bf16 --budget-s 170 2>&1 | tee "$OUT/regimes_bf16.txt"
+    timeout 200 python3 benchmarks/probes/decode_kernel.py --regimes bf16 --budget-s 170 2>&1 | tee "$OUT/regimes_bf16.txt"
     for c in fp8kv_w8 bf16; do
       timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs $c --kernels --rows-out "$OUT/rows.jsonl" \
         2>&1 | tail -45 | tee "$OUT/a_kernels_$c.txt"
@@ -161,7 +161,7 @@ case "${1:?part}" in
   bf16_v2)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_v2_gpu.py 2>&1 | tail -3 \
       | tee "$OUT/tests.txt"
-    timeout 80 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 70 2>&1 \
+    timeout 80 python3 benchmarks/probes/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 70 2>&1 \
       | tee "$OUT/regimes_a.txt"
     timeout 80 python3 benchmarks/seed_workloads.py --gemms --gemm-archs r1-distill-1.5b --gemm-rows 64,128,256 \
       --gemm-sweep-rows "" 2>&1 | grep "^gemm\|^device\|rror" | tee "$OUT/gemms.txt"
@@ -201,7 +201,7 @@ case "${1:?part}" in
       | tee "$OUT/a.txt"
     kill $pid
     sample "$OUT/clocks_kernel.csv"; pid=$!
-    timeout 80 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 60 2>&1 \
+    timeout 80 python3 benchmarks/probes/decode_kernel.py --regimes e4m3 --regime-batches 256 --budget-s 60 2>&1 \
       | tee "$OUT/regimes_a.txt"
     kill $pid
     for f in "$OUT"/clocks_*.csv; do  # the busy samples (power past 300 W): median SM clock and power
@@ -225,7 +225,7 @@ case "${1:?part}" in
       | tee "$OUT/tests.txt"
     timeout 330 python3 benchmarks/seed_workloads.py --gemms --gemm-partials --gemm-rows 64,128,256 2>&1 \
       | grep "partials\|add_rmsnorm\|^device\|rror" | tee "$OUT/partials.txt"
-    timeout 100 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers 4 \
+    timeout 100 python3 benchmarks/probes/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers 4 \
       --budget-s 80 2>&1 | tee "$OUT/regimes_a_cold.txt" ;;
   partials_a)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py 2>&1 | tail -3 \
@@ -255,7 +255,7 @@ case "${1:?part}" in
   layout)
     for lay in "1 random" "1 interleaved" "28 random" "28 interleaved" "28 contiguous"; do
       set -- $lay
-      timeout 60 python3 benchmarks/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers $1 \
+      timeout 60 python3 benchmarks/probes/decode_kernel.py --regimes e4m3 --regime-batches 256 --regime-layers $1 \
         --regime-layout $2 --regime-default-only 2>&1 | grep "==\|B=256\|committed" | tee -a "$OUT/layout.txt"
     done
     timeout 100 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --rows-out "$OUT/rows.jsonl" 2>&1 \
@@ -279,7 +279,7 @@ case "${1:?part}" in
     done ;;
   masked)
     for kv in e4m3 bf16; do
-      timeout 90 python3 benchmarks/decode_kernel.py --regimes $kv --regime-batches 256 --regime-default-only \
+      timeout 90 python3 benchmarks/probes/decode_kernel.py --regimes $kv --regime-batches 256 --regime-default-only \
         --regime-layers 4 2>&1 | tee -a "$OUT/masked.txt"
     done ;;
   slices)
@@ -327,7 +327,7 @@ case "${1:?part}" in
   one_wave)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_rollout_gpu.py -k "one_wave or splitk_kernel" \
       2>&1 | tail -3 | tee "$OUT/tests.txt"
-    timeout 120 python3 benchmarks/gemm_waves.py --rows 129,192,256 --ns 17920,16896 2>&1 | tee "$OUT/waves.txt"
+    timeout 120 python3 benchmarks/probes/gemm_waves.py --rows 129,192,256 --ns 17920,16896 2>&1 | tee "$OUT/waves.txt"
     timeout 110 python3 benchmarks/seed_workloads.py --shapes a --configs fp8kv_w8 --kernels 2>&1 | tail -45 \
       | tee "$OUT/a_kernels.txt"
     for w in 1 0 1 0; do
@@ -337,7 +337,7 @@ case "${1:?part}" in
   sampler)  # needs benchmarks/_old_fused.py (the earlier fused.py, carried)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_rollout_gpu.py -k "sampler" 2>&1 | tail -2 \
       | tee "$OUT/tests.txt"
-    timeout 120 python3 benchmarks/sampler_bench.py --old benchmarks/_old_fused.py 2>&1 | tee "$OUT/sampler.txt"
+    timeout 120 python3 benchmarks/probes/sampler_bench.py --old benchmarks/_old_fused.py 2>&1 | tee "$OUT/sampler.txt"
     for run in "fp8kv_w8 64" "fp8kv_w8 16" "bf16 64" "bf16 16"; do
       set -- $run
       POLYRL_SAMPLE_CHUNKS=$2 timeout 150 python3 benchmarks/seed_workloads.py --shapes a --configs $1 \
@@ -356,6 +356,6 @@ case "${1:?part}" in
         | grep "^{\|rror" | cut -c1-200 | tee -a "$OUT/a.txt"
     done ;;
   bound)  # (a) at best with a kernel per op: each op alone, summed (a_bound.py)
-    timeout 300 python3 benchmarks/a_bound.py --rows-out "$OUT/rows.jsonl" 2>&1 | tee "$OUT/bound.txt" ;;
+    timeout 300 python3 benchmarks/probes/a_bound.py --rows-out "$OUT/rows.jsonl" 2>&1 | tee "$OUT/bound.txt" ;;
   *) echo "unknown part $1"; exit 2 ;;
 esac
