@@ -294,12 +294,6 @@ def ocr_reward(brightness_term: float = 0.0):
     return image_rewards.build_reward(weights, extra={"brightness": brightness})
 
 
-def _update_graphs() -> str:
-    from polyrl.models.diffusion import pipeline
-
-    return "update dynamic" if pipeline.UPDATE_DYNAMIC else "update static per shape"
-
-
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
 
 
@@ -556,7 +550,7 @@ def main() -> None:
                  f"{f' (rollout {ro.log_prob_micro_batch_size_per_gpu})' if ro.log_prob_micro_batch_size_per_gpu else ''}, "
                  f"{'grad ckpt' if cfg.actor_rollout_ref.model.enable_gradient_checkpointing else 'no ckpt'}"
                  f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
-                 f"{', compiled blocks (' + _update_graphs() + ', rollout static shapes)' if args.compile else ''}"
+                 f"{', compiled blocks (update and rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; step {timing['timing_s/step']:.1f}s, "
                  f"peak {max(result['max_memory_gb_per_rank']):.1f} GB/GPU, gen {timing['timing_s/gen']:.1f}s, "
                  f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s"

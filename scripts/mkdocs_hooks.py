@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def on_pre_build(config):
     for script in ("gen_config_keys.py", "gen_benchmarks.py"):
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"], capture_output=True,
-                              text=True)
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's polyrl
         if done.returncode != 0:
             raise PluginError(f"scripts/{script} --check: {(done.stdout + done.stderr).strip()}")
 

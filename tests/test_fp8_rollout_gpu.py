@@ -154,7 +154,7 @@ def test_one_wave_kernel_matches_the_dequantised_product(M, N):
     y.zero_()
     g.replay()
     assert torch.equal(y, out)
-    if N == 17920 and wave_fp8.ONE_WAVE:
+    if N == 17920:
         assert wave_fp8.serves(M, N, 1536, xq.device)
         assert torch.equal(fp8_matmul(arg, w8, s, None, torch.bfloat16), out)
 
@@ -258,7 +258,7 @@ def test_weight_quantiser_matches_the_tensor_op_one():
 
 def test_fused_producers_quantise_like_the_torch_quantiser():
     """add_rmsnorm / silu_mul with fp8=True (the next FP8 GEMM's input quantised in the producer's pass; the
-    default, POLYRL_FP8_FUSED_INPUT=0 turns it off) against `quantize_fp8_rows` of their bf16 output, and the GEMM fed
+    default; fp8_linear.FUSED_INPUT) against `quantize_fp8_rows` of their bf16 output, and the GEMM fed
     those rows against the one that quantises for itself."""
     from polyrl.rollout.native.attention import quantize_fp8_rows
     from polyrl.rollout.native.fp8_linear import fp8_matmul

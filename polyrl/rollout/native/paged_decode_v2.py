@@ -46,8 +46,7 @@ and writes that token's K/V before its first step reads the cache. So rope_kv's 
 at decode sizes) is gone from every layer: s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls on an H100
 (2026-11-26), (a) within noise.
 
-One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 only; POLYRL_DECODE_FEW_WARPS=0 turns
-it off): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
+One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 only): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
 softmax's row max and sum and the move of P into the P.V operand cross warps through shared memory every step. A
 one-warp program of one page a step does none of that; with 4-8x more programs (more splits) it reads the cache
 faster wherever the four-warp launch needed splits anyway. `benchmarks/probes/decode_kernel.py --regimes` (H100, one layer,
@@ -71,7 +70,6 @@ bf16 at 64 sequences 5,669 -> 6,449 tok/s, at 128 7,157 -> 8,060, (a) 54,068 -> 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -214,7 +212,7 @@ CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # step, many splits (`fp8_config`). A program's steps then need no cross-warp reduction or layout exchange
 # (the softmax row max and sum, P into the P.V operand), which is what a four-warp program of 16 q rows waits on.
 CONFIG_FP8_FEW = dict(rows=32, num_warps=1, num_stages=3, programs_per_sm=8)
-FEW_WARPS = os.environ.get("POLYRL_DECODE_FEW_WARPS", "1") == "1"
+FEW_WARPS = True  # False: the four-warp launch everywhere (tests/test_paged_decode_v2_interp_on_cpu.py compares both)
 FEW_MAX_SPLITS = 32  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead
 
 
