@@ -237,7 +237,7 @@ def latent_setup(transformer, ro, size: int, text_dim: int, text_len: int, devic
 
 
 def work_words(args, result: dict) -> str:
-    """What the row's step did, for BENCHMARKS.md."""
+    """What the row's step did, for the benchmark history."""
     if args.latent_reward:
         words = "random text embeds, latent reward (no VAE/OCR)"
     else:
