@@ -73,3 +73,28 @@ def test_device_and_benchmark_names():
     assert record.benchmark_name("seed_workloads.py s1 --max-splits 16") == "seed_workloads s1"
     assert record.benchmark_name("gemm_waves.py --tiles (cold weights, CUDA graph)") == "probes/gemm_waves"
     assert record.benchmark_name("moe_rollout.py 30B-A3B") == "moe_rollout"
+
+
+def test_add_appends_a_device_runs_rows_and_a_typed_row_then_regenerates(tmp_path, monkeypatch, capsys):
+    """`python scripts/gen_benchmarks.py add ROWS.jsonl` and `add --device ... --title ... --polyrl ...`: the one
+    command that records new measurements."""
+    gen = _load("gen_benchmarks_add", ROOT / "scripts" / "gen_benchmarks.py")
+    record = sys.modules["_record"]
+    history, summary = tmp_path / "history.jsonl", tmp_path / "BENCHMARKS.md"
+    history.write_text("")
+    for mod in (gen, record):
+        monkeypatch.setattr(mod, "HISTORY", history)
+    monkeypatch.setattr(gen, "SUMMARY", summary)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(record, "_regenerate", gen.write)
+    rows = tmp_path / "rows.jsonl"  # what a script's --rows-out wrote on the device machine
+    record.append_row("NVIDIA H200", "grpo_step perf/throughput tok/s/GPU", "1.5B", "34,000", path=rows)
+    assert not summary.exists()  # a --rows-out file is not the history: nothing regenerated yet
+    assert gen.main(["add", str(rows)]) == 0
+    assert gen.main(["add", "--device", "2x NVIDIA H100 80GB HBM3", "--title", "moe_rollout.py 30B-A3B",
+                     "--shape", "Qwen3-30B-A3B shape", "--polyrl", "12,345 tok/s", "--peer", "vLLM: 10,000"]) == 0
+    added = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [r["benchmark"] for r in added] == ["grpo_step", "moe_rollout"]
+    text = summary.read_text()
+    assert "| moe_rollout | 2x H100 |" in text and "12,345 tok/s" in text and "34,000" in text
+    assert gen.check() == 0
