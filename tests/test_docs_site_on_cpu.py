@@ -3,8 +3,8 @@
 
 Every ```bash block on a user page is marked on the line before it: `<!-- docs-test -->` blocks run here, in order,
 in one fresh directory per page, with `polyrl` from this checkout and `$MODEL` a tiny local model; the others say
-`<!-- docs-test: skip (why) -->`, naming the test that covers them where one does. The README's two commands are the
-install page's first (skipped) block and `.ci/run` runs them."""
+`<!-- docs-test: skip (why) -->`, naming the test that covers them where one does. The README (the site's home page)
+follows the same rule; `.ci/run` runs its two commands."""
 
 import importlib.util
 import os
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-USER_PAGES = sorted(p for p in DOCS.glob("*.md") if p.name != "config_keys.md")
+USER_PAGES = [ROOT / "README.md", *sorted(p for p in DOCS.glob("*.md") if p.name != "config_keys.md")]  # README: home
 BLOCK = re.compile(r"^(?:(<!-- docs-test(?:: skip \((?P<why>[^)]+)\))? -->)\n)?```bash\n(?P<body>.*?)^```", re.M | re.S)
 HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("material") is not None
 
