@@ -62,4 +62,9 @@ def test_the_commands_on_the_page_run(page, tiny_model_dir, tmp_path):
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=work, env=env, capture_output=True,
                               text=True, timeout=120)
-        assert done.returncode == 0, f"{page.name}:\n{body}\n{(done.stdout + done.stderr)[-3000:]}"
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, f"{page.name}:\n{body}\n{out[-3000:]}"
+        for line in body.splitlines():  # `# polyrl: ...` lines show the output; `...` stands for text left out
+            if line.startswith("# polyrl:"):
+                for part in re.split(r"\(\.\.\.\)|\.\.\.", line[2:]):
+                    assert part.strip() in out, f"{page.name}: {part.strip()!r} not printed by\n{body}\n{out[-3000:]}"
