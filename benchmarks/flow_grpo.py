@@ -237,7 +237,7 @@ def latent_setup(transformer, ro, size: int, text_dim: int, text_len: int, devic
 
 
 def work_words(args, result: dict) -> str:
-    """What the row's step did, for BENCHMARKS.md."""
+    """What the row's step did, for the benchmark history."""
     if args.latent_reward:
         words = "random text embeds, latent reward (no VAE/OCR)"
     else:
@@ -292,12 +292,6 @@ def ocr_reward(brightness_term: float = 0.0):
 
     weights = {"ocr": 1.0, **({"brightness": brightness_term} if brightness_term else {})}
     return image_rewards.build_reward(weights, extra={"brightness": brightness})
-
-
-def _update_graphs() -> str:
-    from polyrl.models.diffusion import pipeline
-
-    return "update dynamic" if pipeline.UPDATE_DYNAMIC else "update static per shape"
 
 
 GEN_PARTS = ("encode_prompts", "fp8_quantise", "decode")  # timed inside gen
@@ -368,7 +362,7 @@ def main() -> None:
                     help="after the timed steps: save a checkpoint under DIR, run one more step, write DIR/uninterrupted.json")
     ap.add_argument("--resume-check", metavar="DIR",
                     help="resume --save-check's checkpoint (no warm-up), run that step, compare with DIR/uninterrupted.json")
-    ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md")
+    ap.add_argument("--record", action="store_true", help="append a row to benchmarks/history.jsonl (or --rows-out)")
     ap.add_argument("--rows-out", help="with --record: append the row to this file instead (runs on another machine)")
     ap.add_argument("--note", default="", help="with --record: words added to the row's config column")
     args = ap.parse_args()
@@ -556,7 +550,7 @@ def main() -> None:
                  f"{f' (rollout {ro.log_prob_micro_batch_size_per_gpu})' if ro.log_prob_micro_batch_size_per_gpu else ''}, "
                  f"{'grad ckpt' if cfg.actor_rollout_ref.model.enable_gradient_checkpointing else 'no ckpt'}"
                  f"{f' (auto memory, {trainer.oom.num_retries} OOM retries)' if args.auto_memory else ''}"
-                 f"{', compiled blocks (' + _update_graphs() + ', rollout static shapes)' if args.compile else ''}"
+                 f"{', compiled blocks (update and rollout static shapes)' if args.compile else ''}"
                  f"{', TF32 LoRA matmuls' if args.tf32 else ''}; step {timing['timing_s/step']:.1f}s, "
                  f"peak {max(result['max_memory_gb_per_rank']):.1f} GB/GPU, gen {timing['timing_s/gen']:.1f}s, "
                  f"update {timing['timing_s/update_actor']:.1f}s, reward {timing['timing_s/reward']:.1f}s"

@@ -1,4 +1,4 @@
-"""Wall time and held-out reward of `polyrl flow quickstart` on this machine's CPU, appended to BENCHMARKS.md.
+"""Wall time and held-out reward of `polyrl flow quickstart` on this machine's CPU, appended to the benchmark history (benchmarks/history.jsonl).
 
     python benchmarks/flow_quickstart_cpu.py
     python benchmarks/flow_quickstart_cpu.py --fp8   # FP8 sampling of the ODE steps (emulated on CPU), the default

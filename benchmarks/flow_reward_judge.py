@@ -7,7 +7,7 @@ decode tokens, transformers' `generate`). Random weights read nothing, so the re
 (`polyrl.rewards.image_rewards`) on the same images: the judge is there for its GPU time, not its answer.
 
 Built inside the async reward worker (a spawned process) on the GPU named by `--judge-gpu`, or in the trainer
-process for the sync comparison (benchmarks/NOTES_flow.md).
+process for the sync comparison (docs/engineering/NOTES_flow.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Learning with FP8 rollouts: `polyrl quickstart --scale gpu` in bf16 and in FP8 KV + FP8 weights + rollout
 correction, several seeds each (#16: the same final held-out accuracy within 3 points).
 
-    PYTHONPATH=. python benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/fp8_quickstart.py --seeds 1,2,3 --rows-out history
 
 The FP8 run quantises every decode GEMM (`engine_kwargs.native.fp8_min_elements=0`): the quickstart's GPU model is
 small enough that the default size rule would leave all its GEMMs in bf16, and the point is to test learning under

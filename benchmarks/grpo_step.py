@@ -1,7 +1,7 @@
 """A whole GRPO step on one GPU: polyrl's PPOTrainer vs TRL's GRPOTrainer (use_vllm=False), same model and data.
 (`--shape 7b` is the Qwen2.5-7B shape, for several GPUs.)
 
-    PYTHONPATH=. python benchmarks/grpo_step.py --lengths 256,1024 --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/grpo_step.py --lengths 256,1024 --rows-out history
 
 Setup (issue 5): Qwen2.5-1.5B shape, random init with std `--init-std` (default 0.01 instead of HF's 0.02, so both
 trainers start from stably trainable weights; both load the *same* saved checkpoint), a character tokenizer, 32

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--no-balance", dest="balance", action="store_false",
                     help="contiguous shards instead of trainer.balance_batch's token-balanced ones")
     ap.add_argument("--baseline", type=float, default=None, help="1-process tokens/s/GPU, for the efficiency")
-    ap.add_argument("--record", action="store_true", help="append a row to BENCHMARKS.md (rank 0)")
+    ap.add_argument("--record", action="store_true", help="append a row to benchmarks/history.jsonl (rank 0)")
     ap.add_argument("--out", default=None, help="append the JSON result to this file (rank 0)")
     ap.add_argument("--forward-prefetch", action="store_true", help="fsdp_config.forward_prefetch=True (N > 1)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (divides the process count)")

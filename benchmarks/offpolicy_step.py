@@ -2,7 +2,7 @@
 
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode colocated
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode offpolicy
-    (add --shape 7b for the Qwen2.5-7B shape; --rows-out BENCHMARKS.md appends a row; --shape tiny --device cpu is
+    (add --shape 7b for the Qwen2.5-7B shape; --rows-out history appends a row; --shape tiny --device cpu is
     a smoke test of the same path over gloo)
 
 With `--extra async_training.partial_rollout=True` a row decoded past the cap keeps its drawn length in the next call.

@@ -1,4 +1,4 @@
-"""Wall time and held-out accuracy of `polyrl quickstart` on this machine's CPU, appended to BENCHMARKS.md.
+"""Wall time and held-out accuracy of `polyrl quickstart` on this machine's CPU, appended to the benchmark history (benchmarks/history.jsonl).
 
     python benchmarks/quickstart_cpu.py [--threads N]
 

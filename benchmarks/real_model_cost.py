@@ -120,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--work", default="/tmp/real_model_cost")
     ap.add_argument("--extra", nargs="*", default=[], help="more `polyrl train` overrides")
-    ap.add_argument("--rows-out", default=None, help="append a row to this BENCHMARKS.md")
+    ap.add_argument("--rows-out", default=None, help="append the row to this JSON-lines file (history: benchmarks/history.jsonl)")
     a = ap.parse_args(argv)
 
     from polyrl.config import build_config

@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--fp8-min-elements", type=int, default=None,
                     help="quantization=fp8 only past this many weight elements (engine default: 2^23 on CUDA, 0 on "
                          "CPU)")
-    ap.add_argument("--rows-out", default=None, help="append rows to this BENCHMARKS.md")
+    ap.add_argument("--rows-out", default=None, help="append the rows to this JSON-lines file (history: benchmarks/history.jsonl)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16

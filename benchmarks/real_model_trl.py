@@ -14,7 +14,7 @@ optimizer step per generated batch. fp32 weights on CPU; on GPU both train fp32 
 Held-out accuracy is measured by one shared evaluator (greedy, polyrl's native engine on a copy of the weights,
 `--val` prompts never seen in training) every `--eval-every` steps; its time is excluded from both sides' clocks.
 
-Printed and appended to BENCHMARKS.md: median wall time per step, held-out accuracy after the same steps, training
+Printed and appended to benchmarks/history.jsonl: median wall time per step, held-out accuracy after the same steps, training
 wall time to reach 50% held-out accuracy (at the evaluation points), and polyrl/TRL speed ratios.
 """
 

@@ -1,6 +1,6 @@
 """Rollout throughput: polyrl's native engine vs HF `generate` vs the decode roofline (issue 4).
 
-    PYTHONPATH=. python benchmarks/rollout.py --models 0.5b,1.5b,7b --shapes a,b --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/rollout.py --models 0.5b,1.5b,7b --shapes a,b --rows-out history
 
 Shapes (Qwen2.5 configs built in code, random bf16 weights, no download):
   (a) B=256 prompts x 256 prompt tokens x 1024 new tokens, EOS ignored;
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -36,8 +36,6 @@ QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
     "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "7b": (3584, 18944, 28, 28, 4, 152064, False),
 }
-HEADER = ("| date | device | benchmark | shape / config | polyrl | peer (name: value) | limit | polyrl/peer "
-          "| polyrl/limit | commit |\n|---|---|---|---|---|---|---|---|---|---|\n")
 
 
 def build_hf(name: str):
@@ -190,7 +188,8 @@ def main():
     ap.add_argument("--hf-new-tokens", type=int, default=1024)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-repeats", type=int, default=2, help="timed HF runs; the last one is reported")
-    ap.add_argument("--rows-out", default=None, help="append BENCHMARKS.md rows here (header if new)")
+    ap.add_argument("--rows-out", default=None,
+                    help="append the rows to this JSON-lines file ('history': benchmarks/history.jsonl)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -204,8 +203,6 @@ def main():
     dev_name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device {dev_name}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
-    commit = os.environ.get("COMMIT", "unknown")
-    date = datetime.date.today().isoformat()
     if args.tune_decode:
         tune_decode(bw)
     from polyrl.rollout.native.paged_decode import CONFIG as decode_config
@@ -289,10 +286,10 @@ def main():
                         if len(hf_rates) > 1 else "first run of that size, cold: see --hf-repeats")
                 note = "est. from the last run" if shape == "b" else f"{work}, {runs}"
                 peer = f"HF generate: {peer_tps:,.0f} tok/s ({note})"
-            rows.append(f"| {date} | {dev_name} | rollout.py native ({shape}) | {desc}; update_weights {upd_s * 1e3:.0f} ms; "
-                        f"peak {peak:.1f} GiB | {tps:,.0f} new tok/s | {peer} | roofline {roof:,.0f} tok/s "
-                        f"(copy BW {bw / 1e12:.2f} TB/s) | {f'{tps / peer_tps:.1f}x' if peer_tps else '-'} "
-                        f"| {tps / roof:.0%} | {commit} |")
+            rows.append((dev_name, f"rollout.py native ({shape})",
+                         f"{desc}; update_weights {upd_s * 1e3:.0f} ms; peak {peak:.1f} GiB", f"{tps:,.0f} new tok/s",
+                         peer, f"roofline {roof:,.0f} tok/s (copy BW {bw / 1e12:.2f} TB/s)",
+                         f"{tps / peer_tps:.1f}x" if peer_tps else "-", f"{tps / roof:.0%}"))
         del eng, hf
         gc.collect()  # the engine's CUDA graphs hold a bound method of it: a cycle
         torch.cuda.empty_cache()
@@ -306,11 +303,11 @@ def main():
               f"{r['roofline_tokens_per_s']:,.0f} | {r['frac_roofline']:.0%} | {r['update_weights_s'] * 1e3:.0f} ms | "
               f"{r['peak_mem_gib']:.1f} |")
     if args.rows_out:
-        new = not os.path.exists(args.rows_out)
-        with open(args.rows_out, "a") as f:
-            if new:
-                f.write("# polyrl benchmarks\n\n" + HEADER)
-            f.write("\n".join(rows) + "\n")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _record import append_row
+
+        for row in rows:
+            append_row(*row, path=None if args.rows_out == "history" else args.rows_out)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,6 +1,6 @@
 """The seeds' generation workloads on one GPU, per GPU, next to the seeds' own numbers and the decode roofline (#16).
 
-    PYTHONPATH=. python benchmarks/seed_workloads.py --shapes s1,a --configs bf16,fp8kv,fp8kv_w8 --seqs 64 --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/seed_workloads.py --shapes s1,a --configs bf16,fp8kv,fp8kv_w8 --seqs 64 --rows-out history
     PYTHONPATH=. python benchmarks/seed_workloads.py --gemms          # per-GEMM bf16 vs FP8 at decode sizes
 
 Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
@@ -15,7 +15,7 @@ Shapes (random bf16 weights, no download; forced response lengths, EOS ignored):
 Configs: bf16; fp8kv (rollout.kv_cache_dtype=fp8); fp8kv_w8 (+ rollout.quantization=fp8); fp8kv_w8all (every decode
 GEMM FP8, not only the large ones); each with a `_v1` or `_v2` suffix runs that paged-decode kernel
 (rollout.engine_kwargs.native.decode_kernel; the default `auto` takes v2). add_rmsnorm / silu_mul quantise the FP8
-GEMMs' inputs unless POLYRL_FP8_FUSED_INPUT=0 (the row says which). Each (shape, sequences, config) runs in its own
+GEMMs' inputs (the row says so). Each (shape, sequences, config) runs in its own
 process (`--one-process` runs them all in this one): in a shared process the later configs ran up to 18% slower.
 Roofline: every decode step reads the weights once (an untied embedding table is not read: only B rows are gathered;
 rollout.py counts it, so its rooflines are ~4% lower at 1.5B) and every running sequence's context K/V (prefill not
@@ -65,18 +65,18 @@ CONFIGS.update({f"{name}_{k}": dict(kw, decode_kernel=k) for name, kw in list(CO
 
 
 def _fp8_inputs(cname: str) -> str:
-    """Who quantises the FP8 GEMMs' inputs, for a row with FP8 weights (POLYRL_FP8_FUSED_INPUT)."""
+    """Who quantises the FP8 GEMMs' inputs, for a row with FP8 weights (fp8_linear.FUSED_INPUT)."""
     from polyrl.rollout.native import fp8_linear
 
     if "w8" not in cname:
         return ""
     return "; FP8 GEMM inputs quantised by add_rmsnorm / silu_mul" if fp8_linear.FUSED_INPUT else \
-        "; FP8 GEMM inputs quantised by each GEMM (POLYRL_FP8_FUSED_INPUT=0)"
+        "; FP8 GEMM inputs quantised by each GEMM"
 
 
 def _fused_rope(eng) -> str:
-    """Whether the decode kernel does rope_kv's work in its own launch (POLYRL_DECODE_FUSED_ROPE), and its e4m3 launch
-    (POLYRL_DECODE_FEW_WARPS), for the row."""
+    """Whether the decode kernel does rope_kv's work in its own launch (attention.FUSED_ROPE), and its e4m3 launch
+    (paged_decode_v2.FEW_WARPS), for the row."""
     from polyrl.rollout.native import attention, paged_decode_v2
 
     if eng.decode_kernel != "v2":  # the condition Attention.forward_fused routes on (q/k norms included)
@@ -234,7 +234,7 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
                 f"({r['decode_gpu_s'] / max(r['decode_steps'], 1) * 1e3:.2f} ms a step; CUDA-graph capture "
                 f"{r['graph_capture_s']:.2f} s) and the prefill chunks before it {r['prefill_gpu_s']:.2f} s; "
                 f"prefill chunk {args.max_num_batched_tokens}; preempted {r['num_preempted']}; "
-                f"paged-decode {eng.decode_kernel}{_fused_rope(eng)}, splits <= {cap}; {_small_gemms()}; "
+                f"paged-decode {eng.decode_kernel}{_fused_rope(eng)}, splits <= {cap}; {_small_gemms(eng)}; "
                 f"{gc_words} in the timed run"
                 f"{_fp8_inputs(cname)}{gap}",
                 f"{tps:,.0f} new tok/s", peer, f"roofline {roof:,.0f} ({cname}), bf16 {roof_bf16:,.0f} (copy BW "
@@ -248,11 +248,11 @@ def run_shape(shape, seqs, configs, bw, args, dev_name, rows):
     return results
 
 
-def _small_gemms() -> str:
+def _small_gemms(eng) -> str:
     """Which kernel runs the FP8 GEMMs of a decode step's few rows (the row's words)."""
     from polyrl.rollout.native import fp8_linear, splitk_fp8
 
-    if not fp8_linear.SPLITK:
+    if not any(getattr(m, "splitk", False) for m in eng.model.modules()):  # engine_kwargs.native.fp8_splitk=False
         return f"w8a16 at <= {fp8_linear.W8A16_MAX_ROWS} rows"
     return (f"split-K FP8 GEMM on e4m3 rows at <= {fp8_linear.SPLITK_MAX_ROWS} rows (and down to 256 / 128 rows "
             "at 1.5B / 8B)"

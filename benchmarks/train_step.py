@@ -1,6 +1,6 @@
 """Actor update throughput and MFU on one GPU: polyrl's engine vs plain HF, Qwen2.5-1.5B shape, ~2k-token sequences.
 
-    PYTHONPATH=. python benchmarks/train_step.py --rows-out BENCHMARKS.md
+    PYTHONPATH=. python benchmarks/train_step.py --rows-out history
 
 Work per optimizer step (the same for every variant): 16 sequences of 128 prompt + 1536..1920 response tokens (random
 ids, random advantages), one PPO mini-batch, AdamW on fp32 master weights, bf16 autocast compute.

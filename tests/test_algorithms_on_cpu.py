@@ -573,7 +573,7 @@ def test_select_groups_drops_constant_groups():
 
 def test_rloo_group_of_one_keeps_its_raw_score():
     """verl's `rloo` keeps a lone sample's score, its `rloo_vectorized` gives 0: polyrl follows `rloo` (documented
-    in advantages.py and the README's algorithm list)."""
+    in advantages.py and docs/algorithms.md)."""
     r, mask = outcome_rewards([2.0, 1.0, 3.0, 0.0])
     idx = ["a", "b", "c", "c"]
     adv, _ = compute_advantage("rloo", token_level_rewards_BT=r, response_mask_BT=mask, index=idx)

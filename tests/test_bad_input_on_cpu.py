@@ -75,6 +75,8 @@ CASES = [
      ["engine_kwargs.vllm.swap_space"]),
     ("unknown decode kernel", None, ["+actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel=v9"],
      ["engine_kwargs.native.decode_kernel", "v9"]),
+    ("kernel fallback not a boolean", None, ["+actor_rollout_ref.rollout.engine_kwargs.native.prefill_kernel=gather"],
+     ["engine_kwargs.native.prefill_kernel", "gather", "True or False"]),
     ("fp8 kv needs native", None, ["actor_rollout_ref.rollout.kv_cache_dtype=fp8"], ["rollout.name=native"]),
     ("reward nan", None, ["custom_reward_function.path=BAD/reward_nan.py", "trainer.total_training_steps=3"],
      ["compute_score", "nan"]),

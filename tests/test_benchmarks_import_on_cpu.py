@@ -1,6 +1,6 @@
 """Every `from polyrl... import name` in benchmarks/, examples/ and scripts/ (at any depth, inside functions too) names
 something that exists. The benchmarks run on the GPU machine, far from CI; a renamed class once left
-`benchmarks/flow_fp8_rollout.py` unable to start, and nothing here noticed until a device call failed."""
+`benchmarks/probes/flow_fp8_rollout.py` unable to start, and nothing here noticed until a device call failed."""
 
 import ast
 import importlib
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = sorted(p for d in ("benchmarks", "examples", "scripts") for p in (ROOT / d).glob("*.py"))
+FILES = sorted(p for d in ("benchmarks", "examples", "scripts") for p in (ROOT / d).rglob("*.py"))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -30,7 +30,7 @@ def _needs_triton(module: str, name: str | None = None) -> bool:
     return not HAS_TRITON and any(k in full for k in ("paged_decode", "fused", "triton"))
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_polyrl_names_imported_by_scripts_exist(path):
     missing = []
     for line, module, names in _polyrl_imports(path):

@@ -161,6 +161,28 @@ def test_engine_kwargs_native_reach_the_engine(reference):
     assert eng.decode_kernel == "v2"
 
 
+def test_kernel_fallback_settings_reach_the_layers(reference):
+    """`engine_kwargs.native.fp8_splitk=False` (docs/switches.md) gives every FP8 layer the cuBLAS / w8a16 path: its
+    producers no longer hand it e4m3 rows at <= 16 rows, where w8a16 reads bf16 x; `prefill_kernel=False` keeps CUDA
+    prefill on the gather path (on CPU it always is)."""
+    from polyrl.rollout import make_rollout
+    from polyrl.rollout.config import RolloutConfig
+    from polyrl.rollout.native.fp8_linear import FP8Linear, takes_fp8_rows
+
+    def build(**native):
+        cfg = RolloutConfig(quantization="fp8", gpu_memory_utilization=0.5,
+                            engine_kwargs={"native": {"num_kv_tokens": 256, **native}})
+        return make_rollout(cfg, reference[0], pad_token_id=0, device=torch.device("cpu"), max_model_len=256)
+
+    on, off = build(), build(fp8_splitk=False, prefill_kernel=False)
+    layers = lambda eng: [m for m in eng.model.modules() if isinstance(m, FP8Linear)]  # noqa: E731
+    assert layers(on) and all(m.splitk for m in layers(on)) and not any(m.splitk for m in layers(off))
+    gate_up = (on.model.layers[0].mlp.gate_up, off.model.layers[0].mlp.gate_up)
+    assert takes_fp8_rows(gate_up[0], 8) and not takes_fp8_rows(gate_up[1], 8)
+    assert takes_fp8_rows(gate_up[1], 64)  # past w8a16's rows the producer still quantises, for `_scaled_mm`
+    assert not off.prefill_kernel and not on.prefill_kernel  # CPU: the gather path either way
+
+
 def test_decode_kernel_auto_picks_v2_where_it_runs(reference):
     """The default `auto` follows the H100 measurements: v2 for e4m3 and bf16 pages, v1 when v2 cannot run."""
     from polyrl.rollout.native.attention import choose_decode_kernel

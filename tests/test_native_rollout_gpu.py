@@ -62,7 +62,7 @@ def test_fp32_greedy_matches_hf_with_graphs(kind):
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_decode_kernel_doing_rope_kv_gives_the_same_rollout(kind, monkeypatch):
     """An FP8-KV engine (v2 paged decode) with RoPE and the K/V write inside the decode launch (the default,
-    POLYRL_DECODE_FUSED_ROPE) and with rope_kv's own launch: the same tokens and log-probs, bit for bit, in CUDA graphs
+    attention.FUSED_ROPE) and with rope_kv's own launch: the same tokens and log-probs, bit for bit, in CUDA graphs
     (Qwen3's q/k norms included)."""
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine, model

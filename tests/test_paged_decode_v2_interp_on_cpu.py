@@ -161,7 +161,7 @@ def test_fp8_launch_by_batch(monkeypatch):
     and the one-warp one needs at most FEW_MAX_SPLITS (s1's bulk, 32-128 Qwen sequences); the four-warp launch where
     it fills the GPU unsplit (shape (a)'s 256 rows) or where the one-warp one would need more splits (the last few
     rows). The split count follows the chosen launch's programs per SM, so the engine's split choice and the launch
-    agree. POLYRL_DECODE_FEW_WARPS=0 (FEW_WARPS False) keeps the four-warp launch everywhere."""
+    agree. FEW_WARPS False keeps the four-warp launch everywhere."""
     from polyrl.rollout.native import paged_decode_v2 as v2
 
     few, four = v2.CONFIG_FP8_FEW, v2.CONFIG_FP8

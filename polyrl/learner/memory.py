@@ -11,7 +11,7 @@ The memory model (bytes on one device during the update; the engine's KV cache i
 - per token of a micro-batch: each decoder layer keeps `2 (6h + 3i)` bytes of activations with compiled layers in
   bf16 autocast (q/k/v/o, norms, gate/up/act), x1.4 eager (unfused elementwise ops save more); with gradient
   checkpointing only each layer's fp32 input stays (4h), plus one layer re-run in backward.
-Checked against BENCHMARKS.md (H200, Qwen2.5-1.5B, compiled, no checkpointing: budget 49152 peaked at 122.8 GiB and
+Checked against the benchmarks (H200, Qwen2.5-1.5B, compiled, no checkpointing: budget 49152 peaked at 122.8 GiB and
 65536 ran out; the H100 fits 24576 and not 49152, issue 18): 1.93 MiB per token here, 1.96 measured; eager/compiled
 1.4 from NOTES_training.md (86.6 / 60.5 GiB). A wrong guess costs one retry, not the run (trainer/oom.py halves the
 budget on an out-of-memory error). With several processes an OOM cannot be retried (one rank alone cannot leave the
@@ -40,7 +40,7 @@ CHECKPOINT_SAFETY = 1.5  # the re-run layer's transient buffers, unmeasured: err
 HEADROOM = 0.10  # of total memory, for the allocator's fragmentation and CUDA context growth
 MEASURED_HEADROOM = 0.05  # of total memory, above a measured peak (allocator overhead; expandable segments keep it low)
 COMPILE_MIN_UPDATE_S = 1.0  # estimated update compute per step below which a cold compile (~20 s) does not pay
-COMPILE_ESTIMATE_MFU = 0.35  # for that estimate: the update's typical model-FLOPs utilisation (BENCHMARKS.md)
+COMPILE_ESTIMATE_MFU = 0.35  # for that estimate: the update's typical model-FLOPs utilisation (the benchmarks)
 MAX_AUTO_NUM_SEQS = 1024  # auto seats (CUDA graphs are captured up to this batch)
 MULTI_PROCESS_SAFETY = 0.75  # of the spare memory with several processes: there an OOM cannot be retried (oom.py)
 

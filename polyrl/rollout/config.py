@@ -102,7 +102,9 @@ class RolloutConfig:
     v1, one program per kv head; v2, whole pages of several kv heads per program, paged_decode_v2.py) and fp8_lm_head
     (with quantization=fp8, the LM head in FP8 too, a tied one as an e4m3 copy of the embedding: a recipe, off by
     default, since the sampled tokens' log-probs then come from e4m3 logits; pair it with
-    algorithm.rollout_correction)."""
+    algorithm.rollout_correction). Fallbacks from a Triton kernel, both on by default: prefill_kernel (False: CUDA
+    prefill attends through the gather path and SDPA instead of paged_prefill.py) and fp8_splitk (False: FP8 decode
+    GEMMs run cuBLAS _scaled_mm and w8a16 instead of splitk_fp8.py); docs/switches.md."""
     multi_turn: dict = field(default_factory=dict)
     """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
     agent: dict = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """FP8 GEMMs in the DiT's sampling forwards (`actor_rollout_ref.rollout.quantization=fp8`); trained forwards stay bf16.
 
-Sampling is ~68% of a Qwen-Image FlowGRPO step and compute-bound (benchmarks/NOTES_flow.md); Hopper runs e4m3 GEMMs
+Sampling is ~68% of a Qwen-Image FlowGRPO step and compute-bound (docs/engineering/NOTES_flow.md); Hopper runs e4m3 GEMMs
 at twice the bf16 rate. `FP8Sampling(transformer)` gives each selected `nn.Linear` of the transformer blocks a second
 path that reads an e4m3 copy of its weight (one fp32 scale per output row) and quantises its input per token at run
 time. The numbers come from the LLM engine's code, one implementation: `quantize_weight_rows` makes the weight copy
@@ -26,7 +26,7 @@ frozen base never changes, so its e4m3 copy is made once. Merged (`merge_lora=Tr
 mode): the copy holds W + scaling * B A, made again before each rollout (0.25 s for Qwen-Image's 20.4B on an H200,
 `timing_s/fp8_quantise`), and the adapter's forward is that one GEMM. Merging removes the adapters' side GEMMs and the
 extra read and write of the output, but rounds the learned update together with the base:
-`benchmarks/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA r8, 10 steps, window 2,
+`benchmarks/probes/flow_fp8_rollout.py --tiny --lora-modes` on CPU (2-block random Qwen-Image, LoRA r8, 10 steps, window 2,
 CFG 4) measured max |per-step log-ratio| against the fp32 policy 2.0e-5 on top vs 1.0e-5 merged with a small adapter
 (`--lora-scale 0.02`), 1.5e-4 vs 5.4e-4 with a large one (2.0). So the merged copy serves only steps whose log-probs
 nobody reads (the ODE steps), and adapters stay on top when the trained steps sample in FP8. On an H200 (compiled,

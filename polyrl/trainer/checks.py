@@ -34,7 +34,9 @@ def world_size(cfg) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
-NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel", "fp8_lm_head"}
+NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel", "fp8_lm_head",
+                        "prefill_kernel", "fp8_splitk"}
+NATIVE_ENGINE_SWITCHES = ("fp8_lm_head", "prefill_kernel", "fp8_splitk")  # True or False
 
 
 def _check_low_precision_rollout(r) -> None:
@@ -52,7 +54,12 @@ def _check_low_precision_rollout(r) -> None:
         if bad:
             raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{backend}.{bad[0]} is not read by polyrl's "
                               f"engine; engine_kwargs.native takes {sorted(NATIVE_ENGINE_KWARGS)}. Remove the key.")
-    kernel = ((r.engine_kwargs or {}).get("native") or {}).get("decode_kernel", "auto")
+    native = (r.engine_kwargs or {}).get("native") or {}
+    for key in NATIVE_ENGINE_SWITCHES:
+        if not isinstance(native.get(key, False), bool):
+            raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.native.{key}={native[key]!r} is not a "
+                              "boolean; set it to True or False.")
+    kernel = native.get("decode_kernel", "auto")
     if kernel not in DECODE_KERNEL_CHOICES:
         raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.native.decode_kernel={kernel!r} is not a decode "
                           f"kernel; use one of {list(DECODE_KERNEL_CHOICES)} (auto, the default, picks v2, or v1 where "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +62,8 @@ from polyrl.learner.master_weights import MasterWeights
 from polyrl.learner.memory import check_training_state_fits
 from polyrl.utils.timing import StepTimer
 
-# With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`);
-# POLYRL_FLOW_REWARD_OVERLAP=0 waits for the rewards first (benchmarks/flow_session.sh overlap times both)
-REWARD_OVERLAP = os.environ.get("POLYRL_FLOW_REWARD_OVERLAP", "1") == "1"
+# With an async scorer, the update's first forward runs while the last chunk is scored (`update_actor`): the wait for
+# OCR fell from 0.21-0.26 s to 0.02-0.06 s a step (H200, 2026-11-26; benchmarks/probes/flow_session.sh overlap)
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 
@@ -486,7 +484,7 @@ class FlowGRPOTrainer(TrainerCore):
             # (all scores, their groups, all advantages, this rank's): with an async scorer the last chunk is still
             # being scored, so the update's first forward is launched before they are waited for (`update_actor`)
             advantages = functools.cache(lambda: self._advantages(batch, rollout))
-            adv_B = (lambda: advantages()[3]) if self.async_scorer and REWARD_OVERLAP else advantages()[3]
+            adv_B = (lambda: advantages()[3]) if self.async_scorer else advantages()[3]
             with self.timer.stage("update_actor"):  # an OOM retry resumes after the applied mini-batches
                 ctx = StageContext(model=self.policy.transformer, progress=lambda: self.mini_batches_applied)
                 metrics = self.oom.run("update_actor", lambda: self.update_actor(rollout, adv_B, ctx.done), ctx=ctx)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable
 
 import torch
@@ -32,7 +31,7 @@ from polyrl.utils.device import to_dtype
 
 # The text encoder meets a new prompt length nearly every step. cuDNN's attention (an SDPA backend torch picks on
 # Hopper) builds an execution plan for each new shape: 1.09 s of CPU over the 28 layers of Qwen-Image's 7B encoder on
-# an H200, a 2.3 s prompt encoding in a 13 s FlowGRPO step (torch profiler, benchmarks/flow_session.sh encode5,
+# an H200, a 2.3 s prompt encoding in a 13 s FlowGRPO step (torch profiler, benchmarks/probes/flow_session.sh encode5,
 # 2026-11-26). Flash and memory-efficient attention need no plan.
 TEXT_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -166,14 +165,14 @@ class FlowPolicy:
 
     def compile_blocks(self, no_grad: bool = True) -> None:
         """`torch.compile` each transformer block: static-shape graphs, one per batch shape, for the passes with grad
-        (the update; UPDATE_DYNAMIC below) and for those without (rollout, reference, validation; `no_grad=False`
+        (the update) and for those without (rollout, reference, validation; `no_grad=False`
         leaves them eager).
 
         Per block, as for the LLM (training/actor.py): identical blocks share one graph and parameter names do not
         change. Measured on an H200 (Qwen-Image 20B, LoRA r64, CFG 4, 16 images): the update runs ~27% faster
         compiled; the rollout, in chunks of 8 images, takes 15.3 s eager, 12.0 s with static-shape graphs and 22.3 s
         with a dynamic-shape one; in chunks of 16, 11.4 s static and 13.1 s with `dynamic=None` (static until a shape
-        changes). Hence static graphs for the rollout, and since 2026-11-26 for the update too (UPDATE_DYNAMIC).
+        changes). Hence static graphs for the rollout, and since 2026-11-26 for the update too (below).
         Call after `add_lora` so the adapters are inside the compiled blocks."""
         from polyrl.distributed.parallelize import transformer_blocks
 
@@ -187,16 +186,14 @@ class FlowPolicy:
         for block in transformer_blocks(self.transformer):
             eager = block.forward
             plain = torch.compile(eager, dynamic=False) if no_grad else eager  # one graph per batch shape
-            block.forward = _grad_mode_switch(torch.compile(eager, dynamic=UPDATE_DYNAMIC), plain)
+            block.forward = _grad_mode_switch(torch.compile(eager, dynamic=False), plain)
 
 
 RECOMPILE_LIMIT = 64  # graphs per block code object (compile_blocks)
-# The update's graphs: one static graph per shape (the default) or one dynamic-shape graph for all
-# (POLYRL_FLOW_UPDATE_DYNAMIC=1, the default until 2026-11-26). Qwen-Image LoRA, 16 images, one H200: static updates
-# took 4.8 / 4.8 / 4.8 s in three timed steps (1.208 img/GPU/s); dynamic ones 4.8-6.0 s, the slow one on whichever
-# step first met a text length in the timed run, though a warm-up had updated on every text bucket
-# (benchmarks/flow_session.sh update_static and workers).
-UPDATE_DYNAMIC = os.environ.get("POLYRL_FLOW_UPDATE_DYNAMIC", "0") == "1"
+# The update's graphs: one static graph per shape, as the rollout's; one dynamic-shape graph for all was the default
+# until 2026-11-26. Qwen-Image LoRA, 16 images, one H200: static updates took 4.8 / 4.8 / 4.8 s in three timed steps
+# (1.208 img/GPU/s); dynamic ones 4.8-6.0 s, the slow one on whichever step first met a text length in the timed run,
+# though a warm-up had updated on every text bucket (benchmarks/probes/flow_session.sh update_static and workers).
 
 
 def _grad_mode_switch(compiled, no_grad):

@@ -4,8 +4,8 @@
   the cache through a block table. One program per (sequence, kv head, split); the q heads of a GQA group share one
   K/V read. Static shapes, so the decode step captures into a CUDA graph.
 - `prefill` on CUDA: a Triton kernel (`paged_prefill.py`) attends each chunk of new tokens to its sequence's context
-  straight from the cache, causally, one launch a layer (`PREFILL_KERNEL`).
-- everything else (prefill and decode on CPU, or with `POLYRL_PREFILL_KERNEL=0`): gather each sequence's context
+  straight from the cache, causally, one launch a layer (`engine_kwargs.native.prefill_kernel`, on by default).
+- everything else (prefill and decode on CPU, or with `prefill_kernel=False`): gather each sequence's context
   from the cache into a padded [S, K] batch and call `scaled_dot_product_attention`. This path is simple enough to
   be the CPU reference.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,12 +70,13 @@ DECODE_KERNELS = {"v1": "polyrl.rollout.native.paged_decode", "v2": "polyrl.roll
 DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
 # v2 takes the qkv GEMM's output and does rope_kv's work itself (`paged_decode_v2.paged_decode_rope`, Qwen3's q/k norms
 # included): one launch fewer a layer, s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls (8,816 in a third
-# run), (a) +1.2% / -0.6% (H100, FP8 KV + W8, 2026-11-26). POLYRL_DECODE_FUSED_ROPE=0 keeps the rope_kv launch.
-FUSED_ROPE = os.environ.get("POLYRL_DECODE_FUSED_ROPE", "1") == "1"
+# run), (a) +1.2% / -0.6% (H100, FP8 KV + W8, 2026-11-26). False only in the test that compares it with rope_kv's own
+# launch (tests/test_native_rollout_gpu.py), which v1, the CPU and prefill still use.
+FUSED_ROPE = True
 # CUDA prefill chunks attend through `paged_prefill.py` (one launch a layer, straight from the paged cache) instead of
 # the gather path: (a)'s prefill 0.22 against 0.25 s of GPU time in FP8 KV + W8, 0.32 / 0.34 in bf16, s2's 0.43 /
-# 0.47 (H100, A/B one process each, 2026-11-27). POLYRL_PREFILL_KERNEL=0 keeps the gather path.
-PREFILL_KERNEL = os.environ.get("POLYRL_PREFILL_KERNEL", "1") == "1"
+# 0.47 (H100, A/B one process each, 2026-11-27). `engine_kwargs.native.prefill_kernel=False` keeps the gather path (a
+# fallback from the Triton kernel; NativeEngine.prefill_kernel).
 
 
 def decode_kernel_module(name: str):
@@ -87,7 +87,7 @@ def choose_decode_kernel(name: str, kv_fp8: bool, block_size: int) -> tuple[str,
     """The paged-decode kernel for `engine_kwargs.native.decode_kernel=name`, and why (for the one log line).
 
     `auto` (the default) takes v2 wherever it runs (a power-of-two block size), v1 otherwise. H100 measurements:
-    - e4m3 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context): v2 1.24-1.32x faster than v1 (v1
+    - e4m3 (2026-11-24, `benchmarks/probes/decode_kernel.py`, B = 64/128 x 16k context): v2 1.24-1.32x faster than v1 (v1
       gathers 8-bit V byte by byte); end to end 2.15x -> 2.21x the seed on s1 and 55.5k -> 63.4k tok/s on (a).
     - bf16 (2026-11-26, `decode_kernel.py --regimes bf16`, one layer): with CONFIG at rows 128 and two programs an SM,
       v2 ties v1 at shape (a) (72.7 against 72.6 us) and beats it in s1's bulk and tail (B = 64 x 16k 364 against

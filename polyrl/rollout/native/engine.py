@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from polyrl.rollout.base import Generation, SamplingParams, register_rollout
-from polyrl.rollout.native import attention
 from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
                                              decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
@@ -96,6 +95,8 @@ class NativeEngine:
         fp8_lm_head: bool = False,
         record_routes: bool = False,
         tp=None,
+        prefill_kernel: bool = True,
+        fp8_splitk: bool = True,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept.
         `tp`: a `tensor_parallel.TPGroup` of more than one rank makes this engine one rank's slice of a replica
@@ -133,12 +134,12 @@ class NativeEngine:
                    enforce_eager=enforce_eager, block_size=block_size, seed=seed, num_kv_tokens=num_kv_tokens,
                    kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_min_elements=fp8_min_elements,
                    decode_kernel=decode_kernel, fp8_lm_head=fp8_lm_head, record_routes=record_routes,
-                   shards=shards)
+                   shards=shards, prefill_kernel=prefill_kernel, fp8_splitk=fp8_splitk)
 
     def __init__(self, model: CausalLM, *, device, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  max_model_len, enforce_eager, block_size, seed, num_kv_tokens, kv_cache_dtype="auto",
                  quantization=None, fp8_min_elements=None, decode_kernel="auto", fp8_lm_head=False,
-                 record_routes=False, shards=None):
+                 record_routes=False, shards=None, prefill_kernel=True, fp8_splitk=True):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1].")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -168,12 +169,12 @@ class NativeEngine:
         if quantization == "fp8":
             from polyrl.rollout.native.fp8_linear import quantize_model
 
-            quantize_model(model, min_elements=fp8_min_elements, lm_head=fp8_lm_head)
+            quantize_model(model, min_elements=fp8_min_elements, lm_head=fp8_lm_head, splitk=fp8_splitk)
         self.cuda = self.device.type == "cuda"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.block_size, self.seed = max_model_len, block_size, seed
         self.use_graphs = self.cuda and not enforce_eager
-        self.prefill_kernel = self.cuda and attention.PREFILL_KERNEL  # prefill attention: paged_prefill.py or gather
+        self.prefill_kernel = self.cuda and prefill_kernel  # prefill attention: paged_prefill.py or gather
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         s = self.spec
         per_head = s.head_dim * self.kv_dtype.itemsize + (4 if self.kv_fp8 else 0)  # + the fp32 scale

@@ -12,7 +12,6 @@ multiply, RoPE rounds each product), so bf16 logprobs stay close to the trainer'
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -277,19 +276,9 @@ def _sample_pick_kernel(L, PM, PS, PI, TOK, LP, seed, inv_temp, V, stride, per_c
 
 
 # programs per row for the log-sum-exp pass (256 rows alone would leave the GPU half idle); the pick pass then scans
-# one chunk of each row. POLYRL_SAMPLE_CHUNKS sets it (16 before 2026-11-27).
-def _sample_chunks(value: str) -> int:
-    """POLYRL_SAMPLE_CHUNKS as an int: a power of two from 1 to 256 (the pick kernel loads the chunks as one block)."""
-    from polyrl.errors import ConfigError
-
-    n = int(value) if value.strip().isdigit() else 0
-    if not (1 <= n <= 256 and n & (n - 1) == 0):
-        raise ConfigError(f"POLYRL_SAMPLE_CHUNKS={value!r} is not a power of two from 1 to 256; unset it for the "
-                          "default 64")
-    return n
-
-
-SAMPLE_CHUNKS = _sample_chunks(os.environ.get("POLYRL_SAMPLE_CHUNKS", "64"))
+# one chunk of each row. A power of two up to 256: the pick kernel loads the chunks as one block. 16 before 2026-11-27
+# (`benchmarks/probes/sampler_bench.py` times other counts by setting this).
+SAMPLE_CHUNKS = 64
 
 
 def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,7 +288,7 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float, seed: int) -> tuple
     Philox number and took two logs per logit and was compute-bound (206 us for 256 x 152k on an H200). The first
     pass keeps one running max per chunk (one exp a logit), and the second scans one of SAMPLE_CHUNKS chunks per row:
     39.7 / 13.9 us at 256 / 64 rows of Qwen2.5's bf16 logits against 52.6 / 22.6 with per-lane maxima (two exps a
-    logit) and 16 chunks (H100, `benchmarks/sampler_bench.py`, 2026-11-27; one read of the logits is 25.9 / 6.5 us).
+    logit) and 16 chunks (H100, `benchmarks/probes/sampler_bench.py`, 2026-11-27; one read of the logits is 25.9 / 6.5 us).
     """
     R, V = logits_RV.shape
     dev = logits_RV.device

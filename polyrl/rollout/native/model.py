@@ -12,7 +12,6 @@ The module knows nothing about scheduling: it maps (flat token ids, positions, A
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -200,9 +199,8 @@ class Block(nn.Module):
 # add_rmsnorm sums the partials): weight (N, K) -> (rows from, rows to, slices), where measured to win. H100, cold
 # weights (`seed_workloads.py --gemms --gemm-bmm-splits`): the 1.5B down, 4 slices, 12.9 / 13.3 / 15.5 us at 64 / 128
 # / 256 rows against cuBLAS's 15.9 / 17.2 / 18.6 (other row counts, most prefill chunks among them: not measured,
-# so plain).
-# POLYRL_SLICED_DOWN=0 turns it off.
-SLICED_DOWN = {(1536, 8960): (64, 256, 4)} if os.environ.get("POLYRL_SLICED_DOWN", "1") == "1" else {}
+# so plain). An empty table is the plain GEMM everywhere (tests/test_native_rollout_gpu.py compares the two).
+SLICED_DOWN = {(1536, 8960): (64, 256, 4)}
 
 
 def sliced_down_parts(down: nn.Module, rows: int) -> int:

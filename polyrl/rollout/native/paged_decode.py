@@ -171,7 +171,7 @@ def combine_chunk(splits: int) -> int:
 # `_combine_kernel` skips their partials, so the cap can be as high as one GPU's worth of programs.
 MAX_SPLITS = 256
 
-# launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see benchmarks/NOTES_rollout.md)
+# launch knobs, tuned on H100/H200 by `benchmarks/rollout.py --tune-decode` (see docs/engineering/NOTES_rollout.md)
 # (an all-kv-heads-per-program variant reading each page as one contiguous run measured the same 67 us: dropped)
 CONFIG = dict(tile=64, num_warps=4, num_stages=3, programs_per_sm=1)
 CONFIG_FP8 = dict(tile=128, num_warps=4, num_stages=3, programs_per_sm=1)  # e4m3 K/V: `benchmarks/seed_workloads.py --tune-fp8`

@@ -7,7 +7,7 @@ in the same launch (the last split of each head block to finish) was tried and m
 8,438 tok/s, H100, 2026-11-26), so the combine stays a second launch.
 
 Why: with e4m3 K/V, v1 is 1.30-1.36x its bf16 speed on an H100 although it reads half the bytes, and measurements put
-the cost on per-token instruction work, not on conversions or the dots (`benchmarks/NOTES_rollout.md`, session 7).
+the cost on per-token instruction work, not on conversions or the dots (`docs/engineering/NOTES_rollout.md`, session 7).
 v1's program owns one (sequence, kv head, split) and, for every token of a tile, loads its block-table entry, builds
 its row pointer and loads its two scales with a stride of `kv_heads` floats; all of that is repeated for each kv head.
 
@@ -27,7 +27,7 @@ v2's design:
   is upcast to fp16 in registers (one conversion instruction on Hopper), scores and softmax stay fp32.
 - Whole steps run without token masks; only a split's last, partial step is masked (`_step(MASKED=True)`).
 
-What it buys, measured statically (no GPU here: `benchmarks/decode_kernel.py --sass` compiles both kernels for sm_90
+What it buys, measured statically (no GPU here: `benchmarks/probes/decode_kernel.py --sass` compiles both kernels for sm_90
 and counts the main loop's SASS instructions per (token, kv head) per warp; Qwen-1.5B heads, committed configs):
 bf16 v1 35.1 -> v2 22.4; e4m3 v1 46.6 -> v2 32.1 (-31%). Both pipeline their K/V loads (cp.async), no spills. The
 largest remaining e4m3 cost is V: P.V contracts over tokens, but a cache row is contiguous over head_dim, and sm_90
@@ -46,18 +46,17 @@ and writes that token's K/V before its first step reads the cache. So rope_kv's 
 at decode sizes) is gone from every layer: s1 8,616 -> 8,768 and 8,649 -> 8,821 tok/s in two A/B calls on an H100
 (2026-11-26), (a) within noise.
 
-One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 only; POLYRL_DECODE_FEW_WARPS=0 turns
-it off): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
+One-warp programs where the four-warp launch would split (`fp8_config`, e4m3 only): a four-warp program of 16 q rows spreads each step's score columns and output columns over its warps, so the
 softmax's row max and sum and the move of P into the P.V operand cross warps through shared memory every step. A
 one-warp program of one page a step does none of that; with 4-8x more programs (more splits) it reads the cache
-faster wherever the four-warp launch needed splits anyway. `benchmarks/decode_kernel.py --regimes` (H100, one layer,
+faster wherever the four-warp launch needed splits anyway. `benchmarks/probes/decode_kernel.py --regimes` (H100, one layer,
 2026-11-26): Qwen-1.5B heads at B = 64 x 16k 203 against 214 us, B = 128 x 16k 388 against 419; no better at shape
 (a)'s 256 rows (the four-warp launch fills the GPU unsplit: 45.6 us against 55.5+) nor at the last few rows, and
 worse where one-warp programs would need many splits of a short context (Llama-8B heads at 8 x 4k: 42.1 us with 60
 splits against 35.8), hence FEW_MAX_SPLITS. End to end (seed_workloads.py, A/B in one call): s1 at 64 sequences
 8,825 -> 9,124 and 8,864 -> 9,256 tok/s (the latter with a 64-split cap), s2 5,397 -> 5,998.
 
-Measured on an H100 (2026-11-24, `benchmarks/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
+Measured on an H100 (2026-11-24, `benchmarks/probes/decode_kernel.py`, B = 64/128 x 16k context, one layer in a CUDA graph):
 e4m3 v2 is 1.24-1.32x faster than v1 (76-81% of the HBM spec against 58-66%); bf16 v2 was 0.76-1.00x v1 with its
 first launch (rows 64, one program an SM). End to end (seed_workloads.py): s1 at 64 sequences 5,930 -> 7,714 tok/s
 (FP8 KV + W8), at 128 7,754 -> 10,875; (a) 55.5k -> 63.4k in FP8 KV.
@@ -71,7 +70,6 @@ bf16 at 64 sequences 5,669 -> 6,449 tok/s, at 128 7,157 -> 8,060, (a) 54,068 -> 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -202,7 +200,7 @@ def _paged_decode_v2_kernel(
         tl.store(LSE + (s * (G * KVH) + heads) * SPLITS + sp, lse, mask=q_ok)
 
 
-# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/decode_kernel.py`
+# launch knobs: `rows` = cache rows (token, kv head) per step, rounded to whole pages; `benchmarks/probes/decode_kernel.py`
 # sweeps them on a GPU. e4m3 (H100, 2026-11-24): rows 128, four warps, two programs an SM (no register spills on
 # sm_90; rows 256 with four warps spills). bf16 first had rows 64 and one program an SM (not timed when written) and
 # lost to v1; the e4m3 launch beat it in all engine regimes of `decode_kernel.py --regimes bf16` but one (Llama-8B
@@ -214,7 +212,7 @@ CONFIG_FP8 = dict(rows=128, num_warps=4, num_stages=3, programs_per_sm=2)
 # step, many splits (`fp8_config`). A program's steps then need no cross-warp reduction or layout exchange
 # (the softmax row max and sum, P into the P.V operand), which is what a four-warp program of 16 q rows waits on.
 CONFIG_FP8_FEW = dict(rows=32, num_warps=1, num_stages=3, programs_per_sm=8)
-FEW_WARPS = os.environ.get("POLYRL_DECODE_FEW_WARPS", "1") == "1"
+FEW_WARPS = True  # False: the four-warp launch everywhere (tests/test_paged_decode_v2_interp_on_cpu.py compares both)
 FEW_MAX_SPLITS = 32  # more splits than this for CONFIG_FP8_FEW: CONFIG_FP8 instead
 
 

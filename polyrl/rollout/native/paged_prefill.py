@@ -1,4 +1,5 @@
-"""Prefill attention straight from the paged KV cache, one launch a layer, CUDA (`attention.PREFILL_KERNEL`).
+"""Prefill attention straight from the paged KV cache, one launch a layer, CUDA (on unless
+`engine_kwargs.native.prefill_kernel=False`).
 
 A prefill step attends each sequence's chunk of new tokens (positions start .. start + len - 1) to its context so far
 (positions 0 .. start + len - 1, the chunk's own K/V already written by rope_kv), causally. The gather path
@@ -14,11 +15,11 @@ online softmax in fp32). FP8 KV as in the decode kernels: e4m3 bytes upcast to f
 per-(token, head) scale on the score column, V's on the probability column before P.V; nothing dequantised in
 memory. The q heads of a GQA group read the same K/V tiles, from L2 after the first.
 
-Measured (H100, 2026-11-27, `bash benchmarks/fp8_fused_session.sh prefill_kernel`, A/B one process each): (a)'s
-prefill 0.22 against 0.25 s in FP8 KV + W8 (73.4k against 72.4k tok/s end to end), 0.32 / 0.34 s in bf16, s2's
-(Llama-8B, 128 x 1,024-token prompts) 0.43 / 0.47 s. Against the gather path's attention on the same cache: 4e-3
-(bf16) and 1.3e-2 (e4m3) largest relative error per row; the engine's log-prob gap to HF 6.1e-3 against 5.9e-3 (bf16)
-and 6.3e-2 against 6.1e-2 (FP8) on the 1.5B-MLP test model.
+Measured (H100, 2026-11-27, A/B one process each; fp8_fused_session.sh in git log): (a)'s prefill 0.22 against 0.25 s
+in FP8 KV + W8 (73.4k against 72.4k tok/s end to end), 0.32 / 0.34 s in bf16, s2's (Llama-8B, 128 x 1,024-token
+prompts) 0.43 / 0.47 s. Against the gather path's attention on the same cache: 4e-3 (bf16) and 1.3e-2 (e4m3) largest
+relative error per row; the engine's log-prob gap to HF 6.1e-3 against 5.9e-3 (bf16) and 6.3e-2 against 6.1e-2 (FP8)
+on the 1.5B-MLP test model.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why: shape (a)'s decode step runs the 1.5B gate_up (N = 17,920, K = 1,536) at 256 rows. Tiled 128 columns wide that
 is 140 output tiles for 132 SMs, so 8 tiles run as a second wave while the rest of the GPU waits. `_scaled_mm` took
 20.9 us there and 16.0 us for N = 16,896 (132 tiles); a plain Triton tile kernel 26.3 against 16.4 (cold weights,
-H100, `benchmarks/gemm_waves.py --tiles`, 2026-11-27). So the leftover columns cost a whole tile's time.
+H100, `benchmarks/probes/gemm_waves.py --tiles`, 2026-11-27). So the leftover columns cost a whole tile's time.
 
 How: every program owns 128 columns of the first `programs * 128` and, while it streams the x tile through shared
 memory anyway, one more chunk of the leftover columns (16 here: 64 chunks for 1,024 columns) as a second, narrow
@@ -15,12 +15,10 @@ Measured (H100, cold weights, `gemm_waves.py`, 2026-11-27): 19.8 / 19.5 / 19.0 u
 leftover); the leftover in a loop of its own after the main one (rereading x) cost more (22.7 us). Row masks when the
 rows fill the tile cost ~1 us, so they go (EVEN_M). The GEMM stays L2-bound: every program reads all of x (393 KB),
 ~80 MB from L2 in all. End to end, (a) in FP8 KV + W8 at 73,340 / 73,793 tok/s against 72,562 / 73,524 without it
-(A/B in one call, one process each): +0.7%. POLYRL_FP8_ONE_WAVE=0 turns it off.
+(A/B in one call, one process each): +0.7%.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -28,7 +26,6 @@ import triton.language as tl
 
 from polyrl.rollout.native.attention import FP8Rows, sm_count
 
-ONE_WAVE = os.environ.get("POLYRL_FP8_ONE_WAVE", "1") == "1"
 MAX_ROWS = 256
 CONFIG = dict(BN=128, BK=128, num_warps=8, num_stages=4)
 MAX_EXTRA = 64  # the widest leftover chunk a program takes
@@ -91,7 +88,7 @@ def serves(rows: int, n: int, k: int, device: torch.device) -> bool:
     """Whether `one_wave_fp8_matmul` runs an FP8 GEMM of `rows` fed rows and an [n, k] weight: the weights in TABLE
     from its row count up to MAX_ROWS, where the shape fits one wave of this GPU's SMs."""
     lo = TABLE.get((n, k))
-    return (ONE_WAVE and lo is not None and lo <= rows <= MAX_ROWS and device.type == "cuda"
+    return (lo is not None and lo <= rows <= MAX_ROWS and device.type == "cuda"
             and plan(n, k, sm_count(device)) is not None)
 
 

@@ -1,5 +1,5 @@
 # Sourced by the flow session scripts on the GPU machine: the wheels its image lacks (carried in `.whl_flow`:
-# diffusers, rapidocr and their small deps; benchmarks/NOTES_flow.md says how to download them), the environment,
+# diffusers, rapidocr and their small deps; docs/engineering/NOTES_flow.md says how to download them), the environment,
 # the GPUs, and `run NAME CMD...` (the log in $OUT/NAME.log, its last $TAIL lines on screen).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

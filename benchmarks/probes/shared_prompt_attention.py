@@ -2,7 +2,7 @@
 unshared layout) vs shared prompts (polyrl/learner/shared_prefix.py: one flash call on gathered K/V). One layer's call,
 Qwen2.5-1.5B heads (12 q / 2 kv, head_dim 128), bf16, CUDA.
 
-    PYTHONPATH=. python benchmarks/shared_prompt_attention.py --groups 5 --n 8 --prompt 128 --response 1024
+    PYTHONPATH=. python benchmarks/probes/shared_prompt_attention.py --groups 5 --n 8 --prompt 128 --response 1024
 
 The attention FLOPs barely change (a response still attends to its prompt); what sharing saves is the rest of the
 trunk on the duplicate prompt tokens (grpo_step measures that). This checks that the attention itself costs no more.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _record
 
 
 def main(argv=None):

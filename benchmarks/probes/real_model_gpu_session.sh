@@ -7,10 +7,10 @@
 #              .gl/smollm2.gguf.part-
 #          pip download --no-deps -d .whl gguf==0.19.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 \
 #              multiprocess==0.70.19 xxhash      # (the device's Python version for xxhash's binary wheel)
-#   run 1: bash benchmarks/real_model_gpu_session.sh stage    carry [".gl/smollm2.gguf.part-00"]
-#   run 2: bash benchmarks/real_model_gpu_session.sh recipe   carry [".gl/smollm2.gguf.part-01", ".whl"]
-#   run 3: bash benchmarks/real_model_gpu_session.sh trl      (30 steps each side; STEPS=20 if it nears 10 min)
-#   or:    bash benchmarks/real_model_gpu_session.sh gap      (real_model_gap.py on the CUDA kernels, issue 16)
+#   run 1: bash benchmarks/probes/real_model_gpu_session.sh stage    carry [".gl/smollm2.gguf.part-00"]
+#   run 2: bash benchmarks/probes/real_model_gpu_session.sh recipe   carry [".gl/smollm2.gguf.part-01", ".whl"]
+#   run 3: bash benchmarks/probes/real_model_gpu_session.sh trl      (30 steps each side; STEPS=20 if it nears 10 min)
+#   or:    bash benchmarks/probes/real_model_gpu_session.sh gap      (real_model_gap.py on the CUDA kernels, issue 16)
 # Results land in $OUT (recipe.txt, real_model_trl.txt, benchmarks_rows.diff: the rows to append here).
 set -uo pipefail
 MODE=${1:-recipe}
@@ -72,11 +72,11 @@ if [ "$MODE" = trl ]; then
         --note "micro-batch 256 both sides; polyrl memory keys auto (cache kept, compile off by the size rule)" \
         --steps ${STEPS:-30} --eval-every 5 --val 256 --out "$OUT/real_model_trl.json" 2>&1 \
         | grep -v "Loading\|it/s\|Warning\|warn" | tee "$OUT/real_model_trl.txt" | tail -20
-    git diff BENCHMARKS.md > "$OUT/benchmarks_rows.diff"
+    git diff benchmarks/history.jsonl > "$OUT/benchmarks_rows.diff"
 fi
 
 if [ "$MODE" = gap ]; then  # issue 16: the engine-vs-trainer log-prob gap per rollout dtype, on the real kernels
     # (every decode GEMM in FP8 where the config asks for it: at 135M none passes the CUDA default's 2^23 line)
     timeout 400 python3 benchmarks/real_model_gap.py --model "$MODEL" --device cuda --fp8-min-elements 0 \
-        --rows-out "$OUT/rows.md" 2>&1 | grep -v "Loading\|it/s\|Warn\|warn" | tail -12 | tee "$OUT/gap.txt"
+        --rows-out "$OUT/rows.jsonl" 2>&1 | grep -v "Loading\|it/s\|Warn\|warn" | tail -12 | tee "$OUT/gap.txt"
 fi

@@ -9,7 +9,7 @@ python3 -m polyrl quickstart --scale gpu --run-dir /tmp/qs_gpu 2>&1 | tr '\r' '\
 cp /tmp/qs_gpu/metrics.jsonl "$OUT/quickstart_gpu_metrics.jsonl" 2>/dev/null
 cp /tmp/qs_gpu/report.html "$OUT/quickstart_gpu_report.html" 2>/dev/null
 echo "== grpo_step 256, compiled layers, no grad ckpt"
-timeout 300 python3 benchmarks/grpo_step.py --lengths 256 --skip-trl --steps 3 --rows-out "$OUT/rows.md" \
+timeout 300 python3 benchmarks/grpo_step.py --lengths 256 --skip-trl --steps 3 --rows-out "$OUT/rows.jsonl" \
   --json-out "$OUT/grpo_compiled.json" --extra actor_rollout_ref.model.enable_gradient_checkpointing=False \
   actor_rollout_ref.actor.use_torch_compile=True 2>&1 | grep -v Warn | tail -6 | tee "$OUT/grpo_compiled.txt"
 echo "== profiler: torch trace (discrete) + torch_memory of step 2 through PPOTrainer"

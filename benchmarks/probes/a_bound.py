@@ -1,6 +1,6 @@
 """What shape (a) can reach with a kernel per op: each op of a decode step timed alone, summed (#16).
 
-    PYTHONPATH=. python benchmarks/a_bound.py [--rows-out BENCHMARKS.md]
+    PYTHONPATH=. python benchmarks/probes/a_bound.py [--rows-out history]
 
 Shape (a) is Qwen2.5-1.5B (tied head), 256 sequences x 256 prompt + 1,024 new tokens. For each config (FP8 KV + FP8
 weights, the defaults' choice of kernels; and bf16) every op of one decode layer runs alone at 256 rows, cold weights
@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the probes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record, seed_workloads
 from _record import append_row  # noqa: E402
 from decode_kernel import Cache, copy_bandwidth  # noqa: E402
 from seed_workloads import cold_copies, per_cold_call  # noqa: E402

@@ -1,10 +1,10 @@
 """Where a decode step's time could go down: the paged-attention kernel and the decode GEMMs, measured in isolation.
 
-    PYTHONPATH=. python benchmarks/decode_step_parts.py [--attention] [--gemm] [--autotune]
+    PYTHONPATH=. python benchmarks/probes/decode_step_parts.py [--attention] [--gemm] [--autotune]
 
 Shapes are the 1.5B (a) decode step at batch 256 (Qwen2.5-1.5B: 12 q / 2 kv heads, head dim 128, hidden 1536,
 MLP 8960). Prints what it measured next to the bandwidth or compute limit; it records nothing (exploration for
-`benchmarks/NOTES_rollout.md`; `rollout.py` is the benchmark of record).
+`docs/engineering/NOTES_rollout.md`; `rollout.py` is the benchmark of record).
 - attention: the committed kernel against variants of the cache layout (token-major [blocks, BS, kvh, D] vs
   head-major [blocks, kvh, BS, D]), block size, block-table order (random vs sequential pages), split count and launch
   config; plus the device's read and copy bandwidth.

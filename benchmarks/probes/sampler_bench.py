@@ -1,6 +1,6 @@
 """The fused sampler's time per decode step (`fused.sample_rows`), by vocabulary chunk count.
 
-    PYTHONPATH=. python benchmarks/sampler_bench.py [--rows 256,64] [--chunks 16,32,64] [--old path/to/fused.py]
+    PYTHONPATH=. python benchmarks/probes/sampler_bench.py [--rows 256,64] [--chunks 16,32,64] [--old path/to/fused.py]
 
 bf16 logits of Qwen2.5's vocabulary (151,936), temperature 1, one CUDA graph of 20 calls. Prints microseconds a call
 and the logits' bytes over that time against the copy bandwidth. --old times another fused.py's sample_rows beside it
@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: rollout, seed_workloads
 from rollout import copy_bandwidth
 from seed_workloads import per_cold_call
 

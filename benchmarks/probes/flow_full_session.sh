@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 24 on a 4x H200 host (`nvidia-h200-x4`, needs_h200: fp32 weights, gradients and AdamW state of the 20.4B DiT
-# are 82 GB per GPU over 4). Carry `.whl_flow` (diffusers, rapidocr; benchmarks/NOTES_flow.md). Two device calls on
+# are 82 GB per GPU over 4). Carry `.whl_flow` (diffusers, rapidocr; docs/engineering/NOTES_flow.md). Two device calls on
 # one warm machine (the checkpoint lives on it between them):
-#   bash benchmarks/flow_full_session.sh run               # the 4-GPU full-FT run: warm-up, timed steps, checkpoint,
+#   bash benchmarks/probes/flow_full_session.sh run               # the 4-GPU full-FT run: warm-up, timed steps, checkpoint,
 #                                                          # one more step
-#   bash benchmarks/flow_full_session.sh resume_and_check  # a new job resumes the checkpoint and runs that step again;
+#   bash benchmarks/probes/flow_full_session.sh resume_and_check  # a new job resumes the checkpoint and runs that step again;
 #                                                          # then the GPU tests (2 GPUs: fp32 state + bf16 compute; 1
 #                                                          # GPU: the compiled FP8 sampling test; GPU_TESTS=0 skips them)
 # Or both parts in one call (2026-11-26: ~325 s with STEPS=1 GPU_TESTS=0; the warm-up step takes ~40 s, the save ~56 s,
 # the resumed job's load ~55 s). Eager blocks unless COMPILE=--compile: the compiled run had not finished its warm-up
-# after 575 s. Rows go to $OUT/rows.md, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names
+# after 575 s. Rows go to $OUT/rows.jsonl, logs beside them; the resume verdict to $OUT/resumed.json. POLYRL_COMMIT names
 # the commit.
 source "$(dirname "$0")/flow_env.sh"  # wheels, environment, GPUs, run()
 # the checkpoint (fp32 weights + both AdamW moments: 245 GB) goes to host memory (the x4 disk holds 235 GB)
@@ -27,16 +27,16 @@ ARGS="--full --no-cfg --prompts 2 --micro ${MICRO:-16} --rollout-micro ${ROLLOUT
 case "${1:?part}" in
   speed)  # the timed run alone, no checkpoint; the interconnect first
     nvidia-smi topo -m | head -6 | tee "$OUT/topo.txt"
-    timeout 60 torchrun --standalone --nproc_per_node=4 benchmarks/nccl_bw.py 2>&1 | grep GPUs | tee "$OUT/nccl_bw.txt"
+    timeout 60 torchrun --standalone --nproc_per_node=4 benchmarks/probes/nccl_bw.py 2>&1 | grep GPUs | tee "$OUT/nccl_bw.txt"
     TAIL=40 run full4_speed timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
-      --record --rows-out "$OUT/rows.md" --note "issue 24: fp32 sharded state, bf16 compute" ;;
+      --record --rows-out "$OUT/rows.jsonl" --note "issue 24: fp32 sharded state, bf16 compute" ;;
   run)
     rm -rf "$CK"; mkdir -p "$CK"
     # no prefault of the host memory: a background 240 GiB prefault (2026-11-26) was still running when the save began
     # 105 s into the run, and the two together ran the 512 GiB host out of memory
     date +"run starts %T" >> "$OUT/disk.txt"
     TAIL=40 run full4 timeout 575 torchrun --standalone --nproc_per_node=4 benchmarks/flow_grpo.py $ARGS \
-      --save-check "$CK" --record --rows-out "$OUT/rows.md" \
+      --save-check "$CK" --record --rows-out "$OUT/rows.jsonl" \
       --note "issue 24: fp32 sharded state, bf16 compute; checkpoint to $CK after the timed steps"
     date +"run ends %T" >> "$OUT/disk.txt"
     cp "$CK/uninterrupted.json" "$OUT/" 2>/dev/null; du -sh "$CK" | tee -a "$OUT/disk.txt"; free -g | head -2 ;;

@@ -8,9 +8,9 @@
 #   3. (PHASE=7b) the Qwen2.5-7B shape, colocated vs off-policy. The off-policy trainer is one GPU, which must hold
 #      7B's fp32 master weights + Adam (~122 GB): no chance on an 80 GB card, a try on a 141 GB one (it did not
 #      fit with activations in the 2026-11-21 update runs); a trainer pool of several GPUs is not built yet
-# Rows go to $OUT/rows.md (append them to BENCHMARKS.md by hand), logs to $OUT/*.log.
+# Rows go to $OUT/rows.jsonl (then: python scripts/gen_benchmarks.py add rows.jsonl), logs to $OUT/*.log.
 #   4. (PHASE=prefetch) issue 19's fsdp_config.forward_prefetch A/B: multi_gpu.py 1.5b over 2 GPUs, off then on
-#   usage: bash benchmarks/offpolicy_session.sh PHASE [PHASE ...]   PHASE: 1.5b (= colocated offpolicy), colocated,
+#   usage: bash benchmarks/probes/offpolicy_session.sh PHASE [PHASE ...]   PHASE: 1.5b (= colocated offpolicy), colocated,
 #   offpolicy, fp8 (both, FP8 rollout), partial (= partial2k partial1k), partial2k, partial1k, recompute, learn,
 #   prefetch, 7b, all
 #   (a 2-GPU machine counts its whole held time: keep a call under 10 min; each benchmark run is capped at 5 min,
@@ -25,7 +25,7 @@ has() {  # has <phase> <group...>: the phase, one of its groups, or all was aske
 step() {  # step <name> <shape> <mode> <args...>
   local name=$1 shape=$2 mode=$3; shift 3
   timeout 300 torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode "$mode" --shape "$shape" \
-    --rows-out "$OUT/rows.md" --json-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+    --rows-out "$OUT/rows.jsonl" --json-out "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$?"; grep -E '^step |^SUMMARY' "$OUT/$name.log" | tail -7
 }
 has colocated 1.5b && step colocated 1.5b colocated

@@ -1,7 +1,7 @@
 """Collective bandwidth between this host's GPUs, as FSDP2 uses them: all-gather and reduce-scatter of `--gb` GB
 (nccl-tests' bus bandwidth convention: bytes x (n-1)/n / time). Run under torchrun, one process per GPU:
 
-    torchrun --standalone --nproc_per_node=4 benchmarks/nccl_bw.py
+    torchrun --standalone --nproc_per_node=4 benchmarks/probes/nccl_bw.py
 """
 
 import argparse

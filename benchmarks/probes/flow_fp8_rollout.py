@@ -11,17 +11,17 @@ base (what the trainer does) and adapters merged into the base then re-quantised
 optimizer step; it prints each mode's sampling time, mismatch and the re-quantisation time per optimizer step
 (`--lora-scale` sets the adapter's size: the merged mode's error grows with it).
 
-    python benchmarks/flow_fp8_rollout.py                        # GPU: rollout-stage speedup + mismatch KL
-    python benchmarks/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
-    python benchmarks/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
+    python benchmarks/probes/flow_fp8_rollout.py                        # GPU: rollout-stage speedup + mismatch KL
+    python benchmarks/probes/flow_fp8_rollout.py --tiny --lora-modes    # CPU (emulated FP8): the LoRA choice
+    python benchmarks/probes/flow_fp8_rollout.py --compile --profile     # GPU: compiled blocks as the trainer runs them,
                                                                  # and each precision's top kernels
-    python benchmarks/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
+    python benchmarks/probes/flow_fp8_rollout.py --compile --compiled-quantisers inductor,triton --trained-steps-bf16
         # GPU: the activation quantiser fused by inductor vs the Triton launch; and FP8 on the ODE steps only
 
 `--compile` compiles the blocks as the trainer does (`FlowPolicy.compile_blocks`, after FP8Sampling); `--profile`
 prints the kernels of one timed batch per precision. On an H200 (2026-11-26, compiled, 16 images) bf16 took 10.55 s,
 every step FP8 8.54 s, FP8 on the ODE steps with merged LoRA 8.15 s (the 24.0 s of a 2026-11-24 trainer run came
-from its text-encoder offload, not from FP8: benchmarks/NOTES_flow.md).
+from its text-encoder offload, not from FP8: docs/engineering/NOTES_flow.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _record
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _record
 
 from polyrl.algorithms import sde as sde_lib
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--lora-modes", action="store_true", help="also: LoRA merged into the base and re-quantised")
     ap.add_argument("--compile", action="store_true", help="compile the blocks as the trainer does")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one batch per precision")
-    ap.add_argument("--rows-out", help="append the BENCHMARKS.md row here (a run on another machine)")
+    ap.add_argument("--rows-out", help="append the row to this JSON-lines file (a run on another machine)")
     ap.add_argument("--compiled-quantisers", default=fp8_linear.COMPILED_QUANTISER,
                     help="with --compile, how blocks quantise a GEMM's input, comma-separated to compare: inductor "
                          "(tensor ops fused by inductor), triton (the hand-written launch)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device calls on one 4x H200 host, independent jobs on disjoint GPUs at once (each job owns its GPUs through
-# CUDA_VISIBLE_DEVICES; they share only the host's CPUs). Usage: bash benchmarks/x4_session.sh PHASE
+# CUDA_VISIBLE_DEVICES; they share only the host's CPUs). Usage: bash benchmarks/probes/x4_session.sh PHASE
 #   1: GRPO step 1.5B on 1 GPU with TRL in the same process (issues 5, 8) | 2 GPUs (8) | FlowGRPO variants (6)
 #   2: GRPO step 1.5B on 4 GPUs, 7B on 2 GPUs | Ray GPU tests (its wheel arrives in two calls: .ray1 in phase 1,
 #      .ray2 here; the machine must stay warm between them) | FlowGRPO data parallel on 2 GPUs (8)
@@ -11,7 +11,7 @@
 #   5: not yet run: FSDP2 CPU offload test, flow FSDP2 with the fast recipe, 4-GPU step with the cheaper
 #      balance_batch (8)
 #   6: phase 5's jobs one after another on a 2x H200 host (the 4-GPU step left out)
-# Every job writes its log and rows under $OUT (rows.md is appended to BENCHMARKS.md afterwards, by hand).
+# Every job writes its log and rows under $OUT (then: python scripts/gen_benchmarks.py add rows.jsonl).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,13 +28,13 @@ launcher() {  # launcher <gpus> <port base>: plain python for one GPU (no proces
 }
 grpo() {  # grpo <gpus> <name> <args...>
   local gpus=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpus timeout 540 $(launcher "$gpus" 29500) benchmarks/grpo_step.py --work "/tmp/gs_$name" --rows-out "$OUT/rows.md" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout 540 $(launcher "$gpus" 29500) benchmarks/grpo_step.py --work "/tmp/gs_$name" --rows-out "$OUT/rows.jsonl" \
     --json-out "$OUT/grpo_$name.json" "$@" > "$OUT/grpo_$name.log" 2>&1 || echo "FAILED grpo $name" >> "$OUT/status"
   grep -E '^\[|Error|error' "$OUT/grpo_$name.log" | tail -5
 }
 flow() {  # flow <gpus> <name> <args...>
   local gpus=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpus timeout 540 $(launcher "$gpus" 29600) benchmarks/flow_grpo.py --prompts 1 --record --rows-out "$OUT/rows.md" "$@" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout 540 $(launcher "$gpus" 29600) benchmarks/flow_grpo.py --prompts 1 --record --rows-out "$OUT/rows.jsonl" "$@" \
     > "$OUT/flow_$name.log" 2>&1 || echo "FAILED flow $name" >> "$OUT/status"
   echo "== flow $name: $(grep -E '"img_per_gpu_s"|"timing_s/gen"|"timing_s/update_actor"|max_memory|ratio_mean|Error' \
     "$OUT/flow_$name.log" | tr -d '\n ')"

@@ -1,6 +1,6 @@
 """Probe: is the 1.5B gate_up's FP8 GEMM at 256 rows (shape (a)'s decode step) losing to wave quantisation?
 
-    PYTHONPATH=. python benchmarks/gemm_waves.py [--rows 129,256] [--ns 17920] [--tiles]
+    PYTHONPATH=. python benchmarks/probes/gemm_waves.py [--rows 129,256] [--ns 17920] [--tiles]
 
 Times `_scaled_mm` (fast accumulation), bf16 cuBLAS and a plain row-major Triton FP8 GEMM (x rows on the MMA's M
 side, whole-K loop, one output tile a program) at M = 256, K = 1536 for N around 17,920: N = 16,896 is 132 tiles of
@@ -11,10 +11,13 @@ calls. Then `wave_fp8.py` (one program per SM, leftover columns as a narrow seco
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: rollout, seed_workloads
 from rollout import copy_bandwidth
 from seed_workloads import cold_copies, per_cold_call
 

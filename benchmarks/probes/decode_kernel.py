@@ -1,9 +1,9 @@
 """Paged-decode kernels v1 vs v2 in isolation, bf16 and e4m3 K/V, at long contexts (issue 16). One short GPU call.
 
-    PYTHONPATH=. python benchmarks/decode_kernel.py [--rows-out BENCHMARKS.md] [--budget-s 45]
-    TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --smoke
-    PYTHONPATH=.:/path/to/triton python benchmarks/decode_kernel.py --sass     # no GPU needed
-    PYTHONPATH=. python benchmarks/decode_kernel.py --regimes [bf16] --budget-s 120  # v2 launches by engine regime
+    PYTHONPATH=. python benchmarks/probes/decode_kernel.py [--rows-out history] [--budget-s 45]
+    TRITON_INTERPRET=1 PYTHONPATH=.:/path/to/triton python benchmarks/probes/decode_kernel.py --smoke
+    PYTHONPATH=.:/path/to/triton python benchmarks/probes/decode_kernel.py --sass     # no GPU needed
+    PYTHONPATH=. python benchmarks/probes/decode_kernel.py --regimes [bf16] --budget-s 120  # v2 launches by engine regime
 
 Shapes: B = 64 and 128 sequences x 16,384 context tokens, block size 16 (the engine's default), pages in random order
 (as a long-running engine hands them out); Qwen-1.5B heads (12 q / 2 kv, head_dim 128) and Llama-8B heads (32 / 8,
@@ -19,7 +19,7 @@ on an H100 SXM, 4.8 on an H200), and the measured copy bandwidth (read + write o
 
 After the main grid, a short sweep of v2's e4m3 launch config (cache rows per step, warps, stages) at Qwen B=64 runs
 until `--budget-s` seconds have passed since the start; it prints the best, to be committed as CONFIG_FP8 if it wins.
-Rows (one per model x batch x dtype: v2 against v1) go to `--rows-out` (default: BENCHMARKS.md); on the device
+Rows (one per model x batch x dtype: v2 against v1) go to `--rows-out` (default: benchmarks/history.jsonl); on the device
 machine pass a file under $OUT and append it here.
 
 `--sass` needs no GPU: it compiles both kernels for sm_90 (Triton's bundled ptxas) and prints, per launch config, the
@@ -38,7 +38,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the probes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record, seed_workloads
 from _record import append_row  # noqa: E402
 
 from polyrl.rollout.native import paged_decode as v1  # noqa: E402
@@ -340,7 +341,7 @@ def _interpreter_scalar_index() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows-out", default=None, help="file to append result rows to (default BENCHMARKS.md)")
+    ap.add_argument("--rows-out", default=None, help="JSON-lines file to append result rows to (default: benchmarks/history.jsonl)")
     ap.add_argument("--budget-s", type=float, default=45.0, help="stop the config sweep after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1): checks "
                     "the script's flow, measures nothing")
@@ -360,7 +361,7 @@ def main() -> None:
     if args.sass:
         sass_report()
         return
-    if args.smoke:  # its numbers measure nothing: no rows for BENCHMARKS.md unless --rows-out names a file
+    if args.smoke:  # its numbers measure nothing: no rows for the history unless --rows-out names a file
         args.rows_out = args.rows_out or os.devnull
         global DEV, ACT, CTX, BATCHES
         DEV, ACT, CTX, BATCHES = "cpu", torch.float16, 64, (2, 3)
@@ -412,7 +413,7 @@ def main() -> None:
             qwen_cache = cache  # e4m3 now; the sweep reuses it
         del cache
     sweep(qwen_cache, sms, t0 + args.budget_s)
-    print(f"\nwall {time.time() - t0:.0f} s; rows appended to {args.rows_out or 'BENCHMARKS.md'}")
+    print(f"\nwall {time.time() - t0:.0f} s; rows appended to {args.rows_out or 'benchmarks/history.jsonl'}")
 
 
 if __name__ == "__main__":
