@@ -5,11 +5,18 @@ exactly, and log-probs within 1e-4 (fp32: only the order of the all-reduce's sum
 holds only its kv heads, both ranks return the same rows, FP8 KV agrees with TP 1 exactly on tokens, and after
 `update_weights` every rank's weights are its slice of the trainer's (FSDP2-sharded) tensors.
 
+MoE (tiny qwen3_moe with a dense layer among the sparse ones, and qwen2_moe with its gated shared expert; 8 experts,
+top-2, fp32): the experts are cut along their intermediate dimension; through `ReplicaRollout` (each rank brings
+half of the prompts) the group's greedy tokens, log-probs and recorded routes (R3) equal TP 1's, FP8 experts agree
+with TP 1 on most tokens, and the weight sync gives every rank its slice of the fused 3-D expert tensors.
+
 One spawn runs every check (starting two interpreters is most of the cost); the tests read its results.
 """
 
 import os
+import queue
 import tempfile
+import time
 
 import pytest
 import torch
@@ -31,6 +38,28 @@ def _tiny(kind: str, seed=0):
     return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common)).eval()
 
 
+def _tiny_moe(kind: str, seed=0):
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], **common)
+    else:
+        cfg = Qwen2MoeConfig(shared_expert_intermediate_size=48, norm_topk_prob=False, **common)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # HF initialises routers near zero: spread them so that routing differs per token
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return m
+
+
+MOE_KINDS = ("qwen3_moe", "qwen2_moe")
+
+
 def _prompts():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 21, 9, 30)]
@@ -46,7 +75,7 @@ def _worker(rank: int, world: int, init_file: str, results):
 
     from polyrl.rollout.base import SamplingParams
     from polyrl.rollout.native import NativeEngine
-    from polyrl.rollout.native.tensor_parallel import TPGroup
+    from polyrl.rollout.native.tensor_parallel import ReplicaRollout, TPGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -66,6 +95,18 @@ def _worker(rank: int, world: int, init_file: str, results):
                 out[kind, tag, "sampled"] = (_run(one, sampled) if one else None, _run(two, sampled))
         # weight sync: the trainer's FSDP2 shards -> this rank's TP slices
         out[kind, "sync"] = _weight_sync_check(kind, tp, kw)
+    for kind in MOE_KINDS:
+        m = _tiny_moe(kind)
+        mine = _prompts()[:2] if rank == 0 else _prompts()[2:]  # each rank brings its own prompts
+        for tag, extra in (("bf", {}), ("fp8w", {"quantization": "fp8"})):
+            one = NativeEngine.from_hf(m, record_routes=True, **kw, **extra) if rank == 0 else None
+            two = ReplicaRollout(NativeEngine.from_hf(m, record_routes=True, tp=tp, **kw, **extra), tp)
+            a, b = (one.generate(_prompts(), greedy) if one else None), two.generate(mine, greedy)
+            # numpy: torch tensors would cross the queue as shared memory that dies with this process
+            out[kind, tag, "greedy"] = ((a.token_ids, a.logprobs, [r.numpy() for r in a.routed_experts]) if a
+                                        else None,
+                                        (b.prompt_index, b.token_ids, b.logprobs, [r.numpy() for r in b.routed_experts]))
+        out[kind, "sync"] = _weight_sync_check(kind, tp, kw)
     results.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -81,9 +122,10 @@ def _weight_sync_check(kind, tp, kw):
     from polyrl.rollout.native import NativeEngine
     from polyrl.rollout.native.model import _hf_targets
 
-    base = _tiny(kind)
+    build = _tiny_moe if kind in MOE_KINDS else _tiny
+    base = build(kind)
     engine = NativeEngine.from_hf(base, tp=tp, **kw)
-    trained = _tiny(kind, seed=7)  # "after an update": other weights
+    trained = build(kind, seed=7)  # "after an update": other weights
     want = {k: v.clone() for k, v in trained.state_dict().items()}
     mesh = init_device_mesh("cpu", (tp.size,))
     for layer in trained.model.layers:
@@ -97,7 +139,7 @@ def _weight_sync_check(kind, tp, kw):
     weights.full_tensor = plain
     worst = 0.0
     for name, (dst, lo, hi, _) in _hf_targets(engine.model).items():
-        if name == "lm_head.weight" and name not in want:
+        if name not in want:  # a tied lm_head; the per-expert names (the fused 3-D tensors are checked)
             continue
         expect = engine.shards.local_tensor(name, want[name])
         worst = max(worst, (dst[lo:hi] - expect).abs().max().item())
@@ -112,10 +154,18 @@ def tp_results():
         procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "init"), q)) for r in range(2)]
         for p in procs:
             p.start()
-        got = dict(q.get(timeout=300) for _ in procs)
+        got = {}
+        deadline = time.time() + 300
+        while len(got) < len(procs) and time.time() < deadline:  # a crashed worker fails the tests now, not at 300 s
+            try:
+                rank, out = q.get(timeout=2)
+                got[rank] = out
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
         for p in procs:
             p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
+    assert all(p.exitcode == 0 for p in procs) and len(got) == len(procs), [p.exitcode for p in procs]
     return got
 
 
@@ -147,7 +197,39 @@ def test_tp2_sampling_is_the_same_on_both_ranks_and_as_tp1(tp_results, kind):
     assert tok2 == tok1  # same seed, logits equal to ~1e-6: the same draws
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("tag", ["bf", "fp8w"])
+def test_moe_tp2_replica_equals_tp1_tokens_logprobs_and_routes(tp_results, kind, tag):
+    """The two ranks' rows (rank 0 brought prompts 0-1, rank 1 prompts 2-3) together are TP 1's rows. fp8w: the
+    experts' down rows are quantised over their local columns, so (as for dense FP8) compare rows up to their first
+    different token."""
+    tok1, lp1, routes1 = tp_results[0][kind, tag, "greedy"][0]
+    rows = [tp_results[r][kind, tag, "greedy"][1] for r in (0, 1)]
+    routes1 = [torch.from_numpy(r) for r in routes1]
+    rows = [(*row[:3], [torch.from_numpy(r) for r in row[3]]) for row in rows]
+    assert rows[0][0] == [0, 0, 1, 1] and rows[1][0] == [0, 0, 1, 1]  # each rank's own prompt indices, n=2
+    tok2 = rows[0][1] + rows[1][1]
+    lp2, routes2 = rows[0][2] + rows[1][2], rows[0][3] + rows[1][3]
+    if tag == "fp8w":
+        same = [next((i for i, (a, b) in enumerate(zip(r1, r2)) if a != b), len(r1)) for r1, r2 in zip(tok1, tok2)]
+        assert sum(same) >= 0.5 * sum(map(len, tok1)), same
+    else:
+        assert tok2 == tok1
+        same = [len(r) for r in tok1]
+    gap = max(abs(a - b) for r1, r2, k in zip(lp1, lp2, same) for a, b in zip(r1[:k], r2[:k]))
+    assert gap < {"bf": LP_TOL, "fp8w": 0.15}[tag], gap
+    assert all(r2.shape == r1.shape and r1.shape[1:] == ((2 if kind == "qwen3_moe" else 3), 2)
+               for r1, r2 in zip(routes1, routes2))
+    if tag == "bf":  # every forwarded position's expert ids equal, the last (sampled) token -1
+        assert all(torch.equal(a, b) and (a[-1] == -1).all() and (a[:-1] >= 0).all() for a, b in zip(routes1, routes2))
+    else:  # e4m3 noise moves near-tied router scores: most ids agree up to the last agreeing token
+        prompt_lens = [len(p) for p in _prompts() for _ in range(2)]
+        agree = [(a[: n + k - 1] == b[: n + k - 1]).float().mean().item()
+                 for a, b, k, n in zip(routes1, routes2, same, prompt_lens)]
+        assert min(agree) >= 0.8, agree
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", *MOE_KINDS])
 def test_update_weights_gives_each_rank_its_slice(tp_results, kind):
     assert tp_results[0][kind, "sync"] == tp_results[1][kind, "sync"] == (0.0, 0)  # exact, and no per-tensor gather
 

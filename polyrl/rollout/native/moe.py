@@ -198,7 +198,6 @@ class FP8Experts(Experts):
 
 def _fp8_grouped(x, w_ENK, s_EN, offs, out_dtype):
     from polyrl.rollout.native.attention import FP8Rows, quantize_fp8_rows
-    from polyrl.rollout.native.fp8_linear import FAST_ACCUM
 
     if not isinstance(x, FP8Rows):
         if x.is_cuda:
@@ -209,7 +208,7 @@ def _fp8_grouped(x, w_ENK, s_EN, offs, out_dtype):
             x = FP8Rows(*quantize_fp8_rows(x))
     if x.q.is_cuda:
         return torch._scaled_grouped_mm(x.q, w_ENK.transpose(-2, -1), x.scale, s_EN, offs=offs, out_dtype=out_dtype,
-                                        use_fast_accum=FAST_ACCUM)
+                                        use_fast_accum=True)  # as fp8_linear's fed rows
     xd = x.q.float() * x.scale[:, None]
     return torch._grouped_mm(xd, (w_ENK.float() * s_EN[..., None]).transpose(-2, -1), offs=offs).to(out_dtype)
 

@@ -29,12 +29,19 @@ The split is Megatron's:
 - FP8 weights: `quantize_model` runs after sharding (the engine's `__init__`), so every e4m3 row is scaled by its
   local slice; `update_weights` slices before quantising (`local_tensors`).
 
-MoE (planned, the moe-engine branch adds the layers): experts will be split along their intermediate dimension
-(each rank holds every expert's gate_up rows and down columns for its 1/N of moe_intermediate), not expert-parallel.
-Why: the router and the top-k run replicated on identical hidden states, every rank computes its slice of every
-routed expert's output, and the MoE block ends with the same single all-reduce as a dense MLP; no all-to-all
-dispatch, no load imbalance between ranks, and CUDA graphs keep static shapes. `shard_model` already splits by a
-table of (HF name -> dim, how) so expert weights only add rows to `_split`.
+MoE layers (moe.py) are split along the experts' intermediate dimension, not expert-parallel: each rank keeps
+columns [r*I/N, (r+1)*I/N) of every expert (`Experts.narrow_intermediate`: those gate and up rows of each expert's
+[2I, H] `gate_up`, the matching columns of its [H, I] `down`), and Qwen2-MoE's shared expert is cut like a dense MLP.
+The router (HF `mlp.gate`) and the shared expert's sigmoid gate are replicated. Why this over expert parallelism:
+after the attention all-reduce every rank holds the same hidden state, so the replicated router picks the same top-k
+on every rank, and each rank computes its slice of every chosen expert; there is no all-to-all dispatch and combine,
+no load imbalance between ranks (a hot expert costs every rank the same 1/N), and every shape depends on the token
+count only, so CUDA graphs capture the MoE step as they do a dense one. The block ends with one all-reduce (a forward
+hook on the MoE module) over the sum of the routed experts' partial output and the shared expert's partial output:
+the shared gate sigmoid(g(x)) is computed from the replicated x and scales a partial sum, which is linear, so the
+sum over ranks of (experts_r + gate * shared_r) is the whole output, counted once; neither `down` has a hook of its
+own. Routes (R3) are recorded on every rank before that all-reduce and are equal across ranks (same input, same
+router); `ReplicaRollout` hands back the rows of this rank.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyrl.errors import ConfigError
+from polyrl.rollout.native.moe import MoE
 
 # The all-reduce of decode-sized messages (rows x hidden, 2.6 MB at 256 rows of a 32B): "nccl" (default;
 # `dist.all_reduce`, captured in the decode graphs) or an experiment, "symm_one" / "symm_two": torch's
@@ -113,20 +121,30 @@ def _collective_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
 
 
+def _split_dims(spec) -> tuple[tuple[str, int], ...]:
+    """The dims each rank holds an equal share of: heads, kv heads, the dense MLP, the experts' and the shared
+    expert's intermediate (0 where the model has none)."""
+    return (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
+            ("intermediate_size", spec.intermediate_size),
+            ("moe_intermediate_size", getattr(spec, "moe_intermediate_size", 0)),
+            ("shared_expert_intermediate_size", getattr(spec, "shared_expert_intermediate_size", 0)))
+
+
 def check_divides(spec, size: int) -> None:
-    """Refuse a TP size that does not split the heads, kv heads and MLP evenly (one sentence, the fix)."""
+    """Refuse a TP size that does not split the heads, kv heads, MLP and experts evenly (one sentence, the fix)."""
     key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={size}"
-    for what, n in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
-                    ("intermediate_size", spec.intermediate_size)):
+    for what, n in _split_dims(spec):
         if n % size:
             raise ConfigError(f"{key} does not divide the model's {what}={n} (each rank holds an equal share); use "
                               f"a divisor of {n}.")
 
 
 def local_spec(spec, size: int):
-    """The shape one rank holds: heads, kv heads and MLP width divided by `size` (the rest replicated)."""
+    """The shape one rank holds: heads, kv heads, MLP and expert widths divided by `size` (the rest replicated)."""
     return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=spec.num_kv_heads // size,
-                               intermediate_size=spec.intermediate_size // size)
+                               intermediate_size=spec.intermediate_size // size,
+                               moe_intermediate_size=spec.moe_intermediate_size // size,
+                               shared_expert_intermediate_size=spec.shared_expert_intermediate_size // size)
 
 
 def _rows(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
@@ -140,25 +158,41 @@ class TensorParallel:
     def __init__(self, tp: TPGroup, full_spec, shard_spec):
         self.group, self.full, self.local = tp, full_spec, shard_spec
 
-    def _split(self, name: str) -> tuple[int, int] | None:
-        """(dim, local length) of the HF tensor `name` that this rank slices, or None when it is replicated."""
+    def _split(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, local length, halves) of the HF tensor `name` that this rank slices, or None when it is replicated.
+        halves=2: the dim holds two stacked parts (HF's fused `experts.gate_up_proj`, [E, 2I, H], gate rows then
+        up rows), each cut the same way."""
+        if ".layers." not in name:
+            return None
         s = self.local
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        leaf = name.rsplit(".", 2)
-        kind = ".".join(leaf[-2:])  # e.g. q_proj.weight
+        moe, shared = s.moe_intermediate_size, s.shared_expert_intermediate_size
+        if name.endswith(".experts.gate_up_proj"):
+            return 1, moe, 2
+        if name.endswith(".experts.down_proj"):
+            return 2, moe, 1
+        if ".shared_expert." in name:
+            inter = shared
+        elif ".experts." in name:  # per-expert names: experts.N.{gate,up,down}_proj.weight
+            inter = moe
+        kind = ".".join(name.rsplit(".", 2)[-2:])  # e.g. q_proj.weight; the router and the shared gate: replicated
         table = {"q_proj.weight": (0, q), "q_proj.bias": (0, q), "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
                  "v_proj.weight": (0, kv), "v_proj.bias": (0, kv), "o_proj.weight": (1, q),
                  "gate_proj.weight": (0, inter), "up_proj.weight": (0, inter), "down_proj.weight": (1, inter)}
-        return table.get(kind) if ".layers." in name else None
+        split = table.get(kind)
+        return None if split is None else (*split, 1)
 
     def local_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full HF tensor `name` (the tensor itself where replicated)."""
         split = self._split(name)
         if split is None:
             return t
-        dim, n = split
-        assert t.shape[dim] == n * self.group.size, (name, tuple(t.shape), n, self.group.size)
-        piece = t.narrow(dim, self.group.rank * n, n)
+        dim, n, halves = split
+        size, r = self.group.size, self.group.rank
+        assert t.shape[dim] == n * size * halves, (name, tuple(t.shape), n, size)
+        if halves > 1:
+            return torch.cat([t.narrow(dim, h * n * size + r * n, n) for h in range(halves)], dim=dim)
+        piece = t.narrow(dim, r * n, n)
         return piece.contiguous() if dim else piece  # column slices: the FP8 quantiser wants rows in one piece
 
     def local_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,8 +215,6 @@ def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
     q, kv, inter = s.num_heads * hd, s.num_kv_heads * hd, s.intermediate_size
     Q, KV = full.num_heads * hd, full.num_kv_heads * hd
     qkv_rows = [(r * q, (r + 1) * q), (Q + r * kv, Q + (r + 1) * kv), (Q + KV + r * kv, Q + KV + (r + 1) * kv)]
-    gu_rows = [(r * inter, (r + 1) * inter), (full.intermediate_size + r * inter, full.intermediate_size +
-                                              (r + 1) * inter)]
     reduce = _ReduceOutput(tp, SymmAllReduce(tp, ALLREDUCE, SYMM_MAX_ROWS * full.hidden_size)
                            if tp.size > 1 and ALLREDUCE != "nccl" else None)
     with torch.no_grad():
@@ -192,12 +224,18 @@ def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
                             else None)
             a.o = _linear(a.o.weight[:, r * q:(r + 1) * q], None)
             a.num_heads, a.num_kv_heads, a.q_size, a.kv_size = s.num_heads, s.num_kv_heads, q, kv
-            m.gate_up = _linear(_rows(m.gate_up.weight, gu_rows), None)
-            m.down = _linear(m.down.weight[:, r * inter:(r + 1) * inter], None)
-            m.inter = inter
+            if isinstance(m, MoE):  # one all-reduce on the block's output: routed + gated shared partials
+                n = s.moe_intermediate_size
+                m.experts.narrow_intermediate(r * n, (r + 1) * n)
+                if m.shared is not None:
+                    _split_mlp(m.shared, r, s.shared_expert_intermediate_size)
+                last = m
+            else:
+                _split_mlp(m, r, inter)
+                last = m.down
             if tp.size > 1:
                 a.o.register_forward_hook(reduce)
-                m.down.register_forward_hook(reduce)
+                last.register_forward_hook(reduce)
     model.spec = s
     model._targets = None  # HF-name targets are rebuilt for the local shapes on the next load
     if tp.size > 1 and getattr(model, "split_down", False):
@@ -206,6 +244,16 @@ def shard_model(model, tp: TPGroup, log=print) -> TensorParallel:
             log(f"polyrl: tensor parallel {tp.size}: the down projection's split-K partials are off (the all-reduce "
                 "needs one output per block)")
     return TensorParallel(tp, full, s)
+
+
+def _split_mlp(m, r: int, inter: int) -> None:
+    """A gated-SiLU MLP (dense, or the shared expert) cut to gate and up rows [r*inter, (r+1)*inter) and the
+    matching down columns; `inter` is the local width."""
+    full = m.inter
+    rows = [(r * inter, (r + 1) * inter), (full + r * inter, full + (r + 1) * inter)]
+    m.gate_up = _linear(_rows(m.gate_up.weight, rows), None)
+    m.down = _linear(m.down.weight[:, r * inter:(r + 1) * inter], None)
+    m.inter = inter
 
 
 class _ReduceOutput:
@@ -310,4 +358,5 @@ class ReplicaRollout:
         first = sum(counts[: self.tp.rank])
         lo, hi = first * n, (first + counts[self.tp.rank]) * n
         return Generation(prompt_index=[i - first for i in out.prompt_index[lo:hi]], token_ids=out.token_ids[lo:hi],
-                          logprobs=out.logprobs[lo:hi], finish_reason=out.finish_reason[lo:hi])
+                          logprobs=out.logprobs[lo:hi], finish_reason=out.finish_reason[lo:hi],
+                          routed_experts=out.routed_experts[lo:hi] if out.routed_experts is not None else None)
