@@ -250,6 +250,64 @@ def test_shard_model_refuses_sizes_that_do_not_divide_the_heads():
     assert tuple(model.layers[0].mlp.down.weight.shape) == (64, 64) and shards.full.num_heads == 4
 
 
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_shards_load_the_same_from_fused_and_per_expert_names(kind):
+    """One process, rank 1 of 2 (shapes and loading only): each expert keeps half of its intermediate columns, the
+    shared expert half of its own, the router and the shared gate whole; HF's per-expert names (checkpoints, older
+    transformers) slice to the same local weights as the fused 3-D tensors."""
+    from polyrl.rollout.native.model import CausalLM, ModelSpec, load_hf_weights
+    from polyrl.rollout.native.moe import MoE
+    from polyrl.rollout.native.tensor_parallel import TPGroup, shard_model
+
+    hf = _tiny_moe(kind)
+    full = hf.state_dict()
+    per_expert = {}
+    for name, t in full.items():
+        if name.endswith("experts.gate_up_proj"):
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                per_expert[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :I]
+                per_expert[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, I:]
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                per_expert[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
+        else:
+            per_expert[name] = t
+    got = []
+    for named in (full, per_expert):
+        with torch.device("meta"):
+            model = CausalLM(ModelSpec.from_hf_config(hf.config))
+        shards = shard_model(model, TPGroup(rank=1, size=2), log=lambda _: None)
+        model.to_empty(device="cpu")
+        load_hf_weights(model, shards.local_tensors(named.items()))
+        got.append(model)
+    a, b = got
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    m = next(layer.mlp for layer in a.layers if isinstance(layer.mlp, MoE))
+    gu = full["model.layers.0.mlp.experts.gate_up_proj"]  # [8, 48, 64]: gate rows 0-23, up rows 24-47
+    assert torch.equal(m.experts.gate_up.data, torch.cat([gu[:, 12:24], gu[:, 36:48]], dim=1))
+    assert torch.equal(m.experts.down.data, full["model.layers.0.mlp.experts.down_proj"][:, :, 12:24])
+    assert torch.equal(m.router.weight.data, full["model.layers.0.mlp.gate.weight"])
+    if kind == "qwen2_moe":
+        sh = full["model.layers.0.mlp.shared_expert.up_proj.weight"]  # [48, 64]
+        assert torch.equal(m.shared.gate_up.weight.data[24:], sh[24:])
+        assert m.shared.down.weight.shape == (64, 24) and m.shared_gate.weight.shape == (1, 64)
+
+
+def test_tp_refuses_sizes_that_do_not_divide_the_experts():
+    from polyrl.errors import ConfigError
+    from polyrl.rollout.native.model import CausalLM, ModelSpec
+    from polyrl.rollout.native.tensor_parallel import TPGroup, shard_model
+
+    with torch.device("meta"):
+        model = CausalLM(ModelSpec.from_hf_config(_tiny_moe("qwen3_moe").config))
+    model.spec.moe_intermediate_size = 20  # 20 / 8 is not whole, the heads would split
+    model.spec.num_heads = model.spec.num_kv_heads = 8
+    model.spec.intermediate_size = 96
+    with pytest.raises(ConfigError, match="moe_intermediate_size=20"):
+        shard_model(model, TPGroup(rank=0, size=8))
+
+
 # ------------------------------------------------------------------------------------------------ the trainer
 
 

@@ -100,3 +100,41 @@ def test_a_tp_replica_seats_the_rows_of_all_its_ranks():
     fit = [int(re.search(r"(\d+) fit the KV cache", c.reason).group(1)) for c in (one, four)]
     assert "128 rows per generation call" in one.reason and "512 rows per generation call" in four.reason
     assert fit[1] >= 4 * fit[0]  # each row costs a quarter of its KV per GPU (39 -> 159 here)
+
+
+# Qwen3-30B-A3B: 48 layers, hidden 2048, 32 / 4 heads of 128, 128 experts (top-8) of 768, vocab 151,936, untied;
+# 30.5B parameters, every expert counted (61 GB in bf16)
+QWEN3_30B_A3B = ModelShape(hidden=2048, intermediate=6144, num_layers=48, vocab=151936,
+                           kv_bytes_per_token=2 * 48 * 4 * 128 * 2, num_params=30_532_122_624,
+                           num_trainable=30_532_122_624, param_bytes=2, moe_intermediate=768)
+
+
+def test_moe_shape_counts_every_expert_and_its_widths():
+    """ModelShape.of on a tiny Qwen3-MoE: num_params holds all experts' weights (HF's fused 3-D tensors), and the
+    expert width is known to the TP candidates."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+    shape = ModelShape.of(AutoModelForCausalLM.from_config(cfg))
+    experts = 2 * 8 * 3 * 64 * 24  # layers x experts x (gate, up, down) x hidden x moe_intermediate
+    assert shape.num_params > experts and (shape.moe_intermediate, shape.shared_intermediate) == (24, 48)
+    dense = ModelShape(**{**shape.__dict__, "num_params": shape.num_params - experts})
+    assert engine_weight_bytes(shape, 2) - engine_weight_bytes(dense, 2) == experts * 2 // 2  # bf16, 1/2 per rank
+
+
+def test_qwen3_30b_a3b_on_80gb_takes_two_gpus_per_replica_in_bf16():
+    """61 GB of weights (all 128 experts) do not fit one 80 GB GPU beside a LoRA trainer's shards; half of them do."""
+    room = _room(QWEN3_30B_A3B, 4, lora=True)
+    c = choose_tp_size(QWEN3_30B_A3B, num_heads=32, num_kv_heads=4, gpus_per_node=4, room=room, rows_per_rank=64,
+                       max_seq_len=4096, fp8=False, tied=False)
+    assert c.value == 2, c.reason
+    assert engine_weight_bytes(QWEN3_30B_A3B, 1) / GiB == pytest.approx(56.9, abs=0.1)
+
+
+def test_only_sizes_that_split_the_experts_are_candidates():
+    odd = ModelShape(**{**QWEN3_30B_A3B.__dict__, "moe_intermediate": 12})  # 12 / 8 is not whole
+    c = choose_tp_size(odd, num_heads=32, num_kv_heads=8, gpus_per_node=8, room=1 * GiB, rows_per_rank=64,
+                       max_seq_len=4096, fp8=False, tied=False)
+    assert c.value == 4 and "even at 4" in c.reason

@@ -68,6 +68,10 @@ class ModelShape:
     num_params: int
     num_trainable: int
     param_bytes: int  # bytes per master weight
+    # MoE: every expert's intermediate width and the shared expert's (0: dense); tensor parallelism splits both, and
+    # num_params counts every expert (all of them sit in each engine replica, 1/N of each per TP rank)
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @classmethod
     def of(cls, model) -> "ModelShape":
@@ -76,12 +80,15 @@ class ModelShape:
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         params = list(model.parameters())
+        experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0
         return cls(hidden=c.hidden_size, intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
                    num_layers=c.num_hidden_layers,
                    vocab=c.vocab_size, kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * 2,
                    num_params=sum(p.numel() for p in params),
                    num_trainable=sum(p.numel() for p in params if p.requires_grad),
-                   param_bytes=params[0].element_size())
+                   param_bytes=params[0].element_size(),
+                   moe_intermediate=getattr(c, "moe_intermediate_size", 0) if experts else 0,
+                   shared_intermediate=getattr(c, "shared_expert_intermediate_size", 0) or 0 if experts else 0)
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
@@ -237,11 +244,12 @@ def choose_tp_size(shape: ModelShape, *, num_heads: int, num_kv_heads: int, gpus
     replica's rows at full length, up to `seats` of them (TP_MIN_SEATS). A TP group of N ranks generates the rows
     of its N ranks, and each rank holds 1/N of every row's KV (its kv heads), so a rank's KV share does not grow
     with N while its share of the layer weights falls as 1/N; data-parallel replicas (N = 1) decode fastest when
-    they fit. Candidates: divisors of the node's GPUs that split the heads, kv heads and MLP evenly. With FP8
+    they fit. Candidates: divisors of the node's GPUs that split the heads, kv heads, MLP and experts evenly (MoE
+    weights: `num_params` counts every expert, each rank holds 1/N of each; tensor_parallel.py). With FP8
     weights off, the reason says whether they would have fitted at a smaller N (`rollout.quantization=fp8`)."""
     key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    sizes = [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0 and num_heads % n == 0
-             and num_kv_heads % n == 0 and shape.intermediate % n == 0]
+    split = (num_heads, num_kv_heads, shape.intermediate, shape.moe_intermediate, shape.shared_intermediate)
+    sizes = [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0 and all(d % n == 0 for d in split)]
 
     def need(n: int, fp8_w: bool) -> tuple[int, int, int]:
         kv = min(n * rows_per_rank, seats) * (max_seq_len + 32) * shape.kv_bytes_per_token // n
@@ -398,7 +406,7 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
     n = r.tensor_model_parallel_size
     if n == 1:
         return made, None
-    check_divides(_Heads(heads, kv_heads, shape.intermediate), n)
+    check_divides(_Heads(heads, kv_heads, shape.intermediate, shape.moe_intermediate, shape.shared_intermediate), n)
     return made, engine_weight_bytes(shape, n, fp8=r.quantization == "fp8", tied=tied)
 
 
@@ -407,6 +415,8 @@ class _Heads:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 CPU_PACK_MAX_TOKENS = 2048
