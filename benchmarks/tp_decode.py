@@ -6,16 +6,22 @@ one process per GPU (TP sizes larger than the job are skipped):
         --batch 256 --prompt 512 --new 512
     torchrun --standalone --nproc_per_node=4 benchmarks/tp_decode.py --shape llama-70b --tp 4
     torchrun --standalone --nproc_per_node=2 benchmarks/tp_decode.py --shape qwen3-32b --layers 16 --tp 1,2
+    torchrun --standalone --nproc_per_node=4 benchmarks/tp_decode.py --shape qwen3-30b-a3b --tp 1,1fp8,2,4
 
 Shapes (random bf16 weights built on the meta device and sharded before any memory is allocated, no download):
   qwen3-32b: 64 layers, hidden 5120, 64 / 8 heads of 128, MLP 25600, vocab 151,936, untied, q/k norms;
-  llama-70b (Llama-3.1-70B): 80 layers, hidden 8192, 64 / 8 heads of 128, MLP 28672, vocab 128,256, untied.
+  llama-70b (Llama-3.1-70B): 80 layers, hidden 8192, 64 / 8 heads of 128, MLP 28672, vocab 128,256, untied;
+  qwen3-30b-a3b (MoE): 48 layers, hidden 2048, 32 / 4 heads of 128, 128 experts of 768 (top-8, norm_topk_prob),
+  vocab 151,936, untied, q/k norms; the experts are cut along their intermediate dim under TP (tensor_parallel.py).
+  Its random router spreads tokens about evenly over the experts, as a trained, load-balanced one roughly does.
 `--layers N` keeps the first N layers (the per-layer numbers do not change; the head's share grows).
 
 What is measured, per TP size (ranks 0..N-1 form the replica; the others wait):
 - decode tok/s: B rows x `--new` tokens over the engine's decode GPU time (CUDA events, graphs on, EOS ignored);
 - roofline (per GPU): each decode step reads this rank's weights once plus its kv heads' share of every row's KV;
-  bytes over the device-to-device copy bandwidth measured here; the ratio is roofline time / decode time;
+  bytes over the device-to-device copy bandwidth measured here; the ratio is roofline time / decode time. MoE: of
+  the experts' bytes only the experts a step routes to count, E (1 - (1 - k/E)^B) of E per layer under even routing
+  (B rows, top-k; all 128 from about 64 rows up at Qwen3-30B-A3B);
 - all-reduce: 2 per layer per step of [B, hidden] bf16; timed alone in a CUDA graph (2 x layers of them, as a step
   issues them) against the link limit: bus bytes 2 (N-1)/N x B x hidden x 2 over the all-reduce bus bandwidth of a
   256 MB buffer measured in this run (nccl-tests' convention, as benchmarks/nccl_bw.py). The ratio says how close the
@@ -40,16 +46,34 @@ from _record import append_row  # noqa: E402
 SHAPES = {  # layers, hidden, heads, kv heads, head_dim, intermediate, vocab, model_type
     "qwen3-32b": (64, 5120, 64, 8, 128, 25600, 151936, "qwen3"),
     "llama-70b": (80, 8192, 64, 8, 128, 28672, 128256, "llama"),
+    "qwen3-30b-a3b": (48, 2048, 32, 4, 128, 6144, 151936, "qwen3_moe"),
 }
+MOE = {"qwen3-30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)}
 
 
 def spec_of(name: str, layers: int | None):
     from polyrl.rollout.native.model import ModelSpec
 
     L, h, nh, kv, hd, inter, V, mt = SHAPES[name]
-    return ModelSpec(model_type=mt, vocab_size=V, hidden_size=h, intermediate_size=inter, num_layers=layers or L,
+    L = layers or L
+    moe = dict(MOE[name], moe_layers=tuple(range(L))) if name in MOE else {}
+    return ModelSpec(model_type=mt, vocab_size=V, hidden_size=h, intermediate_size=inter, num_layers=L,
                      num_heads=nh, num_kv_heads=kv, head_dim=hd, rms_norm_eps=1e-6, qkv_bias=False,
-                     qk_norm=mt == "qwen3", tie_word_embeddings=False, max_position_embeddings=40960)
+                     qk_norm=mt in ("qwen3", "qwen3_moe"), tie_word_embeddings=False, max_position_embeddings=40960,
+                     **moe)
+
+
+def step_weight_bytes(engine, spec, rows: int) -> float:
+    """Bytes of this rank's weights one decode step of `rows` rows reads: all of them for a dense model; for MoE the
+    experts' bytes scaled by the expected share of experts routed to under even routing, 1 - (1 - k/E)^rows."""
+    from polyrl.rollout.native.moe import moe_layers
+
+    total = engine.weight_bytes()
+    if not spec.num_experts:
+        return float(total)
+    experts = sum(p.numel() * p.element_size() for m in moe_layers(engine.model) for p in m.experts.parameters())
+    touched = 1 - (1 - spec.num_experts_per_tok / spec.num_experts) ** rows
+    return total - experts * (1 - touched)
 
 
 @torch.no_grad()
@@ -171,7 +195,7 @@ def run_one(args, spec, prompts, sp, tp, fp8: bool, kind: str, bw: float, dev_na
     tok_s = args.batch * steps / dec_s
     kv_tok = engine.block_bytes / engine.block_size  # this rank's KV bytes per token (its kv heads)
     ctx = args.prompt + np.arange(1, args.new)  # context of each decode step
-    bytes_read = engine.weight_bytes() * steps + float(ctx.sum()) * args.batch * kv_tok
+    bytes_read = step_weight_bytes(engine, spec, args.batch) * steps + float(ctx.sum()) * args.batch * kv_tok
     limit_s = bytes_read / bw
     ar_s = ar_limit = 0.0
     if n > 1:

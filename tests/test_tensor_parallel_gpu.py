@@ -11,6 +11,10 @@ Checks, per model (tiny Qwen3 and Llama, fp32 then bf16):
   all-reduce differs);
 - FP8 KV and FP8 weights run under TP 2 with graphs and agree between the ranks;
 - after `update_weights(full_tensors_by_layer(FSDP2 shards))` each rank's weights equal its slice of the trainer's.
+MoE (tiny qwen3_moe and qwen2_moe with its shared expert, 8 experts top-2; experts cut along their intermediate dim,
+one all-reduce per MoE block, CUDA graphs on): fp32 TP 2 equals TP 1 on tokens, log-probs and recorded routes; bf16
+(`torch._grouped_mm`'s CUTLASS kernel) and FP8 experts agree across ranks and stay close to TP 1; weight sync of the
+fused 3-D expert tensors.
 """
 
 import json
@@ -38,6 +42,28 @@ def _tiny(kind: str, dtype):
     return m.to(dtype).eval()
 
 
+def _tiny_moe(kind: str, dtype):
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                  num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], **common)
+    else:
+        cfg = Qwen2MoeConfig(shared_expert_intermediate_size=128, norm_topk_prob=False, **common)
+    m = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # HF initialises routers near zero: spread them so that routing differs per token
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return m.to(dtype).eval()
+
+
+MOE_KINDS = ("qwen3_moe", "qwen2_moe")
+
+
 def _prompts():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (7,), generator=g)]
@@ -61,20 +87,27 @@ def _job(out_path: str) -> None:
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=40)
     res = {}
     kw = dict(max_num_seqs=6, max_num_batched_tokens=64, num_kv_tokens=4096)
-    for kind in ("qwen3", "llama"):
+    for kind in ("qwen3", "llama", *MOE_KINDS):
+        moe = kind in MOE_KINDS
+        build = _tiny_moe if moe else _tiny
         for dtype in (torch.float32, torch.bfloat16):
-            m = _tiny(kind, dtype).cuda()
+            m = build(kind, dtype).cuda()
             for tag, extra in (("graphs", {}), ("eager", {"enforce_eager": True}), ("fp8kv", {"kv_cache_dtype": "fp8"}),
                                ("fp8w", {"quantization": "fp8", "fp8_min_elements": 0})):
-                if dtype == torch.float32 and tag.startswith("fp8"):
+                if dtype == torch.float32 and tag.startswith("fp8") or moe and tag in ("eager", "fp8kv"):
                     continue
+                if moe:
+                    extra = {**extra, "record_routes": True}
                 one = NativeEngine.from_hf(m, **kw, **extra).generate(_prompts(), greedy)
                 two = NativeEngine.from_hf(m, tp=tp, **kw, **extra).generate(_prompts(), greedy)
                 res[f"{kind}/{str(dtype)[6:]}/{tag}"] = dict(tok1=one.token_ids, lp1=one.logprobs,
                                                             tok2=two.token_ids, lp2=two.logprobs)
+                if moe:
+                    res[f"{kind}/{str(dtype)[6:]}/{tag}"].update(routes1=[r.tolist() for r in one.routed_experts],
+                                                                 routes2=[r.tolist() for r in two.routed_experts])
         # weight sync from the trainer's FSDP2 shards
-        engine = NativeEngine.from_hf(_tiny(kind, torch.bfloat16).cuda(), tp=tp, **kw)
-        trained = _tiny(kind, torch.bfloat16)
+        engine = NativeEngine.from_hf(build(kind, torch.bfloat16).cuda(), tp=tp, **kw)
+        trained = build(kind, torch.bfloat16)
         with torch.no_grad():
             for p in trained.parameters():
                 p.add_(0.01)
@@ -130,7 +163,33 @@ def test_bf16_and_fp8_tp2_agree_across_ranks_and_stay_close_to_tp1(results, kind
     assert sum(same) >= 0.5 * sum(map(len, r["tok1"]))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_fp32_tp2_with_graphs_equals_tp1_with_routes(results, kind):
+    r = results[0][f"{kind}/float32/graphs"]
+    assert r["tok2"] == r["tok1"] and results[1][f"{kind}/float32/graphs"]["tok2"] == r["tok2"]
+    gap = max(abs(a - b) for x, y in zip(r["lp1"], r["lp2"]) for a, b in zip(x, y))
+    assert gap < 1e-4, gap
+    assert r["routes2"] == r["routes1"] and results[1][f"{kind}/float32/graphs"]["routes2"] == r["routes2"]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("tag", ["graphs", "fp8w"])
+def test_moe_bf16_and_fp8_tp2_agree_across_ranks_and_stay_close_to_tp1(results, kind, tag):
+    r = results[0][f"{kind}/bfloat16/{tag}"]
+    other = results[1][f"{kind}/bfloat16/{tag}"]
+    assert other["tok2"] == r["tok2"] and other["routes2"] == r["routes2"]  # one replica, one answer, one routing
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(r["tok1"], r["tok2"])]
+    gaps = [abs(a - b) for x, y, k in zip(r["lp1"], r["lp2"], same) for a, b in zip(x[:k], y[:k])]
+    n = [len(p) for p in _prompts() for _ in range(2)]
+    agree = [sum(a == b for a, b in zip(x[: m + k - 1], y[: m + k - 1])) / max(1, m + k - 1)
+             for x, y, k, m in zip(r["routes1"], r["routes2"], same, n)]
+    print(f"{kind} bf16 {tag}: {sum(same)}/{sum(map(len, r['tok1']))} tokens before the first difference, "
+          f"mean |logprob gap| {sum(gaps) / max(1, len(gaps)):.2e}, routes equal at {min(agree):.0%}+ of positions")
+    assert sum(gaps) / max(1, len(gaps)) < (1e-2 if tag != "fp8w" else 5e-2)
+    assert sum(same) >= 0.5 * sum(map(len, r["tok1"])) and min(agree) >= 0.8
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", *MOE_KINDS])
 def test_each_rank_holds_its_slice_of_the_trainers_weights(results, kind):
     assert results[0][f"{kind}/sync"] == 0.0 and results[1][f"{kind}/sync"] == 0.0
 
