@@ -123,9 +123,10 @@ def _collective_device(group) -> torch.device:
 
 def _split_dims(spec) -> tuple[tuple[str, int], ...]:
     """The dims each rank holds an equal share of: heads, kv heads, the dense MLP, the experts' and the shared
-    expert's intermediate (0 where the model has none)."""
+    expert's intermediate (0 where the model has none; a MoE model's dense width only where a layer is dense)."""
+    dense = len(getattr(spec, "moe_layers", ())) < getattr(spec, "num_layers", 1)
     return (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
-            ("intermediate_size", spec.intermediate_size),
+            ("intermediate_size", spec.intermediate_size if dense else 0),
             ("moe_intermediate_size", getattr(spec, "moe_intermediate_size", 0)),
             ("shared_expert_intermediate_size", getattr(spec, "shared_expert_intermediate_size", 0)))
 
