@@ -103,9 +103,9 @@ def _worker(rank: int, world: int, init_file: str, results):
             two = ReplicaRollout(NativeEngine.from_hf(m, record_routes=True, tp=tp, **kw, **extra), tp)
             a, b = (one.generate(_prompts(), greedy) if one else None), two.generate(mine, greedy)
             # numpy: torch tensors would cross the queue as shared memory that dies with this process
+            mine_rows = (b.prompt_index, b.token_ids, b.logprobs, [r.numpy() for r in b.routed_experts])
             out[kind, tag, "greedy"] = ((a.token_ids, a.logprobs, [r.numpy() for r in a.routed_experts]) if a
-                                        else None,
-                                        (b.prompt_index, b.token_ids, b.logprobs, [r.numpy() for r in b.routed_experts]))
+                                        else None, mine_rows)
         out[kind, "sync"] = _weight_sync_check(kind, tp, kw)
     results.put((rank, out))
     dist.barrier()
