@@ -1,0 +1,315 @@
+"""Model-based rewards (rewards/model_reward.py, reward_model.py, judge.py) on CPU, with models the test trains.
+
+The property: the fraction of a response's characters that are digits. A random tiny policy writes ~10% digits
+(10 of the char tokenizer's ~100 printable tokens).
+- A tiny sequence classifier is trained here to score that fraction from the rendered chat; GRPO with
+  `reward_model.enable=True` (no rule reward at all) then raises the policy's digit fraction.
+- A tiny causal LM is trained here as a judge that answers "1" when the response holds a digit and "0" when not; the
+  same GRPO run through the native engine raises the digit fraction too.
+Each learning test asserts a rise of the measured property, not of the model's own score.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import pytest
+import torch
+
+from polyrl.config import build_config
+from polyrl.errors import ConfigError, UserError
+from polyrl.trainer.config import PPOConfig
+
+LETTERS = string.ascii_letters
+
+
+def digit_fraction(text: str) -> float:
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+def random_response(rng: random.Random) -> str:
+    p = rng.random()  # each response its own digit rate, so every fraction from 0 to 1 is seen
+    return "".join(rng.choice(string.digits) if rng.random() < p else rng.choice(LETTERS)
+                   for _ in range(rng.randint(1, 6)))
+
+
+def _chats(n: int, seed: int) -> list[list[dict]]:
+    from polyrl.data.synthetic import make_rows
+
+    return [r["prompt"] for r in make_rows("reverse", n, seed=seed, split="train")]
+
+
+def _save_tiny(out, cls_name: str, seed: int, **kw):
+    import transformers
+
+    from polyrl.models.tiny import build_char_tokenizer, tiny_config
+
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate=64,
+                      max_position_embeddings=256, **kw)
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return model, tok
+
+
+def _padded(rows: list[list[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), T, dtype=torch.long), torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(T - len(r), T) if left else slice(0, len(r))
+        ids[i, span], mask[i, span] = torch.tensor(r), 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Torch on one thread for the module's training fixtures (see conftest.one_thread: a shared 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def digit_rm(tmp_path_factory, single_thread):
+    """A tiny LlamaForSequenceClassification trained to score a response's digit fraction (from its own render)."""
+    from polyrl.rewards.reward_model import DiscriminativeRM
+
+    out = tmp_path_factory.mktemp("rm") / "digit_rm"
+    _save_tiny(out, "LlamaForSequenceClassification", seed=0, num_labels=1)
+    rm = DiscriminativeRM(str(out), key="reward_model.model.path", device=torch.device("cpu"),
+                          dtype=torch.float32, max_tokens=None, max_rows=64)
+    rng = random.Random(0)
+    chats = _chats(64, seed=3)
+    resp = [random_response(rng) for _ in range(384)]
+    ids, mask = _padded([rm.render(rng.choice(chats), r) for r in resp])  # rendered once: jinja is the slow part
+    target = torch.tensor([digit_fraction(r) for r in resp])
+    last = mask.sum(1) - 1
+    opt = torch.optim.Adam(rm.model.parameters(), lr=1e-2)
+    rm.model.requires_grad_(True)
+    for step in range(120):
+        rows = torch.randint(0, len(resp), (64,), generator=torch.Generator().manual_seed(step))
+        h = rm.body(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+        pred = rm.head(h[torch.arange(64), last[rows]])[:, -1]
+        loss = torch.nn.functional.mse_loss(pred, target[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rm.model.save_pretrained(out)
+    resp = [random_response(rng) for _ in range(100)]
+    got = torch.tensor(rm.score([rng.choice(chats) for _ in resp], resp))
+    want = torch.tensor([digit_fraction(r) for r in resp])
+    assert torch.corrcoef(torch.stack([got, want]))[0, 1] > 0.9  # the RM learned the property
+    return out
+
+
+def _grpo(model_dir, data_dir, tmp_path, *extra) -> list[str]:
+    return [f"data.train_files={data_dir / 'train.parquet'}", "data.train_batch_size=16", "data.max_prompt_length=32",
+            "data.max_response_length=6", f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.actor.optim.lr=2e-2", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128", "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.actor.entropy_coeff=0", "trainer.logger=[file]", f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.default_local_dir={tmp_path / 'ck'}", "trainer.progress_bar=False",
+            "trainer.val_before_train=False", "trainer.resume_mode=disable", "trainer.save_freq=-1", *extra]
+
+
+def _policy_digit_fraction(trainer) -> float:
+    from polyrl.rollout import SamplingParams
+
+    prompts = [s.prompt_ids for s in trainer.train_data[:32]]
+    trainer.engine.resume()
+    out = trainer.engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=7,
+                                                          stop_token_ids=trainer.stop_ids))
+    texts = trainer.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+    return sum(map(digit_fraction, texts)) / len(texts)
+
+
+def _learns(cfg) -> tuple[float, float, list[dict]]:
+    from polyrl.trainer.ppo import PPOTrainer
+
+    torch.manual_seed(0)
+    trainer = PPOTrainer(cfg)
+    before = _policy_digit_fraction(trainer)
+    logs = [trainer.step() for _ in range(cfg.trainer.total_training_steps)]
+    trainer.engine.update_weights(trainer._weights_for_rollout())
+    return before, _policy_digit_fraction(trainer), logs
+
+
+def test_grpo_learns_what_a_trained_reward_model_prefers(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=8",
+                                          "reward_model.enable=True", f"reward_model.model.path={digit_rm}",
+                                          "reward_model.use_dynamic_bsz=True",
+                                          "reward_model.forward_max_token_len_per_gpu=2048"))
+    before, after, logs = _learns(cfg)
+    assert after - before > 0.2, (before, after)
+    assert {"timing_s/reward", "timing_s/reward_model", "timing_s/reward_fn"} <= set(logs[-1])
+
+
+def test_verl_09_layout_and_custom_function_combining_the_score(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
+    """reward.reward_model.* reads the same model; a custom function receives it as rm_score and decides."""
+    from polyrl.trainer.ppo import PPOTrainer
+
+    fn = tmp_path / "hybrid.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, rm_score):\n"
+                  "    return {'score': 10.0 + rm_score, 'len': float(len(solution_str))}\n")
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
+                                          "reward.reward_model.enable=True",
+                                          f"reward.reward_model.model_path={digit_rm}",
+                                          f"custom_reward_function.path={fn}"))
+    trainer = PPOTrainer(cfg)
+    m = trainer.step()
+    assert m["critic/score/mean"] == pytest.approx(10.0 + m["reward_extra/rm_score/mean"], abs=1e-4)
+    assert "reward_extra/len/mean" in m
+
+
+def test_scores_do_not_depend_on_batching(digit_rm):
+    """Token-budget forwards (right padding, last real token) give the scores of one-row forwards."""
+    from polyrl.rewards.reward_model import DiscriminativeRM
+
+    rng = random.Random(1)
+    chats, resp = _chats(12, seed=5), [random_response(rng) for _ in range(12)]
+    cpu = torch.device("cpu")
+    one = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=None, max_rows=1)
+    budget = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=120, max_rows=64)
+    torch.testing.assert_close(torch.tensor(budget.score(chats, resp)), torch.tensor(one.score(chats, resp)),
+                               rtol=0, atol=1e-5)
+
+
+def test_ppo_with_a_critic_and_a_reward_model(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
+    """Classic RLHF: GAE with a value model, rewards from the RM; the step runs and reports critic metrics."""
+    from polyrl.trainer.ppo import PPOTrainer
+
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
+                                          "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=64",
+                                          "reward_model.enable=True", f"reward_model.model.path={digit_rm}"))
+    m = PPOTrainer(cfg).step()
+    for k in ("critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "timing_s/reward_model",
+              "timing_s/update_critic"):
+        assert k in m, k
+
+
+# ------------------------------------------------------------------------------------------------ generative judge
+JUDGE_FILE = '''
+JUDGE_TEMPLATE = "Q: {question} A: {response}"
+
+
+def parse_score(answer):
+    answer = answer.strip()
+    return float(answer[0]) if answer[:1] in ("0", "1") else None
+'''
+
+
+@pytest.fixture(scope="module")
+def digit_judge(tmp_path_factory, single_thread):
+    """A tiny causal LM trained to answer '1' when the filled template's response holds a digit, else '0'."""
+    from polyrl.rewards.judge import fill, last_user_turn
+
+    d = tmp_path_factory.mktemp("judge")
+    out = d / "judge_lm"
+    model, tok = _save_tiny(out, "LlamaForCausalLM", seed=1, tie=True)
+    (d / "judge.py").write_text(JUDGE_FILE)
+    rng = random.Random(2)
+    chats = _chats(64, seed=4)
+    rows, targets = [], []
+    for _ in range(384):  # rendered once: jinja is the slow part
+        r = random_response(rng)
+        message = fill("Q: {question} A: {response}", last_user_turn(rng.choice(chats)), r, "")
+        text = tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                       add_generation_prompt=True)
+        rows.append(tok(text, add_special_tokens=False)["input_ids"])
+        targets.append(tok.convert_tokens_to_ids("1" if any(c.isdigit() for c in r) else "0"))
+    ids, mask = _padded(rows, left=True)  # left-padded: every row's next-token position is the last column
+    targets = torch.tensor(targets)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(120):
+        pick = torch.randint(0, len(rows), (64,), generator=torch.Generator().manual_seed(step))
+        logits = model(input_ids=ids[pick], attention_mask=mask[pick]).logits[:, -1]
+        loss = torch.nn.functional.cross_entropy(logits, targets[pick])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return out, d / "judge.py"
+
+
+def _judge_keys(judge_dir, judge_file) -> list[str]:
+    return ["reward_model.enable=True", f"reward_model.model.path={judge_dir}", f"reward_model.judge.path={judge_file}",
+            "reward_model.rollout.do_sample=False", "reward_model.rollout.response_length=2",
+            "reward_model.rollout.prompt_length=96", "reward_model.rollout.max_num_seqs=128"]
+
+
+def test_grpo_learns_what_a_trained_generative_judge_prefers(digit_judge, tiny_model_dir, synth_data_dir, tmp_path):
+    judge_dir, judge_file = digit_judge
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=8",
+                                          *_judge_keys(judge_dir, judge_file)))
+    before, after, logs = _learns(cfg)
+    assert after - before > 0.2, (before, after)
+    assert logs[-1]["reward/judge_parse_failures"] <= 2  # the trained judge answers 0 or 1
+    assert "timing_s/reward_model" in logs[-1]
+
+
+def test_unparseable_judge_answers_score_the_default_and_are_counted(digit_judge, tiny_model_dir, synth_data_dir,
+                                                                     tmp_path):
+    from polyrl.trainer.ppo import PPOTrainer
+
+    judge_dir, _ = digit_judge
+    never = tmp_path / "never.py"
+    never.write_text("JUDGE_TEMPLATE = '{response}'\n\ndef parse_score(answer):\n    raise ValueError('no')\n")
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
+                                          *_judge_keys(judge_dir, never), "reward_model.judge.default_score=-0.5"))
+    m = PPOTrainer(cfg).step()
+    assert m["reward/judge_parse_failures"] == 16 * 8
+    assert m["critic/score/mean"] == pytest.approx(-0.5)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _first_sentence(e: BaseException) -> str:
+    return str(e)
+
+
+def test_missing_reward_model_directory_is_one_sentence(tiny_model_dir, synth_data_dir, tmp_path):
+    from polyrl.trainer.ppo import PPOTrainer
+
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "reward_model.enable=True",
+                                          f"reward_model.model.path={tmp_path / 'nope'}"))
+    with pytest.raises(ConfigError, match="nope.*does not exist"):
+        PPOTrainer(cfg)
+
+
+def test_a_model_without_classification_head_is_refused(tiny_model_dir, synth_data_dir, tmp_path):
+    from polyrl.trainer.ppo import PPOTrainer
+
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "reward_model.enable=True",
+                                          f"reward_model.model.path={tiny_model_dir}"))
+    with pytest.raises(ConfigError, match="not a \\*ForSequenceClassification"):
+        PPOTrainer(cfg)
+
+
+def test_a_judge_template_without_the_response_is_refused(tiny_model_dir, synth_data_dir, tmp_path):
+    from polyrl.trainer.ppo import PPOTrainer
+
+    bad = tmp_path / "judge.py"
+    bad.write_text("JUDGE_TEMPLATE = 'Rate the answer to {question}'\n\ndef parse_score(a):\n    return 1.0\n")
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "reward_model.enable=True",
+                                          f"reward_model.model.path={tiny_model_dir}",
+                                          f"reward_model.judge.path={bad}"))
+    with pytest.raises(ConfigError, match="no \\{response\\} placeholder"):
+        PPOTrainer(cfg)
+
+
+@pytest.mark.parametrize("keys,match", [
+    (["reward.reward_model.enable=True", "reward_model.enable=True"], "both of verl's layouts"),
+    (["reward_model.model.path=/x"], "reward_model.enable=False"),
+    (["reward_model.enable=True", "reward_model.model.path=/x", "reward_model.rollout.temperature=0.5"],
+     "configures a generative judge"),
+    (["reward_model.enable=True", "reward_model.model.path=/x", "reward_model.rollout.name=vllm"], "native"),
+])
+def test_reward_model_keys_refused_with_one_sentence(keys, match):
+    from polyrl.rewards.model_reward import resolve_reward_model
+
+    with pytest.raises(UserError, match=match):
+        resolve_reward_model(build_config(PPOConfig(), keys))
