@@ -267,10 +267,6 @@ def test_unparseable_judge_answers_score_the_default_and_are_counted(digit_judge
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-def _first_sentence(e: BaseException) -> str:
-    return str(e)
-
-
 def test_missing_reward_model_directory_is_one_sentence(tiny_model_dir, synth_data_dir, tmp_path):
     from polyrl.trainer.ppo import PPOTrainer
 

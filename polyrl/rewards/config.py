@@ -1,4 +1,5 @@
-"""Reward config groups with verl's key names: `custom_reward_function.*` and `reward_model.*` (legacy layout).
+"""Reward config groups with verl's key names: `custom_reward_function.*`, `reward_model.*` (legacy layout) and
+`reward.reward_model.*` (verl 0.9).
 
 The trainer's config tree mounts these; the keys are the ones verl's DAPO recipe and examples use
 (`custom_reward_function.path`, `reward_model.overlong_buffer.len`, ...).
@@ -125,3 +126,30 @@ class RewardModelModelConfig:
     the policy's own (verl's default, ${actor_rollout_ref.model.path})."""
     trust_remote_code: bool = False
     """Allow the reward model directory's own modelling code."""
+
+
+@dataclass
+class RewardModelConfig(ModelRewardConfig):
+    """Legacy top-level `reward_model.*`: the reward model (rewards/model_reward.py) and the reward manager."""
+
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model's directory and input tokenizer."""
+    micro_batch_size: int | None = None
+    """Deprecated global micro-batch of the reward model (divided by the data-parallel size)."""
+    micro_batch_size_per_gpu: int | None = None
+    """Rows per reward-model forward (unset: cut by a token budget, see use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Cut reward-model forwards by forward_max_token_len_per_gpu (else by rollout.max_num_batched_tokens when no
+    micro_batch_size_per_gpu is set)."""
+    forward_max_token_len_per_gpu: int = 32768
+    """Padded tokens per reward-model forward under use_dynamic_bsz."""
+    max_length: int | None = None
+    """Longest scored sequence in the reward model's tokens; longer ones keep their end (where the score is read)."""
+    reward_manager: str = "naive"
+    """naive, or dapo (which applies the overlong buffer)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong penalty."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """Extra reward-manager arguments (overlong_buffer_cfg is verl's older name)."""
+    launch_reward_fn_async: bool = False
+    """Score in a Ray actor apart from the trainer (polyrl.rewards.remote.RemoteReward)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.errors import ConfigError
-from polyrl.rewards.config import ModelRewardConfig
+from polyrl.rewards.config import JudgeConfig, ModelRewardConfig, RewardModel09Config, RewardModelConfig
 
 _MODEL_ONLY = ("micro_batch_size", "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
                "max_length")  # legacy keys that configure the reward model and nothing else
@@ -54,7 +54,11 @@ class RewardModelSetting:
 
     @property
     def is_judge(self) -> bool:
-        return bool(self.model.judge.path)
+        return bool(judge_of(self.model).path)
+
+
+def judge_of(block: ModelRewardConfig) -> JudgeConfig:
+    return block.judge
 
 
 def _changed(obj, names) -> list[str]:
@@ -113,17 +117,22 @@ def resolve_reward_model(cfg, num_data_shards: int = 1) -> RewardModelSetting | 
     return s
 
 
-def _check(s: RewardModelSetting, cfg) -> None:
-    m = s.model
-    if m.rollout.name != "native":
-        raise ConfigError(f"{s.key}.rollout.name={m.rollout.name!r}: the reward model runs on polyrl's native engine "
+def _check_placement(block: RewardModelConfig | RewardModel09Config, key: str, launch_async: bool) -> None:
+    if block.rollout.name != "native":
+        raise ConfigError(f"{key}.rollout.name={block.rollout.name!r}: the reward model runs on polyrl's native engine "
                           "(vLLM/SGLang reward servers are not bundled); set it to native.")
-    if m.enable_resource_pool or cfg.reward_model.launch_reward_fn_async:
-        raise ConfigError(f"{s.key}.enable_resource_pool / reward_model.launch_reward_fn_async with a reward model: "
+    if block.enable_resource_pool or launch_async:
+        raise ConfigError(f"{key}.enable_resource_pool / reward_model.launch_reward_fn_async with a reward model: "
                           "a reward model in its own Ray process is not implemented; leave them False (the model is "
                           "colocated and sleeps while the actor trains).")
-    if m.nnodes:
-        raise ConfigError(f"{s.key}.nnodes={m.nnodes}: a reward pool of its own nodes is not implemented; set it to 0.")
+    if block.nnodes:
+        raise ConfigError(f"{key}.nnodes={block.nnodes}: a reward pool of its own nodes is not implemented; set it "
+                          "to 0.")
+
+
+def _check(s: RewardModelSetting, cfg) -> None:
+    m = s.model
+    _check_placement(m, s.key, cfg.reward_model.launch_reward_fn_async)
     if s.is_judge:
         wrong = _changed(cfg.reward_model, _MODEL_ONLY)
         if wrong:
@@ -206,7 +215,7 @@ def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.de
     if s.is_judge:
         from polyrl.rewards.judge import GenerativeJudge
 
-        scorer = GenerativeJudge(s.path, key=s.path_key, judge=m.judge, rollout=m.rollout, device=device,
+        scorer = GenerativeJudge(s.path, key=s.path_key, judge=judge_of(m), rollout=m.rollout, device=device,
                                  dtype=dtype, seed=cfg.trainer.seed, trust_remote_code=s.trust_remote_code)
     else:
         from polyrl.rewards.reward_model import DiscriminativeRM

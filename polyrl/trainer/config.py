@@ -11,13 +11,7 @@ from dataclasses import dataclass, field
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.data.config import DataConfig
 from polyrl.models.config import ModelConfig
-from polyrl.rewards.config import (
-    CustomRewardConfig,
-    ModelRewardConfig,
-    OverlongBufferConfig,
-    RewardConfig,
-    RewardModelModelConfig,
-)
+from polyrl.rewards.config import CustomRewardConfig, RewardConfig, RewardModelConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.trainer.async_config import AsyncTrainingConfig, RolloutPoolConfig
 from polyrl.trainer.core import LoopConfig
@@ -134,33 +128,6 @@ class TrainerConfig(LoopConfig):
     """Global seed (model init, sampling, shuffling)."""
     use_legacy_worker_impl: str = "auto"
     """verl worker implementation switch (no effect here)."""
-
-
-@dataclass
-class RewardModelConfig(ModelRewardConfig):
-    """Legacy top-level `reward_model.*`: the reward model (rewards/model_reward.py) and the reward manager."""
-
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    """The reward model's directory and input tokenizer."""
-    micro_batch_size: int | None = None
-    """Deprecated global micro-batch of the reward model (divided by the data-parallel size)."""
-    micro_batch_size_per_gpu: int | None = None
-    """Rows per reward-model forward (unset: cut by a token budget, see use_dynamic_bsz)."""
-    use_dynamic_bsz: bool = False
-    """Cut reward-model forwards by forward_max_token_len_per_gpu (else by rollout.max_num_batched_tokens when no
-    micro_batch_size_per_gpu is set)."""
-    forward_max_token_len_per_gpu: int = 32768
-    """Padded tokens per reward-model forward under use_dynamic_bsz."""
-    max_length: int | None = None
-    """Longest scored sequence in the reward model's tokens; longer ones keep their end (where the score is read)."""
-    reward_manager: str = "naive"
-    """naive, or dapo (which applies the overlong buffer)."""
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    """DAPO overlong penalty."""
-    reward_kwargs: dict = field(default_factory=dict)
-    """Extra reward-manager arguments (overlong_buffer_cfg is verl's older name)."""
-    launch_reward_fn_async: bool = False
-    """Score in a Ray actor apart from the trainer (polyrl.rewards.remote.RemoteReward)."""
 
 
 @dataclass
