@@ -309,3 +309,29 @@ def test_reward_model_keys_refused_with_one_sentence(keys, match):
 
     with pytest.raises(UserError, match=match):
         resolve_reward_model(build_config(PPOConfig(), keys))
+
+
+@pytest.mark.slow  # ~15 s idle, 35 s on a busy 2-core box: two torchrun processes start and import torch
+def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
+    """2 processes, the RM FSDP2-sharded like the reference: ranks with unequal forward counts (padding passes) get
+    the scores one unsharded process gives."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from polyrl.distributed.launch import torchrun_command
+    from polyrl.rewards.reward_model import DiscriminativeRM
+
+    rng = random.Random(3)
+    rows = [(c, random_response(rng)) for c in _chats(9, seed=6)]
+    (tmp_path / "chats.json").write_text(json.dumps(rows))
+    job = Path(__file__).with_name("reward_model_shard_job.py")
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"}
+    subprocess.run(torchrun_command(2, [str(job), str(digit_rm), str(tmp_path)]), check=True, env=env, timeout=300)
+    one = DiscriminativeRM(str(digit_rm), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
+                           max_rows=1)
+    want = one.score([c for c, _ in rows], [r for _, r in rows])
+    got0, got1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    torch.testing.assert_close(torch.tensor(got0), torch.tensor(want), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got1), torch.tensor(want[:2]), rtol=0, atol=1e-5)
