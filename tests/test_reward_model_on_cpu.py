@@ -1,4 +1,5 @@
-"""Model-based rewards (rewards/model_reward.py, reward_model.py, judge.py) on CPU, with models the test trains.
+"""Model-based rewards (rewards/model_reward.py, reward_model.py, judge.py) on CPU, with models the tests train
+(models/tiny_reward.py).
 
 The property: the fraction of a response's characters that are digits. A random tiny policy writes ~10% digits
 (10 of the char tokenizer's ~100 printable tokens).
@@ -12,57 +13,20 @@ Each learning test asserts a rise of the measured property, not of the model's o
 from __future__ import annotations
 
 import random
-import string
 
 import pytest
 import torch
 
 from polyrl.config import build_config
 from polyrl.errors import ConfigError, UserError
+from polyrl.models.tiny_reward import (
+    digit_fraction,
+    random_response,
+    task_chats,
+    train_digit_classifier,
+    train_digit_judge,
+)
 from polyrl.trainer.config import PPOConfig
-
-LETTERS = string.ascii_letters
-
-
-def digit_fraction(text: str) -> float:
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-
-
-def random_response(rng: random.Random) -> str:
-    p = rng.random()  # each response its own digit rate, so every fraction from 0 to 1 is seen
-    return "".join(rng.choice(string.digits) if rng.random() < p else rng.choice(LETTERS)
-                   for _ in range(rng.randint(1, 6)))
-
-
-def _chats(n: int, seed: int) -> list[list[dict]]:
-    from polyrl.data.synthetic import make_rows
-
-    return [r["prompt"] for r in make_rows("reverse", n, seed=seed, split="train")]
-
-
-def _save_tiny(out, cls_name: str, seed: int, **kw):
-    import transformers
-
-    from polyrl.models.tiny import build_char_tokenizer, tiny_config
-
-    tok = build_char_tokenizer()
-    cfg = tiny_config(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate=64,
-                      max_position_embeddings=256, **kw)
-    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(cfg)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return model, tok
-
-
-def _padded(rows: list[list[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(map(len, rows))
-    ids, mask = torch.zeros(len(rows), T, dtype=torch.long), torch.zeros(len(rows), T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        span = slice(T - len(r), T) if left else slice(0, len(r))
-        ids[i, span], mask[i, span] = torch.tensor(r), 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +40,13 @@ def single_thread():
 
 @pytest.fixture(scope="module")
 def digit_rm(tmp_path_factory, single_thread):
-    """A tiny LlamaForSequenceClassification trained to score a response's digit fraction (from its own render)."""
+    """A tiny sequence classifier trained to score a response's digit fraction (models/tiny_reward.py)."""
     from polyrl.rewards.reward_model import DiscriminativeRM
 
-    out = tmp_path_factory.mktemp("rm") / "digit_rm"
-    _save_tiny(out, "LlamaForSequenceClassification", seed=0, num_labels=1)
-    rm = DiscriminativeRM(str(out), key="reward_model.model.path", device=torch.device("cpu"),
-                          dtype=torch.float32, max_tokens=None, max_rows=64)
-    rng = random.Random(0)
-    chats = _chats(64, seed=3)
-    resp = [random_response(rng) for _ in range(384)]
-    ids, mask = _padded([rm.render(rng.choice(chats), r) for r in resp])  # rendered once: jinja is the slow part
-    target = torch.tensor([digit_fraction(r) for r in resp])
-    last = mask.sum(1) - 1
-    opt = torch.optim.Adam(rm.model.parameters(), lr=1e-2)
-    rm.model.requires_grad_(True)
-    for step in range(120):
-        rows = torch.randint(0, len(resp), (64,), generator=torch.Generator().manual_seed(step))
-        h = rm.body(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
-        pred = rm.head(h[torch.arange(64), last[rows]])[:, -1]
-        loss = torch.nn.functional.mse_loss(pred, target[rows])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    rm.model.save_pretrained(out)
+    out = train_digit_classifier(tmp_path_factory.mktemp("rm") / "digit_rm")
+    rm = DiscriminativeRM(str(out), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
+                          max_rows=64)
+    rng, chats = random.Random(9), task_chats(16, seed=8)
     resp = [random_response(rng) for _ in range(100)]
     got = torch.tensor(rm.score([rng.choice(chats) for _ in resp], resp))
     want = torch.tensor([digit_fraction(r) for r in resp])
@@ -171,7 +118,7 @@ def test_scores_do_not_depend_on_batching(digit_rm):
     from polyrl.rewards.reward_model import DiscriminativeRM
 
     rng = random.Random(1)
-    chats, resp = _chats(12, seed=5), [random_response(rng) for _ in range(12)]
+    chats, resp = task_chats(12, seed=5), [random_response(rng) for _ in range(12)]
     cpu = torch.device("cpu")
     one = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=None, max_rows=1)
     budget = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=120, max_rows=64)
@@ -193,47 +140,10 @@ def test_ppo_with_a_critic_and_a_reward_model(digit_rm, tiny_model_dir, synth_da
 
 
 # ------------------------------------------------------------------------------------------------ generative judge
-JUDGE_FILE = '''
-JUDGE_TEMPLATE = "Q: {question} A: {response}"
-
-
-def parse_score(answer):
-    answer = answer.strip()
-    return float(answer[0]) if answer[:1] in ("0", "1") else None
-'''
-
-
 @pytest.fixture(scope="module")
 def digit_judge(tmp_path_factory, single_thread):
-    """A tiny causal LM trained to answer '1' when the filled template's response holds a digit, else '0'."""
-    from polyrl.rewards.judge import fill, last_user_turn
-
-    d = tmp_path_factory.mktemp("judge")
-    out = d / "judge_lm"
-    model, tok = _save_tiny(out, "LlamaForCausalLM", seed=1, tie=True)
-    (d / "judge.py").write_text(JUDGE_FILE)
-    rng = random.Random(2)
-    chats = _chats(64, seed=4)
-    rows, targets = [], []
-    for _ in range(384):  # rendered once: jinja is the slow part
-        r = random_response(rng)
-        message = fill("Q: {question} A: {response}", last_user_turn(rng.choice(chats)), r, "")
-        text = tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                       add_generation_prompt=True)
-        rows.append(tok(text, add_special_tokens=False)["input_ids"])
-        targets.append(tok.convert_tokens_to_ids("1" if any(c.isdigit() for c in r) else "0"))
-    ids, mask = _padded(rows, left=True)  # left-padded: every row's next-token position is the last column
-    targets = torch.tensor(targets)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(120):
-        pick = torch.randint(0, len(rows), (64,), generator=torch.Generator().manual_seed(step))
-        logits = model(input_ids=ids[pick], attention_mask=mask[pick]).logits[:, -1]
-        loss = torch.nn.functional.cross_entropy(logits, targets[pick])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return out, d / "judge.py"
+    """A tiny causal LM trained to answer '1' when the response holds a digit, else '0' (models/tiny_reward.py)."""
+    return train_digit_judge(tmp_path_factory.mktemp("judge") / "judge_lm")
 
 
 def _judge_keys(judge_dir, judge_file) -> list[str]:
@@ -324,7 +234,7 @@ def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
     from polyrl.rewards.reward_model import DiscriminativeRM
 
     rng = random.Random(3)
-    rows = [(c, random_response(rng)) for c in _chats(9, seed=6)]
+    rows = [(c, random_response(rng)) for c in task_chats(9, seed=6)]
     (tmp_path / "chats.json").write_text(json.dumps(rows))
     job = Path(__file__).with_name("reward_model_shard_job.py")
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"}
