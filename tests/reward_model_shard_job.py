@@ -14,7 +14,7 @@ from polyrl.rewards.reward_model import DiscriminativeRM
 
 rm_dir, out = sys.argv[1], sys.argv[2]
 dist = DistEnv.setup("cpu")
-rm = DiscriminativeRM(rm_dir, key="reward_model.model.path", device=torch.device("cpu"), dtype=torch.float32,
+rm = DiscriminativeRM.load(rm_dir, key="reward_model.model.path", device=torch.device("cpu"), dtype=torch.float32,
                       max_tokens=60, max_rows=64, dist=dist, fsdp_config=FSDPConfig())
 chats = json.loads(open(f"{out}/chats.json").read())
 rows = chats[: 9 if dist.rank == 0 else 2]

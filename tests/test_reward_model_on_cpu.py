@@ -44,7 +44,7 @@ def digit_rm(tmp_path_factory, single_thread):
     from polyrl.rewards.reward_model import DiscriminativeRM
 
     out = train_digit_classifier(tmp_path_factory.mktemp("rm") / "digit_rm")
-    rm = DiscriminativeRM(str(out), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
+    rm = DiscriminativeRM.load(str(out), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
                           max_rows=64)
     rng, chats = random.Random(9), task_chats(16, seed=8)
     resp = [random_response(rng) for _ in range(100)]
@@ -120,8 +120,8 @@ def test_scores_do_not_depend_on_batching(digit_rm):
     rng = random.Random(1)
     chats, resp = task_chats(12, seed=5), [random_response(rng) for _ in range(12)]
     cpu = torch.device("cpu")
-    one = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=None, max_rows=1)
-    budget = DiscriminativeRM(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=120, max_rows=64)
+    one = DiscriminativeRM.load(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=None, max_rows=1)
+    budget = DiscriminativeRM.load(str(digit_rm), key="k", device=cpu, dtype=torch.float32, max_tokens=120, max_rows=64)
     torch.testing.assert_close(torch.tensor(budget.score(chats, resp)), torch.tensor(one.score(chats, resp)),
                                rtol=0, atol=1e-5)
 
@@ -239,7 +239,7 @@ def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
     job = Path(__file__).with_name("reward_model_shard_job.py")
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"}
     subprocess.run(torchrun_command(2, [str(job), str(digit_rm), str(tmp_path)]), check=True, env=env, timeout=300)
-    one = DiscriminativeRM(str(digit_rm), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
+    one = DiscriminativeRM.load(str(digit_rm), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
                            max_rows=1)
     want = one.score([c for c, _ in rows], [r for _, r in rows])
     got0, got1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

@@ -78,7 +78,7 @@ def train_digit_classifier(out: str | Path, *, steps: int = 120, seed: int = 0) 
     from polyrl.rewards.reward_model import DiscriminativeRM
 
     save_tiny(out, "LlamaForSequenceClassification", seed=seed, num_labels=1)
-    rm = DiscriminativeRM(str(out), key="reward_model.model.path", device=torch.device("cpu"), dtype=torch.float32,
+    rm = DiscriminativeRM.load(str(out), key="reward_model.model.path", device=torch.device("cpu"), dtype=torch.float32,
                           max_tokens=None, max_rows=64)
     rng = random.Random(seed)
     chats = task_chats(64, seed=seed + 3)

@@ -220,7 +220,7 @@ def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.de
     else:
         from polyrl.rewards.reward_model import DiscriminativeRM
 
-        scorer = DiscriminativeRM(s.path, key=s.path_key, device=device, dtype=dtype, max_tokens=s.max_tokens,
+        scorer = DiscriminativeRM.load(s.path, key=s.path_key, device=device, dtype=dtype, max_tokens=s.max_tokens,
                                   max_rows=s.max_rows, max_length=s.max_length, sleep=m.rollout.free_cache_engine,
                                   dist=dist, fsdp_config=cfg.actor_rollout_ref.ref.fsdp_config,
                                   trust_remote_code=s.trust_remote_code)

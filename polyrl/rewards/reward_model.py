@@ -58,30 +58,11 @@ def padded_forwards(lengths: list[int], max_tokens: int | None, max_rows: int) -
 class DiscriminativeRM:
     """Scores chats with a sequence-classification model; see the module docstring."""
 
-    def __init__(self, path: str, *, key: str, device: torch.device, dtype: torch.dtype, max_tokens: int | None,
-                 max_rows: int, max_length: int | None = None, sleep: bool = True, dist=None, fsdp_config=None,
-                 trust_remote_code: bool = False):
-        from transformers import AutoModelForSequenceClassification
-
-        from polyrl.models.loader import load_tokenizer
-
-        config = check_classifier_dir(path, key, trust_remote_code)
-        self.tokenizer = load_tokenizer(path, key=key, trust_remote_code=trust_remote_code)
-        if not self.tokenizer.chat_template:
-            raise ConfigError(f"Reward model '{path}' ({key}) has no chat template to render the prompt and response "
-                              "with; add one (chat_template in its tokenizer_config.json).")
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
-        head = getattr(model, "score", None)
-        if not isinstance(head, torch.nn.Module):
-            raise ConfigError(f"Reward model '{path}' ({key}) has no `score` head read at the last token (a decoder "
-                              f"such as Llama or Qwen2 with a classification head); {type(model).__name__} is not one.")
-        missing = [k for k in info["missing_keys"] if k.startswith("score.")]
-        if missing:
-            raise ConfigError(f"Reward model '{path}' ({key}) has no trained classification head (its weights lack "
-                              f"{', '.join(missing)}); save the reward model itself, not its base causal LM.")
-        self.model = model.eval().requires_grad_(False)
-        self.body, self.head = model.base_model, head
+    def __init__(self, model, tokenizer, *, device: torch.device, max_tokens: int | None, max_rows: int,
+                 max_length: int | None = None, sleep: bool = True, dist=None, fsdp_config=None):
+        """Around a loaded `*ForSequenceClassification` `model` (see `load`) and its `tokenizer`."""
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.body, self.head = model.base_model, model.score
         self.device, self.max_tokens, self.max_rows, self.max_length = device, max_tokens, max_rows, max_length
         self.dist = dist if dist is not None and dist.is_distributed else None
         self.offload = None
@@ -96,16 +77,43 @@ class DiscriminativeRM:
         else:
             model.to(device)
 
+    @classmethod
+    def load(cls, path: str, *, key: str, dtype: torch.dtype, trust_remote_code: bool = False,
+             **kw) -> "DiscriminativeRM":
+        """From a local directory (`key` names its config key in errors); `kw` as the constructor's."""
+        from transformers import AutoModelForSequenceClassification
+
+        from polyrl.models.loader import load_tokenizer
+
+        config = check_classifier_dir(path, key, trust_remote_code)
+        tokenizer = load_tokenizer(path, key=key, trust_remote_code=trust_remote_code)
+        if not tokenizer.chat_template:
+            raise ConfigError(f"Reward model '{path}' ({key}) has no chat template to render the prompt and response "
+                              "with; add one (chat_template in its tokenizer_config.json).")
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
+        if not isinstance(getattr(model, "score", None), torch.nn.Module):
+            raise ConfigError(f"Reward model '{path}' ({key}) has no `score` head read at the last token (a decoder "
+                              f"such as Llama or Qwen2 with a classification head); {type(model).__name__} is not one.")
+        missing = [k for k in info["missing_keys"] if k.startswith("score.")]
+        if missing:
+            raise ConfigError(f"Reward model '{path}' ({key}) has no trained classification head (its weights lack "
+                              f"{', '.join(missing)}); save the reward model itself, not its base causal LM.")
+        return cls(model, tokenizer, **kw)
+
     def render(self, chat: list[dict], response: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(list(chat) + [{"role": "assistant", "content": response}],
                                                   tokenize=False, add_generation_prompt=False)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes any BOS itself
         return ids[-self.max_length:] if self.max_length else ids  # keep the end: the score is read there
 
-    @torch.no_grad()
     def score(self, chats: list[list[dict]], responses: list[str]) -> list[float]:
         """One score per (chat prompt, response text)."""
-        seqs = [self.render(c, r) for c, r in zip(chats, responses)]
+        return self.score_ids([self.render(c, r) for c, r in zip(chats, responses)])
+
+    @torch.no_grad()
+    def score_ids(self, seqs: list[list[int]]) -> list[float]:
+        """One score per token sequence in the reward model's vocabulary (already rendered)."""
         groups = padded_forwards([len(s) for s in seqs], self.max_tokens, self.max_rows)
         if self.dist is not None:  # FSDP2's all-gathers pair up only if every rank runs as many forwards
             most = int(self.dist.all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
