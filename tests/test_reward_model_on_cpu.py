@@ -213,6 +213,8 @@ def test_a_judge_template_without_the_response_is_refused(tiny_model_dir, synth_
     (["reward_model.enable=True", "reward_model.model.path=/x", "reward_model.rollout.temperature=0.5"],
      "configures a generative judge"),
     (["reward_model.enable=True", "reward_model.model.path=/x", "reward_model.rollout.name=vllm"], "native"),
+    (["reward_model.enable=True", "reward_model.model.path=/x", "reward_model.launch_reward_fn_async=True"],
+     "enable_resource_pool=True"),
 ])
 def test_reward_model_keys_refused_with_one_sentence(keys, match):
     from polyrl.rewards.model_reward import resolve_reward_model
@@ -245,3 +247,28 @@ def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
     got0, got1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     torch.testing.assert_close(torch.tensor(got0), torch.tensor(want), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got1), torch.tensor(want[:2]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # ~20-40 s: a local Ray starts and its worker imports torch and transformers
+def test_reward_model_on_a_resource_pool_of_its_own(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
+    """enable_resource_pool: the classifier loads and scores in a Ray actor (CPU here, its own GPUs on a GPU
+    cluster); the scores and the model/manager timings come back to the trainer."""
+    ray = pytest.importorskip("ray")
+    from polyrl.distributed.ray_cluster import init_ray
+    from polyrl.rewards.model_reward import RemoteModelReward
+    from polyrl.trainer.ppo import PPOTrainer
+
+    init_ray(num_cpus=4)
+    try:
+        cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path,
+                                              "trainer.total_training_steps=1", "reward.reward_model.enable=True",
+                                              f"reward.reward_model.model_path={digit_rm}",
+                                              "reward.reward_model.enable_resource_pool=True",
+                                              "reward.reward_model.n_gpus_per_node=0"))
+        trainer = PPOTrainer(cfg)
+        assert isinstance(trainer.reward, RemoteModelReward)
+        m = trainer.step()
+        assert 0.0 < m["timing_s/reward_model"] <= m["timing_s/reward"]
+        assert -0.5 < m["critic/score/mean"] < 1.5
+    finally:
+        ray.shutdown()

@@ -17,6 +17,10 @@ Either way the score goes through the reward manager, so the DAPO overlong penal
 model-only path skips the manager), and lands on the last response token as any reward does (`token_level_scores`;
 verl's `rm_scores`).
 
+Placement: colocated by default (the model sleeps while the actor trains); with `enable_resource_pool=True` the model
+and the manager run in a Ray actor holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`, on the rule
+reward's actor machinery in rewards/remote.py), where the model never sleeps.
+
 Timing: `timing_s/reward` splits into `timing_s/reward_model` (the model) and `timing_s/reward_fn` (the manager).
 """
 
@@ -121,10 +125,10 @@ def _check_placement(block: RewardModelConfig | RewardModel09Config, key: str, l
     if block.rollout.name != "native":
         raise ConfigError(f"{key}.rollout.name={block.rollout.name!r}: the reward model runs on polyrl's native engine "
                           "(vLLM/SGLang reward servers are not bundled); set it to native.")
-    if block.enable_resource_pool or launch_async:
-        raise ConfigError(f"{key}.enable_resource_pool / reward_model.launch_reward_fn_async with a reward model: "
-                          "a reward model in its own Ray process is not implemented; leave them False (the model is "
-                          "colocated and sleeps while the actor trains).")
+    if launch_async and not block.enable_resource_pool:
+        raise ConfigError(f"reward_model.launch_reward_fn_async with a reward model: a reward model leaves the "
+                          f"trainer's process only for GPUs of its own; set {key}.enable_resource_pool=True (and "
+                          "n_gpus_per_node), or leave it False to run the model colocated.")
     if block.nnodes:
         raise ConfigError(f"{key}.nnodes={block.nnodes}: a reward pool of its own nodes is not implemented; set it "
                           "to 0.")
@@ -197,32 +201,108 @@ class ModelReward:
         return {"reward/judge_parse_failures": float(n)}
 
 
-def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=None) -> ModelReward:
-    """The scorer (classifier or judge) and the manager around it, from a resolved setting."""
-    from polyrl.models.loader import load_tokenizer
-    from polyrl.rewards import RewardManager, build_reward_fn
-    from polyrl.utils.device import to_dtype
+def _reward_fn(s: RewardModelSetting, custom):
+    """The custom function, which must take `rm_score`, or the model's score alone (module docstring)."""
+    from polyrl.rewards import build_reward_fn
 
-    custom = cfg.custom_reward_function
-    fn = build_reward_fn(custom) if custom.path else _model_score_only
-    if custom.path and not _takes_rm_score(fn):
+    if not custom.path:
+        return _model_score_only
+    fn = build_reward_fn(custom)
+    if not _takes_rm_score(fn):
         raise ConfigError(f"custom_reward_function '{custom.name}' in '{custom.path}' takes no rm_score argument, "
                           f"so the reward model ({s.path_key}) would run for nothing; add a parameter rm_score (the "
                           "model's score of that response) and combine it, or unset custom_reward_function.path.")
+    return fn
+
+
+def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=None):
+    """The reward for the trainer: a `ModelReward` in this process, or, with `enable_resource_pool`, a client of one
+    in a Ray actor holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`)."""
+    _reward_fn(s, cfg.custom_reward_function)  # a bad custom function fails here, not inside the Ray actor
+    if _pool(s.model):
+        from polyrl.rewards.remote import reward_gpus_per_rank
+
+        gpus = reward_gpus_per_rank(s.model.n_gpus_per_node, f"{s.key}.n_gpus_per_node")
+        return RemoteModelReward(s, cfg, overlong, num_gpus=gpus)
+    return _build(s, cfg, overlong=overlong, device=device, dist=dist, colocated=True)
+
+
+def _pool(block: RewardModelConfig | RewardModel09Config) -> bool:
+    return block.enable_resource_pool
+
+
+def _build(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=None, colocated: bool) -> ModelReward:
+    """The scorer (classifier or judge) and the manager around it, from a resolved setting."""
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.rewards import RewardManager
+    from polyrl.utils.device import to_dtype
+
+    custom = cfg.custom_reward_function
+    fn = _reward_fn(s, custom)
     manager = RewardManager(fn, overlong_buffer=overlong, max_response_length=cfg.data.max_response_length)
     m = s.model
     dtype = torch.float32 if device.type == "cpu" else to_dtype(m.rollout.dtype, f"{s.key}.rollout.dtype")
     if s.is_judge:
         from polyrl.rewards.judge import GenerativeJudge
 
-        scorer = GenerativeJudge(s.path, key=s.path_key, judge=judge_of(m), rollout=m.rollout, device=device,
+        rollout = m.rollout if colocated else dataclasses.replace(m.rollout, free_cache_engine=False)
+        scorer = GenerativeJudge(s.path, key=s.path_key, judge=judge_of(m), rollout=rollout, device=device,
                                  dtype=dtype, seed=cfg.trainer.seed, trust_remote_code=s.trust_remote_code)
     else:
         from polyrl.rewards.reward_model import DiscriminativeRM
 
         scorer = DiscriminativeRM.load(s.path, key=s.path_key, device=device, dtype=dtype, max_tokens=s.max_tokens,
-                                  max_rows=s.max_rows, max_length=s.max_length, sleep=m.rollout.free_cache_engine,
+                                  max_rows=s.max_rows, max_length=s.max_length,
+                                       sleep=colocated and m.rollout.free_cache_engine,
                                   dist=dist, fsdp_config=cfg.actor_rollout_ref.ref.fsdp_config,
                                   trust_remote_code=s.trust_remote_code)
     tok = load_tokenizer(s.input_tokenizer, key="reward_model.model.input_tokenizer") if s.input_tokenizer else None
     return ModelReward(scorer, manager, has_custom_fn=bool(custom.path), input_tokenizer=tok)
+
+
+def _actor_scorer(s: RewardModelSetting, cfg, overlong):
+    """Built inside the Ray reward actor (its own GPUs): (samples, lengths, chats, ids) -> (scores, extras,
+    metrics, seconds in the model, seconds in the manager)."""
+    from polyrl.utils.timing import StepTimer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reward = _build(s, cfg, overlong=overlong, device=device, colocated=False)
+    timer = StepTimer()
+
+    def score(samples, response_lengths, chats, response_ids):
+        scores, extras = reward.score(samples, response_lengths, chats=chats, response_ids=response_ids, timer=timer)
+        t = timer.pop()
+        return scores, extras, reward.pop_metrics(), t["timing_s/reward_model"], t["timing_s/reward_fn"]
+
+    return score
+
+
+class RemoteModelReward:
+    """`ModelReward`'s interface over a Ray actor with GPUs of its own (`enable_resource_pool`): the model loads and
+    runs there, never on the trainer's GPUs, and it never sleeps. `timing_s/reward_model` and `timing_s/reward_fn`
+    are the actor's own; the rest of `timing_s/reward` is the round trip."""
+
+    def __init__(self, s: RewardModelSetting, cfg, overlong, *, num_gpus: float, address: str | None = None):
+        from polyrl.rewards.remote import RayReward
+
+        self.client = RayReward(_actor_scorer, (s, cfg, overlong), num_gpus=num_gpus, key=f"{s.key}.n_gpus_per_node",
+                                address=address)
+        self.metrics: dict[str, float] = {}
+
+    def score(self, samples, response_lengths=None, *, chats, response_ids=None, timer=None):
+        ids = [list(map(int, r)) for r in response_ids] if response_ids is not None else None
+        scores, extras, metrics, t_model, t_fn = self.client.get(self.client.submit(samples, response_lengths,
+                                                                                    chats, ids))
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + v
+        if timer is not None:
+            timer.add("reward_model", t_model)
+            timer.add("reward_fn", t_fn)
+        return scores, extras
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out
+
+    def close(self) -> None:
+        self.client.close()
