@@ -2,6 +2,7 @@
 
     python benchmarks/reward_model.py --rows-out BENCHMARKS.md --json-out /tmp/rm.json
     python benchmarks/reward_model.py --tiny      # a CPU smoke run of the same code (no numbers worth keeping)
+    bash benchmarks/reward_model_step.sh          # 2 GPUs: whole GRPO step, the RM colocated vs on its own GPU
 
 1. Scoring (polyrl/rewards/reward_model.py `DiscriminativeRM.score_ids`): random-weight Qwen2ForSequenceClassification
    of Qwen2.5-7B's shape in bf16, 512 sequences with lognormal lengths (median 1024, 64-4096 tokens; a batch of
@@ -203,8 +204,39 @@ def bench_judge(args, device: str, dtype, peak: float, rows: list, report: dict,
                      ratio_peer=f"{tps / hf_tps:.2f}x" if hf_tps else "-", ratio_limit=f"{tps / roof:.0%}" if roof else "-"))
 
 
+def save_models(out: Path, policy_shape: str) -> None:
+    """Random-weight HF directories with the char tokenizer (its chat template) for whole-step runs
+    (benchmarks/reward_model_step.sh): `policy` (a Qwen2.5 causal LM of `policy_shape`), `rm` (a Qwen2.5-7B-shaped
+    classifier) and verl-schema data of the synthetic reverse task."""
+    from polyrl.data.dataset import write_parquet
+    from polyrl.data.synthetic import make_rows
+    from polyrl.models.tiny import build_char_tokenizer
+
+    shapes = {"0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True),
+              "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                           num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True), "tiny": TINY}
+    tok = build_char_tokenizer()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, cls, shape, kw in (("policy", "Qwen2ForCausalLM", shapes[policy_shape], {}),
+                                 ("rm", "Qwen2ForSequenceClassification", TINY if policy_shape == "tiny" else QWEN25_7B,
+                                  {"num_labels": 1})):
+        model = build(cls, shape, device, torch.bfloat16, **kw)
+        model.config.eos_token_id = tok.eos_token_id
+        model.config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(out / name)
+        tok.save_pretrained(out / name)
+        del model
+    write_parquet(make_rows("reverse", 2048, seed=1, split="train"), out / "data" / "train.parquet")
+    print(f"wrote {out}/policy, {out}/rm, {out}/data/train.parquet", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--save-models", default=None, help="only write random policy/RM dirs here (for the step runs)")
+    ap.add_argument("--policy-shape", default="1.5b", choices=["tiny", "0.5b", "1.5b"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--parts", default="scoring,judge")
     ap.add_argument("--num-seqs", type=int, default=512)
@@ -221,6 +253,8 @@ def main():
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
+    if args.save_models:
+        return save_models(Path(args.save_models), args.policy_shape)
     from polyrl.learner.flops import peak_flops
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
