@@ -130,7 +130,8 @@ def bench_scoring(args, device: str, dtype, peak: float, rows: list, report: dic
     hf_tps = tokens / hf_dt if hf is not None else None
     diff = max(abs(a - b) for a, b in zip(ours, hf)) if hf is not None else None
     r = dict(benchmark="scoring", tokens=tokens, seconds=dt, tokens_per_s=tps, limit_tokens_per_s=limit,
-             frac_limit=tps / limit if limit else None, hf_tokens_per_s=hf_tps, speedup_vs_hf=tps / hf_tps if hf_tps else None,
+             frac_limit=tps / limit if limit else None, hf_tokens_per_s=hf_tps,
+             speedup_vs_hf=tps / hf_tps if hf_tps else None,
              max_abs_score_diff_vs_hf=diff, tflops=flops / dt / 1e12, device=dev_name)
     report["scoring"] = r
     print(json.dumps(r), flush=True)
@@ -138,14 +139,11 @@ def bench_scoring(args, device: str, dtype, peak: float, rows: list, report: dic
             f"{args.median_len} (64-4096, {tokens:,} tokens), token budget {args.max_tokens}; |score - HF| <= "
             f"{diff if diff is None else f'{diff:.3g}'}")
     rows.append(dict(benchmark="reward_model.py scoring tok/s", shape=desc, polyrl=f"{tps:,.0f} tok/s",
-                     peer=f"HF forward, fixed {args.hf_micro}-row micro-batches: {hf_tps:,.0f} tok/s" if hf_tps else "-",
+                     peer=(f"HF forward, fixed {args.hf_micro}-row micro-batches: {hf_tps:,.0f} tok/s" if hf_tps
+                           else "-"),
                      limit=f"{limit:,.0f} tok/s (forward FLOPs / {peak / 1e12:.0f} TFLOP/s)" if limit else "-",
                      ratio_peer=f"{tps / hf_tps:.2f}x" if hf_tps else "-",
                      ratio_limit=f"{tps / limit:.0%}" if limit else "-"))
-    del rm, model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def bench_judge(args, device: str, dtype, peak: float, rows: list, report: dict, dev_name: str) -> None:
@@ -200,8 +198,10 @@ def bench_judge(args, device: str, dtype, peak: float, rows: list, report: dict,
             "verdict tokens each (ignore_eos), native engine")
     rows.append(dict(benchmark="reward_model.py judge verdict tok/s", shape=desc, polyrl=f"{tps:,.0f} tok/s",
                      peer=f"HF generate, same batch: {hf_tps:,.0f} tok/s" if hf_tps else "-",
-                     limit=f"{roof:,.0f} tok/s (prefill at bf16 peak + weights/KV per step at copy BW)" if roof else "-",
-                     ratio_peer=f"{tps / hf_tps:.2f}x" if hf_tps else "-", ratio_limit=f"{tps / roof:.0%}" if roof else "-"))
+                     limit=(f"{roof:,.0f} tok/s (prefill at bf16 peak + weights/KV per step at copy BW)" if roof
+                            else "-"),
+                     ratio_peer=f"{tps / hf_tps:.2f}x" if hf_tps else "-",
+                     ratio_limit=f"{tps / roof:.0%}" if roof else "-"))
 
 
 def save_models(out: Path, policy_shape: str) -> None:
@@ -267,6 +267,9 @@ def main():
     with torch.no_grad():
         if "scoring" in args.parts:
             bench_scoring(args, device, dtype, peak, rows, report, dev_name)
+            gc.collect()  # the classifier's 15 GB go before the judge is built
+            if device == "cuda":
+                torch.cuda.empty_cache()
         if "judge" in args.parts:
             bench_judge(args, device, dtype, peak, rows, report, dev_name)
     if args.json_out:

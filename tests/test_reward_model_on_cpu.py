@@ -241,8 +241,8 @@ def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
     job = Path(__file__).with_name("reward_model_shard_job.py")
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1"}
     subprocess.run(torchrun_command(2, [str(job), str(digit_rm), str(tmp_path)]), check=True, env=env, timeout=300)
-    one = DiscriminativeRM.load(str(digit_rm), key="k", device=torch.device("cpu"), dtype=torch.float32, max_tokens=None,
-                           max_rows=1)
+    one = DiscriminativeRM.load(str(digit_rm), key="k", device=torch.device("cpu"), dtype=torch.float32,
+                                max_tokens=None, max_rows=1)
     want = one.score([c for c, _ in rows], [r for _, r in rows])
     got0, got1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     torch.testing.assert_close(torch.tensor(got0), torch.tensor(want), rtol=0, atol=1e-5)

@@ -114,8 +114,9 @@ def resolve_reward_model(cfg, num_data_shards: int = 1) -> RewardModelSetting | 
         max_tokens, max_rows = None, micro
     else:
         max_tokens, max_rows = r.max_num_batched_tokens, r.max_num_seqs
-    s = RewardModelSetting(key=key, path_key=path_key, path=path, model=block, input_tokenizer=legacy.model.input_tokenizer,
-                           trust_remote_code=legacy.model.trust_remote_code, max_tokens=max_tokens, max_rows=max_rows,
+    m = legacy.model
+    s = RewardModelSetting(key=key, path_key=path_key, path=path, model=block, input_tokenizer=m.input_tokenizer,
+                           trust_remote_code=m.trust_remote_code, max_tokens=max_tokens, max_rows=max_rows,
                            max_length=legacy.max_length)
     _check(s, cfg)
     return s
