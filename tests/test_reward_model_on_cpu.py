@@ -272,3 +272,20 @@ def test_reward_model_on_a_resource_pool_of_its_own(digit_rm, tiny_model_dir, sy
         assert -0.5 < m["critic/score/mean"] < 1.5
     finally:
         ray.shutdown()
+
+
+def test_the_policy_itself_as_judge(tiny_model_dir, synth_data_dir, tmp_path):
+    """The judge may be the policy's own directory (a frozen copy of the initial policy) on the same engine."""
+    from polyrl.trainer.ppo import PPOTrainer
+
+    judge = tmp_path / "length_judge.py"
+    judge.write_text("JUDGE_TEMPLATE = 'Reference {reference}. Question {question}. Answer {response}.'\n\n"
+                     "def parse_score(answer):\n    return len(answer) / 3.0\n")
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
+                                          "reward_model.enable=True", f"reward_model.model.path={tiny_model_dir}",
+                                          f"reward_model.judge.path={judge}", "reward_model.rollout.response_length=3",
+                                          "reward_model.rollout.prompt_length=100"))
+    trainer = PPOTrainer(cfg)
+    assert trainer.reward.scorer.engine is not trainer.engine
+    m = trainer.step()
+    assert m["reward/judge_parse_failures"] == 0 and 0.0 < m["critic/score/mean"] <= 1.0
