@@ -11,11 +11,11 @@ from typing import Callable
 from polyrl.errors import RewardError
 
 
-def load_custom_reward(path: str, name: str = "compute_score", key: str = "custom_reward_function") -> Callable:
-    """`name` from the Python file at `path`; `key` is the config section the errors name (both trainers use this)."""
+def load_module(path: str, what: str, key: str):
+    """The Python file at `path` as a module (`key`.path names it in errors; `what` is what the file must define)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise RewardError(f"{key}.path '{path}' does not exist; point it at the .py file defining '{name}'.")
+        raise RewardError(f"{key}.path '{path}' does not exist; point it at the .py file defining {what}.")
     # A name unique to the resolved path: two reward files both called reward.py must not shadow each other.
     mod_name = f"polyrl_custom_reward_{hashlib.md5(str(p.resolve()).encode()).hexdigest()[:10]}"
     spec = importlib.util.spec_from_file_location(mod_name, p)
@@ -30,6 +30,13 @@ def load_custom_reward(path: str, name: str = "compute_score", key: str = "custo
         raise RewardError(
             f"Importing custom reward file '{path}' raised {type(e).__name__}: {e}; fix the file."
         ) from e
+    return module
+
+
+def load_custom_reward(path: str, name: str = "compute_score", key: str = "custom_reward_function") -> Callable:
+    """`name` from the Python file at `path`; `key` is the config section the errors name (both trainers use this)."""
+    module = load_module(path, f"'{name}'", key)
+    mod_name = module.__name__
     fn = getattr(module, name, None)
     if not callable(fn):
         present = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")

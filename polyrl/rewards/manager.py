@@ -67,10 +67,10 @@ class RewardManager:
             f"Reward function {describe(self.compute_score)} {what} on sample {i} (data_source='{sample[0]}'); {fix}."
         )
 
-    def _score_one(self, i: int, sample: Sample) -> tuple[float, dict[str, float]]:
+    def _score_one(self, i: int, sample: Sample, kwargs: dict | None = None) -> tuple[float, dict[str, float]]:
         data_source, solution_str, ground_truth, extra_info = sample
         try:
-            out = self.compute_score(data_source, solution_str, ground_truth, extra_info)
+            out = self.compute_score(data_source, solution_str, ground_truth, extra_info, **(kwargs or {}))
         except RewardError:
             raise  # already one clear sentence (e.g. an unknown data_source in the rule dispatcher)
         except Exception as e:
@@ -88,13 +88,14 @@ class RewardManager:
             raise self._fail(i, sample, f"returned {score}")
         return score, extras
 
-    def score(self, samples: list[Sample], response_lengths: list[int] | None = None
-              ) -> tuple[list[float], dict[str, list[float]]]:
-        """Per-sample rewards and per-key extras (each list aligned with `samples`)."""
+    def score(self, samples: list[Sample], response_lengths: list[int] | None = None,
+              kwargs: list[dict] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+        """Per-sample rewards and per-key extras (each list aligned with `samples`); `kwargs[i]` are extra keyword
+        arguments of sample i's call (a reward model's score: rewards/model_reward.py)."""
         scores, extras = [], defaultdict(list)
         keys = None
         for i, sample in enumerate(samples):
-            s, ex = self._score_one(i, sample)
+            s, ex = self._score_one(i, sample, kwargs[i] if kwargs is not None else None)
             if keys is None:
                 keys = set(ex)
             elif set(ex) != keys:  # misaligned extras would be averaged over the wrong samples

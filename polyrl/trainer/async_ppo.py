@@ -364,7 +364,8 @@ class RolloutWorker:
             roll._dump_generations(roll.cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
         metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
                    "async/partial_rollout/rows_continued_on_kept_cache": float(on_cache),
-                   "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
+                   "async/partial_rollout/groups_in_flight": float(len(pool.groups)),
+                   **getattr(roll.reward, "pop_metrics", dict)()}  # a reward model's counts (model_reward.py)
         part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=None)
         samples, batch, index, metrics = roll._assemble_batch([part], want, metrics)
         return samples, batch, index, metrics, [r.first_version for g in groups for r in g.rows]

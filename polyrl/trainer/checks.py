@@ -14,6 +14,7 @@ import importlib.util
 from polyrl.algorithms.rollout_correction import check_rollout_correction
 from polyrl.errors import ConfigError
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
+from polyrl.rewards.model_reward import resolve_reward_model
 from polyrl.trainer.async_config import check_async
 from polyrl.trainer.core import check_resume
 from polyrl.trainer.key_checks import refuse_unread
@@ -293,9 +294,7 @@ def check_supported(cfg) -> None:
     if ngpu and want > ngpu and cfg.trainer.nnodes == 1:
         raise ConfigError(f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} but only {ngpu} GPU(s) are "
                           f"visible; set it to {ngpu} or fewer.")
-    if cfg.reward_model.enable:
-        raise ConfigError("reward_model.enable=True (a model-based reward) is not implemented yet; use a rule reward "
-                          "or custom_reward_function.path.")
+    resolve_reward_model(cfg)  # verl's two reward-model layouts; conflicting or ignored keys (rewards/model_reward.py)
     if cfg.algorithm.use_pf_ppo:
         raise ConfigError("algorithm.use_pf_ppo is not implemented; set it to False.")
     check_rollout_correction(cfg.algorithm.rollout_correction)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.data.config import DataConfig
 from polyrl.models.config import ModelConfig
-from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
+from polyrl.rewards.config import CustomRewardConfig, RewardConfig, RewardModelConfig
 from polyrl.rollout.config import RolloutConfig
 from polyrl.trainer.async_config import AsyncTrainingConfig, RolloutPoolConfig
 from polyrl.trainer.core import LoopConfig
@@ -131,28 +131,6 @@ class TrainerConfig(LoopConfig):
 
 
 @dataclass
-class RewardModelConfig:
-    enable: bool = False
-    """Model-based reward (not implemented: use a rule or custom reward function)."""
-    reward_manager: str = "naive"
-    """naive, or dapo (which applies the overlong buffer)."""
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    """DAPO overlong penalty."""
-    reward_kwargs: dict = field(default_factory=dict)
-    """Extra reward-manager arguments (overlong_buffer_cfg is verl's older name)."""
-    model: dict = field(default_factory=dict)
-    """Reward-model settings."""
-    launch_reward_fn_async: bool = False
-    """Score in a Ray actor apart from the trainer (polyrl.rewards.remote.RemoteReward)."""
-    enable_resource_pool: bool = False
-    """Score in a Ray actor (as launch_reward_fn_async) holding n_gpus_per_node GPUs of its own (a reward model on
-    its own GPU). Start Ray with only those GPUs visible (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train
-    on the others with RAY_ADDRESS=auto."""
-    n_gpus_per_node: int = 0
-    """GPUs of the reward resource pool per node; each trainer rank's actor asks for this / ranks per node."""
-
-
-@dataclass
 class PPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets and lengths."""
@@ -161,7 +139,9 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model (gae)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    """Reward settings."""
+    """Reward settings (verl's legacy layout)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """verl 0.9's layout of the reward model (reward.reward_model.*)."""
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     """A user reward function from a file."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -239,6 +239,10 @@ class FlowCustomRewardConfig:
 class RewardPoolConfig:
     """VeRL-Omni's reward resource pool: scoring on GPUs of its own, apart from the trainer's."""
 
+    enable: bool = False
+    """A reward model (VLM judge) scoring the images: not implemented for FlowGRPO (refused)."""
+    model_path: str | None = None
+    """The VLM judge's directory (refused with enable)."""
     enable_resource_pool: bool = False
     """Score in a Ray actor holding n_gpus_per_node GPUs (implies async scoring; needs Ray). Start Ray with only the
     reward GPUs visible, e.g. `CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`, then train on the others with

@@ -39,6 +39,7 @@ from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
 from polyrl.rewards import RewardManager, build_reward_fn
+from polyrl.rewards.model_reward import build_model_reward, resolve_reward_model
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported, resolve_model_dtypes
 from polyrl.trainer.job import check_data_parallel
@@ -171,7 +172,10 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
             for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
                 setattr(overlong, k, v)
-        if rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (rewards/remote.py)
+        model_rm = resolve_reward_model(cfg, self.dist.data.world_size)  # rewards/model_reward.py
+        if model_rm is not None:  # a classifier or a generative judge, then the rule / custom function
+            self.reward = build_model_reward(model_rm, cfg, overlong=overlong, device=self.device, dist=self.dist)
+        elif rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (remote.py)
             from polyrl.rewards.remote import RemoteReward, reward_gpus_per_rank
 
             gpus = 0.0

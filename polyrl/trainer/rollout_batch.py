@@ -44,6 +44,8 @@ class RolloutBatchMixin:
                                    ctx=StageContext(engine=self.engine))
             with timer.stage("reward"):
                 scores, extras, texts = self._score(prompts, out)
+            for k, v in getattr(self.reward, "pop_metrics", dict)().items():  # counts over the step's batches
+                metrics[k] = metrics.get(k, 0.0) + v
             if cfg.trainer.rollout_data_dir:
                 self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
             if cfg.algorithm.adv_estimator == "remax":
@@ -127,7 +129,12 @@ class RolloutBatchMixin:
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
                    for pi, text in zip(out.prompt_index, texts)]
-        scores, extras = self.reward.score(samples, response_lengths=out.lengths)
+        if hasattr(self.reward, "pop_metrics"):  # a reward model reads the chat prompt (rewards/model_reward.py)
+            scores, extras = self.reward.score(samples, response_lengths=out.lengths, timer=self.timer,
+                                               chats=[prompts[pi].raw_prompt for pi in out.prompt_index],
+                                               response_ids=out.token_ids)
+        else:
+            scores, extras = self.reward.score(samples, response_lengths=out.lengths)
         return scores, extras, texts  # the decoded responses, for logging and majority votes
 
     def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:

@@ -57,6 +57,11 @@ class StepTimer:
             for h in reversed(self.hooks):
                 h.stage_end(name)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Charge `seconds` measured elsewhere (another process's stage) to `timing_s/<name>`."""
+        key = f"timing_s/{name}"
+        self._timings[key] = self._timings.get(key, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         out, self._timings = self._timings, {}
         return out
