@@ -378,7 +378,7 @@ def test_moe_decode_benchmark_engine_run_on_a_tiny_spec(config, tmp_path):
     b = _bench()
     s = b.spec(2, vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=8,
                num_experts_per_tok=2, moe_intermediate_size=16)
-    rows_out = tmp_path / "BENCHMARKS.md"
+    rows_out = tmp_path / "rows.jsonl"
     args = SimpleNamespace(layers=None, config=config, rows=4, context=20, new=6, gpu_memory_utilization=0.9,
                            max_num_batched_tokens=64, rows_out=str(rows_out))
     r = b.run_engine(args, 1e11, "cpu", s=s, device="cpu")
