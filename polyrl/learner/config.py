@@ -110,6 +110,13 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """MoE routing replay (polyrl/models/moe.py): disabled; R2 (the update routes tokens as the old-log-prob pass
+    did); R3 (the trainer routes tokens as the rollout did; needs rollout.enable_rollout_routing_replay=True)."""
+
+
+@dataclass
 class CheckpointContents:
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     """What a checkpoint holds: model, optimizer, extra (scheduler, RNG, data position), hf_model."""
@@ -180,6 +187,8 @@ class ActorConfig:
     """verl's fused log-prob kernels: refused (polyrl's chunked log-probs play this role; no extra kernel)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy-loss variant and its parameters."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE routing replay (verl's keys)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

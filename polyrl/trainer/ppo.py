@@ -38,6 +38,7 @@ from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
+from polyrl.models.moe import check_router_replay, find_routers
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rollout import SamplingParams, make_rollout
 from polyrl.trainer.checks import check_batch_sizes, check_supported, resolve_model_dtypes
@@ -125,6 +126,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             self.total_steps = t.total_training_steps
 
         model = load_policy(roles.model, device=self.device)
+        check_router_replay(roles.actor.router_replay.mode, roles.rollout.enable_rollout_routing_replay,
+                            bool(find_routers(model)), roles.actor.ulysses_sequence_parallel_size)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
         made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None,
                            role=self.ROLE)
@@ -278,7 +281,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
                             ctx=StageContext(batch, s.micro_batch_size, engine=self.engine))
                 if batch["old_log_probs"] is not batch["rollout_log_probs"]:  # async_ppo's engine-behaviour batches
                     metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
-                                                       batch["response_mask"]))
+                                                       batch["response_mask"],
+                                                       with_kl=self.actor.fwd.routing is not None))
             if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif rc.enabled:
@@ -366,12 +370,18 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             skip_mini_batches=skip_mini_batches)
 
     def _old_logprobs(self, model, batch, s: UpdateSettings) -> torch.Tensor:
+        """pi_old's log-probs; with router_replay.mode=R2 also the routes this pass chose, into batch["routed_experts"]
+        for the update to replay."""
         r = self.cfg.actor_rollout_ref.rollout
         micro = micro_batch_per_gpu(r.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size,
                                     self.dist.data.world_size)
-        return compute_logprobs(model, batch, temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
-                                max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                                fwd=self.actor.fwd, dp=self.dist)
+        r2 = self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
+        out = compute_logprobs(model, batch, temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
+                               max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                               fwd=self.actor.fwd, dp=self.dist, record_routes=r2)
+        if r2:
+            out, batch["routed_experts"] = out
+        return out
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref
