@@ -171,6 +171,12 @@ def expert_parameters(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3]
 
 
+def expert_parameter_targets(model) -> list[str]:
+    """peft `target_parameters` for LoRA on every routed expert tensor (`experts.gate_up_proj`, ...); [] if dense."""
+    names = {n.split(".experts.")[-1] for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
+    return sorted(f"experts.{n}" for n in names)
+
+
 def parameter_counts(model) -> tuple[int, int]:
     """(total, active per token): a token runs top_k of num_experts routed experts, and every other weight.
 

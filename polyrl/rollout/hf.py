@@ -85,11 +85,14 @@ class HFRollout:
         stopped_B = torch.zeros(B, dtype=torch.bool, device=dev)
         past = None
         cur_ids, cur_pos = input_ids, position_ids
+        # an MoE config asking for the aux loss (output_router_logits, for training) would make HF compute it on every
+        # decode step, against a mask the step's rows do not match
+        moe_kw = {"output_router_logits": False} if getattr(self.model.config, "output_router_logits", False) else {}
         for t in range(max_new):
             if routing is not None:
                 routing.begin()
             out = self.model(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
-                             use_cache=True)
+                             use_cache=True, **moe_kw)
             if routing is not None:
                 routes.append(routing.take_recorded().view(*cur_ids.shape, routing.num_layers, routing.top_k))
             past = out.past_key_values
