@@ -248,3 +248,56 @@ def test_total_and_active_parameter_counts():
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert total == sum(p.numel() for p in model.parameters())
     assert active == total - experts + experts // 4
+
+
+def test_flops_and_memory_count_active_experts_for_compute_and_all_for_state():
+    """Qwen3-30B-A3B's real shape (meta device, no weights): 3.04B active matmul parameters a token (issue 47's
+    18.3 GFLOP a trained token), 30.5B in all; the optimizer state goes to the host on 4 x 80 GB, not on 16 GPUs."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from polyrl.learner.flops import matmul_params, training_flops
+    from polyrl.learner.memory import GiB, ModelShape, optimizer_offload_choice
+
+    cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, norm_topk_prob=True, tie_word_embeddings=False)
+    trunk, head = matmul_params(cfg)
+    assert abs((trunk + head) / 1e9 - 3.04) < 0.01
+    assert abs(training_flops(cfg, [1]) / 1e9 - 18.25) < 0.05
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = ModelShape.of(model)
+    assert abs(shape.num_params / 1e9 - 30.53) < 0.01 and abs(shape.num_active / 1e9 - 3.35) < 0.01
+    assert shape.moe_bytes_per_token > 0  # the routed copies in the grouped GEMMs add activation bytes
+    assert optimizer_offload_choice(shape.num_trainable, total=80 * GiB, world_size=4).value
+    assert not optimizer_offload_choice(shape.num_trainable, total=80 * GiB, world_size=16).value
+
+
+def test_auto_offload_on_gpus_that_cannot_hold_the_state(monkeypatch, tmp_path):
+    from polyrl.config import build_config
+    from polyrl.learner import memory
+    from polyrl.models.tiny import build_tiny_model
+    from polyrl.trainer.config import PPOConfig
+
+    model = build_tiny_model(tmp_path / "m", arch="qwen3_moe", hidden_size=32, layers=1, heads=2, kv_heads=1,
+                             intermediate=64)
+    n = memory.trainable_parameters_of(build_config(PPOConfig(), [f"actor_rollout_ref.model.path={model}"])
+                                       .actor_rollout_ref.model)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (0, int(1.05 * 16 * n / 2 / memory.STATE_SHARE)))
+    logs = []
+    for world, want in ((1, "more than one GPU holds"), (2, False), (4, False)):
+        cfg = build_config(PPOConfig(), [f"actor_rollout_ref.model.path={model}"])
+        if world == 1:
+            with pytest.raises(ConfigError, match=want):
+                memory.resolve_optimizer_offload(cfg, world_size=1, device=torch.device("cuda"), log=logs.append)
+            continue
+        memory.resolve_optimizer_offload(cfg, world_size=world, device=torch.device("cuda"), log=logs.append)
+        assert cfg.actor_rollout_ref.actor.fsdp_config.offload_policy is False  # fits on 2 (5% to spare)
+    cfg = build_config(PPOConfig(), [f"actor_rollout_ref.model.path={model}"])
+    monkeypatch.setattr(memory, "device_memory", lambda device: (0, int(16 * n / 3 / memory.STATE_SHARE)))
+    memory.resolve_optimizer_offload(cfg, world_size=2, device=torch.device("cuda"), log=logs.append)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.offload_policy is True
+    assert "go to host memory" in logs[-1] and "offload_policy=True" in logs[-1]
+    cpu = build_config(PPOConfig(), [f"actor_rollout_ref.model.path={model}"])
+    memory.resolve_optimizer_offload(cpu, world_size=2, device=torch.device("cpu"))
+    assert cpu.actor_rollout_ref.actor.fsdp_config.offload_policy is False

@@ -61,8 +61,9 @@ class FSDPConfig:
     """Keep parameters in CPU memory between uses (FSDP2 CPU offload; multi-GPU path)."""
     optimizer_offload: bool = False
     """Keep optimizer state in CPU memory (FSDP2 CPU offload; multi-GPU path)."""
-    offload_policy: bool = False
-    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state."""
+    offload_policy: bool | None = None
+    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state; None: auto, on for the actor (several GPUs) when
+    its sharded parameters, gradients and AdamW state cannot fit the GPUs (learner/memory.py), else off."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward."""
     fsdp_size: int = -1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 
 import numpy as np
@@ -33,6 +34,7 @@ from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
+from polyrl.distributed.env import launched_world_size, local_device
 from polyrl.distributed import data as dp_data
 from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
@@ -59,7 +61,8 @@ from polyrl.learner.actor import (
 )
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
-from polyrl.learner.memory import FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory, resolve_switches
+from polyrl.learner.memory import (FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory,
+                                  resolve_optimizer_offload, resolve_switches)
 from polyrl.utils.device import pick_device
 from polyrl.utils.console import bar_lifted
 from polyrl.utils.profiler import Profiler
@@ -102,6 +105,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         self.cfg = cfg
         roles, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
+        if dist is None:  # parameters, gradients and AdamW state to host memory where the GPUs cannot hold them
+            resolve_optimizer_offload(cfg, world_size=launched_world_size(), device=local_device(t.device),
+                                      log=print if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)
         offload = roles.actor.fsdp_config.cpu_offload or roles.ref.fsdp_config.cpu_offload
         self.dist = dist or DistEnv.setup(t.device, fsdp_size=roles.actor.fsdp_config.fsdp_size, cpu_offload=offload,
                                           sp_size=roles.actor.ulysses_sequence_parallel_size,
