@@ -4,6 +4,7 @@ and experts changing only the adapters."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -108,3 +109,20 @@ def test_lora_grpo_on_moe_changes_only_the_adapters(moe_dir, synth_data_dir, tmp
         plain = AutoModelForCausalLM.from_config(base.config)
         plain.load_state_dict(merged)
         torch.testing.assert_close(plain(input_ids=x).logits, live, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_moe_quickstart_learns(tmp_path, monkeypatch):
+    """`polyrl quickstart --arch qwen3_moe`'s path, shortened: a tiny Qwen3-MoE (8 experts, 2 a token), a shorter SFT
+    warm-up on the noisy demonstrations, then GRPO through PPOTrainer on the hf rollout; held-out greedy accuracy must
+    rise (measured 0.23 -> 0.38 after 10 steps)."""
+    from polyrl.trainer.quickstart import QuickstartSettings, run_quickstart
+
+    monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
+    settings = QuickstartSettings(arch="qwen3_moe", sft_steps=200, sft_batch=32, num_train=1000, grpo_steps=12,
+                                  prompts_per_step=16, num_val=100)
+    r = run_quickstart(str(tmp_path / "qs"), settings=settings)
+    assert r["accuracy_after"] - r["accuracy_before"] >= 0.08, r
+    rows = [json.loads(line) for line in (tmp_path / "qs" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
+    assert np.mean(scores[-4:]) > np.mean(scores[:4]), scores  # the training reward rises too
