@@ -76,6 +76,15 @@ def test_moe_r3_train_resume_bitwise_and_export(moe_dir, synth_data_dir, tmp_pat
     assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == export.config.num_experts
 
 
+def test_r2_replays_the_old_log_prob_pass_routes(moe_dir, synth_data_dir, tmp_path, one_thread):
+    """R2: two mini-batches a step, so old log-probs are recomputed; that pass records its routes and the update
+    replays them: the first mini-batch (weights unchanged) agrees with them."""
+    assert cli_main(_args(moe_dir, synth_data_dir, tmp_path, 1, "actor_rollout_ref.actor.router_replay.mode=R2")) == 0
+    (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if "actor/pg_loss" in line]
+    assert "timing_s/old_log_prob" in step and step["actor/router_agreement"] > 0.99
+
+
 def test_lora_grpo_on_moe_changes_only_the_adapters(moe_dir, synth_data_dir, tmp_path, one_thread):
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
