@@ -319,7 +319,7 @@ def _check(tree: str, cfg) -> None:
 def _set_non_default(cfg, key: str, value) -> None:
     """Set `key` to a value of its type other than `value` (its default)."""
     candidates = [not value] if isinstance(value, bool) else [value + 7] if isinstance(value, (int, float)) else []
-    for candidate in candidates + [7, "something_else", ["x"], {"x": 1}]:
+    for candidate in candidates + [7, "something_else", ["x"], {"x": 1}, True]:  # True: an auto (None) switch
         if candidate == value:
             continue
         try:

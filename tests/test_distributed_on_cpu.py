@@ -115,6 +115,8 @@ class PerPromptSeeded:
             out.token_ids += r.token_ids
             out.logprobs += r.logprobs
             out.finish_reason += r.finish_reason
+            if r.routed_experts is not None:  # MoE routing replay: the rows' recorded routes
+                out.routed_experts = (out.routed_experts or []) + r.routed_experts
         return out
 
     def update_weights(self, named):
@@ -229,6 +231,33 @@ def test_two_processes_match_one_with_the_head_gradient_in_the_forward(tiny_mode
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     assert a["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_on_a_moe_with_rollout_routing_replay(synth_data_dir, tmp_path):
+    """A tiny Qwen3-MoE under FSDP2 (per-decoder-layer units, experts' 3-D tensors sharded) on 2 processes, routes
+    recorded by the hf rollout and replayed (R3): one process's step."""
+    from polyrl.models.tiny import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=32, layers=2, heads=2, kv_heads=1,
+                           intermediate=64, max_position_embeddings=128)
+    extra = ["actor_rollout_ref.actor.router_replay.mode=R3",
+             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = torchrun_command(2, [__file__, *_args(moe, synth_data_dir, two, 1, *extra)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(moe, synth_data_dir, one, 1, *extra))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    (a,), (b,) = _steps(one), _steps(two)
+    assert a["critic/score/mean"] == b["critic/score/mean"]
+    assert a["actor/router_agreement"] > 0.95 and abs(a["actor/router_agreement"] - b["actor/router_agreement"]) < 1e-6
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+    w1, w2 = _weights(one / "ckpt" / "global_step_1"), _weights(two / "ckpt" / "global_step_1")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=5e-6)
 
 
 # ------------------------------------------------------------------------------------------------ Ray

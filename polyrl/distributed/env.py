@@ -203,6 +203,11 @@ def use_expandable_segments() -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def local_device(name: str = "auto") -> torch.device:
+    """The device this process will train on (trainer.device and torchrun's LOCAL_RANK), before the job is joined."""
+    return _pick_device(name, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _pick_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

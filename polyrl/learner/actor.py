@@ -27,6 +27,7 @@ from polyrl.learner.dynamic_batch import balanced_micro_batches, shared_prompt_i
 from polyrl.learner.flops import peak_flops, training_flops
 from polyrl.learner.fused_head import fused_logprobs, fused_logprobs_grad_in_forward
 from polyrl.learner.logprobs import chunked_logprobs
+from polyrl.models.moe import MoERouting, find_routers
 from polyrl.learner.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
 from polyrl.utils.oom_hook import oom_point
@@ -50,6 +51,9 @@ class ForwardSettings:
     pack_on_cpu: bool = False  # CPU has no varlen kernel (an O(N^2) block mask instead): padded is faster; tests pack
     share_prompts: bool = True  # packed rows with the same prompt carry it once (shared_prefix.py); exact
     sp: Any = None  # Ulysses group (distributed/ulysses.SeqParallel), set by Actor from its DistEnv; None: whole rows
+    routing: Any = None  # MoE router hooks (models/moe.MoERouting), set by Actor for an MoE model; None: dense
+    replay_routes: bool = False  # MoE: a batch's `routed_experts` replace the router's top-k (router_replay.mode R2/R3);
+    # False: they are only compared with the trainer's own routes (actor/router_agreement)
 
     def __post_init__(self):
         if self.compute_dtype not in DTYPES:
@@ -61,7 +65,8 @@ class ForwardSettings:
         """From `actor_rollout_ref.model` and `.actor`; chunked, checkpointed log-probs are always on (exact)."""
         return cls(use_remove_padding=model_cfg.use_remove_padding, compute_dtype=actor_cfg.fsdp_config.dtype,
                    activation_offload=model_cfg.enable_activation_offload, share_prompts=model_cfg.use_shared_prompt,
-                   compile_layers=actor_cfg.use_torch_compile or actor_cfg.fsdp_config.use_torch_compile)
+                   compile_layers=actor_cfg.use_torch_compile or actor_cfg.fsdp_config.use_torch_compile,
+                   replay_routes=actor_cfg.router_replay.mode != "disabled")
 
 
 def _packs(fwd: ForwardSettings, device: torch.device) -> bool:
@@ -122,6 +127,9 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
         if _packs(fwd, mb["input_ids"].device):
             packed = pack(mb, share_prompts=_shares(fwd, mb["input_ids"].device))
             local, bounds = shard_packed(packed, fwd.sp) if fwd.sp is not None else (packed, None)
+            if fwd.routing is not None and fwd.routing.planned:
+                assert fwd.sp is None or packed.routes is None, "routing replay runs without sequence parallelism"
+                fwd.routing.begin(packed.routes)
             with packed_attention(model):
                 out = trunk(input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False,
                             **attention_kwargs(local, fwd.sp))
@@ -142,6 +150,9 @@ def logprobs_and_entropy(model, mb: Batch, temperature: float, with_entropy: boo
             return unpack(logp, packed, shape), (unpack(ent, packed, shape) if with_entropy else None)
         assert fwd.sp is None, "Ulysses sequence parallelism needs the packed forward (use_remove_padding=True)"
         T = shape[1]
+        if fwd.routing is not None and fwd.routing.planned:
+            routes = mb.get("routed_experts")
+            fwd.routing.begin(None if routes is None else routes.flatten(0, 1), token_mask=mb["attention_mask"])
         out = trunk(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                     position_ids=mb["position_ids"], use_cache=False)
         rows, cols = mb["attention_mask"][:, -T:].bool().nonzero(as_tuple=True)
@@ -239,22 +250,53 @@ def loss_coefficients(s: "UpdateSettings", mb: Batch, num_tokens, num_seqs, scal
 
 @torch.no_grad()
 def compute_logprobs(model, batch: Batch, *, temperature: float, micro_batch_size: int,
-                     max_token_len: int | None = None, fwd: ForwardSettings | None = None, dp=None) -> torch.Tensor:
+                     max_token_len: int | None = None, fwd: ForwardSettings | None = None, dp=None,
+                     record_routes: bool = False):
     """Per-token log-probs of the responses, [B, T], in micro-batches of `micro_batch_size` rows (or by token
-    budget `max_token_len`: verl's log_prob_use_dynamic_bsz; `dp`: the job's DistEnv, see `micro_batches`)."""
+    budget `max_token_len`: verl's log_prob_use_dynamic_bsz; `dp`: the job's DistEnv, see `micro_batches`).
+
+    MoE (`fwd.routing`): a batch's `routed_experts` are replayed (or compared, see ForwardSettings.replay_routes);
+    `record_routes` also returns the routes this pass chose, `[B, P+T, num_moe_layers, top_k]` int16 in the batch's
+    layout (-1 at padding): router_replay.mode=R2 replays them in the update. Recording packs without shared prompts
+    (each row's own prompt positions get routes)."""
+    fwd = fwd or ForwardSettings()
+    routing = fwd.routing
+    assert routing is not None or not record_routes, "record_routes needs an MoE model"
+    if record_routes:
+        fwd = dataclasses.replace(fwd, share_prompts=False)
     was_training = model.training
     model.eval()
     B, T = batch["responses"].shape
+    L = batch["input_ids"].shape[1]
     out = torch.zeros((B, T), device=batch["responses"].device)
-    for rows in micro_batches(batch, micro_batch_size, max_token_len, dp, _shares(fwd or ForwardSettings(),
-                                                                              batch["input_ids"].device)):
-        rows, weight = _padding_pass(rows)
-        mb = trim_columns(select(batch, rows))
-        logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False, fwd=fwd)
-        if weight:
-            out[rows, : logp.shape[1]] = logp
+    routes = None
+    if record_routes:
+        routes = torch.full((B, L, routing.num_layers, routing.top_k), -1, dtype=torch.int16,
+                            device=batch["responses"].device)
+    plan = routing.plan(replay=fwd.replay_routes, record=record_routes) if routing is not None else nullcontext()
+    with plan:
+        for rows in micro_batches(batch, micro_batch_size, max_token_len, dp, _shares(fwd, batch["input_ids"].device)):
+            rows, weight = _padding_pass(rows)
+            mb = trim_columns(select(batch, rows))
+            logp, _ = logprobs_and_entropy(model, mb, temperature, with_entropy=False, fwd=fwd)
+            if weight:
+                out[rows, : logp.shape[1]] = logp
+                if record_routes:
+                    Lm, Tm = mb["input_ids"].shape[1], mb["responses"].shape[1]
+                    start = (L - T) - (Lm - Tm)  # trim_columns dropped this many leading (prompt padding) columns
+                    routes[rows, start:start + Lm] = _routes_in_batch_layout(routing.take_recorded(), mb,
+                                                                             _packs(fwd, mb["input_ids"].device))
     model.train(was_training)
-    return out
+    return (out, routes) if record_routes else out
+
+
+def _routes_in_batch_layout(recorded_NLK: torch.Tensor, mb: Batch, packed: bool) -> torch.Tensor:
+    """A forward's recorded routes back in its micro-batch's `[b, columns, layers, top_k]` layout, -1 at padding."""
+    am = mb["attention_mask"].bool()
+    flat = am.flatten().nonzero().squeeze(-1)
+    out = recorded_NLK.new_full((am.numel(), *recorded_NLK.shape[1:]), -1)
+    out[flat] = recorded_NLK if packed else recorded_NLK[flat]
+    return out.view(*am.shape, *recorded_NLK.shape[1:])
 
 
 @torch.no_grad()
@@ -341,6 +383,8 @@ class Actor:
             check_heads(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                         or cfg.num_attention_heads, dp.sp_size)
             self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
+        if self.fwd.routing is None and find_routers(model):  # MoE: router hooks for replay and the aux loss
+            self.fwd = dataclasses.replace(self.fwd, routing=MoERouting(model))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mini_batches_applied = 0  # of the current update: where an out-of-memory retry resumes
         if self.fwd.compile_layers:
@@ -349,7 +393,10 @@ class Actor:
     def update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None = None) -> dict[str, float]:
         # packed attention stays on through backward: checkpointed layers re-run their forward there
         packs = _packs(self.fwd, batch["input_ids"].device)
-        with packed_attention(self.model) if packs else nullcontext():
+        routing = self.fwd.routing  # MoE: replay / agreement / aux loss, for forward and backward (models/moe.py)
+        plan = routing.plan(replay=self.fwd.replay_routes, collect_logits=routing.aux_loss_coef > 0) \
+            if routing is not None else nullcontext()
+        with packed_attention(self.model) if packs else nullcontext(), plan:
             return self._update(batch, s, generator)
 
     def _update(self, batch: Batch, s: UpdateSettings, generator: torch.Generator | None) -> dict[str, float]:
@@ -366,6 +413,8 @@ class Actor:
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         skipped, num_seen = 0, 0
+        routing = self.fwd.routing
+        aux_coef = routing.aux_loss_coef if routing is not None else 0.0
         self.mini_batches_applied = s.skip_mini_batches
 
         def add(key, value, weight=1.0):
@@ -402,6 +451,16 @@ class Actor:
                         logp, ent, *anchor = logprobs_and_entropy(self.model, mb, s.temperature, need_entropy,
                                                                   self.fwd, grad_coefs=coefs)
                     mask = mb["response_mask"]
+                    aux_term = None
+                    if aux_coef:  # the model's load-balancing loss, token-weighted over the mini-batch
+                        aux = routing.aux_loss()
+                        share = mb["response_mask"].sum() / num_tokens.clamp_min(1)
+                        aux_term = aux_coef * aux * share
+                        add("actor/moe_aux_loss", aux.detach() * share * w)
+                    if routing is not None and first_pass and w:
+                        agree = routing.agreement_counts()  # rollout's recorded routes vs the trainer's own
+                        if agree is not None:
+                            add("actor/router_agreement", agree[0] / agree[1].clamp_min(1), agree[1].float())
                     if first_pass and s.old_from_current and "rollout_log_probs" in mb and w:
                         # weights untouched since the rollout: the engine-vs-trainer gap verl logs, for free
                         gap = (logp.detach().exp() - mb["rollout_log_probs"].exp()).abs() * mask
@@ -409,6 +468,9 @@ class Actor:
                         sums[key] = sums.get(key, 0.0) + gap.sum() / num_tokens.clamp_min(1)
                         counts[key] = counts.get(key, 0) + 1
                         sums["_gap_max"] = torch.maximum(sums.get("_gap_max", gap.new_zeros(())), gap.max())
+                        if routing is not None:  # MoE: the mismatch KL E[log pi_rollout - log pi] (rollout_corr/kl)
+                            kl = (mb["rollout_log_probs"] - logp.detach()) * mask
+                            add("rollout_corr/kl", kl.sum() / mask.sum().clamp_min(1), mask.sum())
                     old = logp.detach() if s.old_from_current else mb["old_log_probs"]
                     loss_mode, is_weights, loss_mask = s.loss_mode, mb.get("rollout_is_weights"), mask
                     if s.rollout_correction is not None:  # bypass: pi_old is pi_rollout; weights and mask vs pi_theta
@@ -437,8 +499,10 @@ class Actor:
                         loss = loss + s.kl_loss_coef * kl_loss
                         add("actor/kl_loss", kl_loss * w)
                         add("actor/kl_coef", torch.tensor(s.kl_loss_coef), 0.0)
+                    if aux_term is not None:
+                        loss = loss + aux_term
                     if grad_first:  # the same gradient, its LM-head part already computed in the forward
-                        anchor[0].backward()
+                        (anchor[0] if aux_term is None else anchor[0] + aux_term * (self._loss_scale * w)).backward()
                     else:
                         (loss * (self._loss_scale * w)).backward()
                     add("actor/pg_loss", pg_loss * w)
@@ -463,7 +527,7 @@ class Actor:
         for k, v in sums.items():
             if k == "training/rollout_probs_diff_mean":
                 metrics[k] = float(v)  # summed over the micro-batches of the first mini-batch, each over its tokens
-            elif k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+            elif k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/moe_aux_loss"):
                 metrics[k] = float(v) / num_mini  # these were summed over micro-batches of a mini-batch
             elif k == "actor/grad_norm":
                 metrics[k] = float(v) / num_mini

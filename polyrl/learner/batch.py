@@ -59,8 +59,9 @@ def trim_columns(batch: Batch) -> Batch:
     first, last = torch.stack([torch.where(used & (col < P), col, P).min(),
                                torch.where(used & (col >= P), col + 1, P + 1).max()]).tolist()
     out = dict(batch)
-    for key in ("input_ids", "attention_mask", "position_ids"):
-        out[key] = batch[key][:, first:last]
+    for key in ("input_ids", "attention_mask", "position_ids", "routed_experts"):
+        if key in batch:
+            out[key] = batch[key][:, first:last]
     T = last - P
     for key, v in batch.items():
         if v.dim() == 2 and v.shape[1] == batch["responses"].shape[1] and key not in ("input_ids",):
@@ -78,7 +79,10 @@ def pad_columns(batch: Batch, prompt_width: int, response_width: int) -> Batch:
     assert prompt_width >= P and response_width >= T, (prompt_width, P, response_width, T)
     out = {}
     for key, v in batch.items():
-        if v.dim() >= 2 and v.shape[1] == P + T and key in ("input_ids", "attention_mask", "position_ids"):
+        if key == "routed_experts":  # [B, P+T, layers, top_k]; -1: no recorded route
+            out[key] = torch.cat([v.new_full((v.shape[0], prompt_width - P, *v.shape[2:]), -1), v,
+                                  v.new_full((v.shape[0], response_width - T, *v.shape[2:]), -1)], dim=1)
+        elif v.dim() >= 2 and v.shape[1] == P + T and key in ("input_ids", "attention_mask", "position_ids"):
             out[key] = torch.nn.functional.pad(v, (prompt_width - P, response_width - T))
         elif v.dim() >= 2 and v.shape[1] == T:
             out[key] = torch.nn.functional.pad(v, (0, response_width - T))

@@ -61,8 +61,9 @@ class FSDPConfig:
     """Keep parameters in CPU memory between uses (FSDP2 CPU offload; multi-GPU path)."""
     optimizer_offload: bool = False
     """Keep optimizer state in CPU memory (FSDP2 CPU offload; multi-GPU path)."""
-    offload_policy: bool = False
-    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state."""
+    offload_policy: bool | None = None
+    """FSDP2 CPUOffloadPolicy for params, grads and optimizer state; None: auto, on for the actor (several GPUs) when
+    its sharded parameters, gradients and AdamW state cannot fit the GPUs (learner/memory.py), else off."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward."""
     fsdp_size: int = -1
@@ -107,6 +108,13 @@ class PolicyLossConfig:
     """kl_cov: KL coefficient."""
     dro_beta: float = 0.1
     """dro: weight of the quadratic penalty 0.5 * beta * (log pi - log pi_old)^2 (must be > 0)."""
+
+
+@dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """MoE routing replay (polyrl/models/moe.py): disabled; R2 (the update routes tokens as the old-log-prob pass
+    did); R3 (the trainer routes tokens as the rollout did; needs rollout.enable_rollout_routing_replay=True)."""
 
 
 @dataclass
@@ -180,6 +188,8 @@ class ActorConfig:
     """verl's fused log-prob kernels: refused (polyrl's chunked log-probs play this role; no extra kernel)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy-loss variant and its parameters."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE routing replay (verl's keys)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

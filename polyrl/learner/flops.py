@@ -22,15 +22,36 @@ def _get(cfg, name, default=None):
     return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
 
 
+def is_sparse_layer(cfg, layer: int) -> bool:
+    """Whether decoder layer `layer` of an HF MoE config (qwen3_moe, qwen2_moe) routes to experts."""
+    experts = _get(cfg, "num_experts") or 0
+    return experts > 0 and layer not in (_get(cfg, "mlp_only_layers") or []) and \
+        (layer + 1) % (_get(cfg, "decoder_sparse_step") or 1) == 0
+
+
+def mlp_active_intermediate(cfg, layer: int) -> int:
+    """The MLP width one token passes through in `layer`: the dense intermediate, or top_k routed experts' widths
+    plus a shared expert's (qwen2_moe) in an MoE layer."""
+    if not is_sparse_layer(cfg, layer):
+        return _get(cfg, "intermediate_size")
+    return _get(cfg, "num_experts_per_tok") * _get(cfg, "moe_intermediate_size") + \
+        (_get(cfg, "shared_expert_intermediate_size") or 0)
+
+
 def matmul_params(cfg) -> tuple[int, int]:
-    """(per-token trunk matmul weights over all layers, LM-head weights) of an HF Llama/Qwen2-style config."""
+    """(per-token trunk matmul weights over all layers, LM-head weights) of an HF Llama/Qwen2-style config; for an
+    MoE config the weights a token passes through (its top_k experts and the router: the *active* parameters)."""
     h, L = _get(cfg, "hidden_size"), _get(cfg, "num_hidden_layers")
     heads, kv = _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads") or _get(cfg, "num_attention_heads")
     hd = _get(cfg, "head_dim") or h // heads
-    inter, vocab = _get(cfg, "intermediate_size"), _get(cfg, "vocab_size")
+    vocab = _get(cfg, "vocab_size")
     attn = h * (heads * hd + 2 * kv * hd) + heads * hd * h
-    mlp = 3 * h * inter
-    return L * (attn + mlp), vocab * h
+    mlp = 0
+    for layer in range(L):
+        mlp += 3 * h * mlp_active_intermediate(cfg, layer)
+        if is_sparse_layer(cfg, layer):  # the router, and a shared expert's scalar gate
+            mlp += h * _get(cfg, "num_experts") + (h if _get(cfg, "shared_expert_intermediate_size") else 0)
+    return L * attn + mlp, vocab * h
 
 
 def training_flops(cfg, seqlens: list[int], lm_head_tokens: int | None = None, attn_pairs: int | None = None) -> float:

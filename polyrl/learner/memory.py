@@ -72,28 +72,44 @@ class ModelShape:
     # num_params counts every expert (all of them sit in each engine replica, 1/N of each per TP rank)
     moe_intermediate: int = 0
     shared_intermediate: int = 0
+    # MoE: the tensors a token's routing adds per layer (router logits, its top_k copies of the hidden state and of
+    # the expert outputs in the grouped GEMMs), bf16 bytes; `intermediate` is then the active width (top_k experts)
+    moe_bytes_per_token: int = 0
+    num_active: int | None = None  # parameters one token passes through (MoE: top_k of the experts); None: all
 
     @classmethod
     def of(cls, model) -> "ModelShape":
+        from polyrl.learner.flops import is_sparse_layer, mlp_active_intermediate
+        from polyrl.models.moe import parameter_counts
+
         c = model.config
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         params = list(model.parameters())
+        L = c.num_hidden_layers
+        sparse = [i for i in range(L) if is_sparse_layer(c, i)]
+        inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+        moe_bytes = 0
+        if sparse:  # activations scale with the active width; averaged over the layers
+            inter = sum(mlp_active_intermediate(c, i) for i in range(L)) // L
+            moe_bytes = 2 * (2 * c.num_experts_per_tok * c.hidden_size + c.num_experts) * len(sparse) // L
+        total, active = parameter_counts(model)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
         experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0
-        return cls(hidden=c.hidden_size, intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
-                   num_layers=c.num_hidden_layers,
-                   vocab=c.vocab_size, kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * 2,
+        return cls(hidden=c.hidden_size, intermediate=inter, num_layers=L,
+                   vocab=c.vocab_size, kv_bytes_per_token=2 * L * kv_heads * head_dim * 2,
                    num_params=sum(p.numel() for p in params),
-                   num_trainable=sum(p.numel() for p in params if p.requires_grad),
+                   num_trainable=trainable,
                    param_bytes=params[0].element_size(),
                    moe_intermediate=getattr(c, "moe_intermediate_size", 0) if experts else 0,
-                   shared_intermediate=getattr(c, "shared_expert_intermediate_size", 0) or 0 if experts else 0)
+                   shared_intermediate=(getattr(c, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+                   moe_bytes_per_token=moe_bytes, num_active=min(trainable, active) if sparse else None)
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
     """Bytes per token one compiled decoder layer saves for backward (bf16 autocast, no checkpointing)."""
-    return 2 * (6 * shape.hidden + 3 * shape.intermediate)
+    return 2 * (6 * shape.hidden + 3 * shape.intermediate) + shape.moe_bytes_per_token
 
 
 def update_bytes_per_token(shape: ModelShape, *, checkpointing: bool, compiled: bool) -> float:
@@ -124,7 +140,8 @@ def update_seconds_estimate(shape: ModelShape, tokens: int, peak_flops: float) -
     backward) at `COMPILE_ESTIMATE_MFU` of the device's dense bf16 peak. Inf when the peak is unknown."""
     if peak_flops <= 0:
         return float("inf")
-    return 6 * shape.num_trainable * tokens / (COMPILE_ESTIMATE_MFU * peak_flops)
+    active = shape.num_active if shape.num_active is not None else shape.num_trainable
+    return 6 * active * tokens / (COMPILE_ESTIMATE_MFU * peak_flops)
 
 
 def compile_choice(shape: ModelShape, *, cuda: bool, tokens_per_step: int, peak_flops: float) -> Choice:
@@ -519,6 +536,62 @@ def optimizer_state_bytes(optimizer) -> int:
     local = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in local if t.device.type != "cpu")
+
+
+# ------------------------------------------------------------------------------- optimizer state in host memory
+TRAINING_STATE_BYTES = 16  # per trained parameter: fp32 master, its gradient and AdamW's two moments
+STATE_SHARE = 0.6  # of a GPU's memory the training state may take; the rest is for activations and the engine
+
+
+def optimizer_offload_choice(num_trainable: int, *, total: int, world_size: int) -> Choice:
+    """Whether FSDP2 keeps parameters, gradients and AdamW state in host memory (pure arithmetic): on when this
+    process's shard of them, 16 bytes per trained parameter, is more than `STATE_SHARE` of the GPU. An MoE counts all
+    its experts here (every expert has weights and state), not the active ones."""
+    need = TRAINING_STATE_BYTES * num_trainable / max(1, world_size)
+    room = STATE_SHARE * total
+    on = need > room
+    return Choice("actor_rollout_ref.actor.fsdp_config.offload_policy", on,
+                  f"{num_trainable / 1e9:.2f}B trained parameters keep {need / GiB:.1f} GiB of fp32 weights, gradients "
+                  f"and AdamW state per GPU over {world_size} GPU(s); {room / GiB:.1f} GiB ({STATE_SHARE:.0%} of "
+                  f"{total / GiB:.1f}) is their share" + ("; they go to host memory" if on else ": they stay"))
+
+
+def trainable_parameters_of(model_cfg) -> int:
+    """Parameters the actor will train, counted on a meta-device build of its config (no weights read); LoRA: 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_cfg.lora_rank > 0 or model_cfg.lora_adapter_path:
+        return 0
+    config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+    for k, v in (model_cfg.override_config or {}).items():
+        setattr(config, k, v)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def resolve_optimizer_offload(cfg, *, world_size: int, device: torch.device, log=print) -> None:
+    """Fill an auto `actor.fsdp_config.offload_policy` before the job starts (FSDP2's offload picks the collective
+    backends): off on CPU and when the state fits; on, logged with its reason, when it does not and several GPUs
+    train (FSDP2's CPUOffloadPolicy); a single GPU that cannot hold it is refused with one sentence."""
+    from polyrl.errors import ConfigError
+
+    fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+    if fsdp.offload_policy is not None:
+        return
+    fsdp.offload_policy = False
+    if device.type != "cuda":
+        return
+    c = optimizer_offload_choice(trainable_parameters_of(cfg.actor_rollout_ref.model),
+                                 total=device_memory(device)[1], world_size=world_size)
+    if not c.value:
+        return
+    if world_size == 1:
+        raise ConfigError(f"{c.reason.split(';')[0]}: more than one GPU holds; train on several GPUs "
+                          "(trainer.n_gpus_per_node, the state then moves to host memory by itself) or LoRA "
+                          "(actor_rollout_ref.model.lora_rank=64).")
+    fsdp.offload_policy = True
+    log(f"polyrl: auto {c.key}=True ({c.reason})")
 
 
 def check_training_state_fits(optimizer, device: torch.device, world_size: int = 1, *, offloaded: bool = False) -> None:

@@ -54,6 +54,7 @@ class Packed:
     cols: torch.Tensor  # [M] column of each target
     shared: "SharedPrompts | None" = None  # set when rows share prompts (shared_prefix.py); cu_seqlens then
     # covers each distinct prompt once, then every response
+    routes: torch.Tensor | None = None  # [N, num_moe_layers, top_k]: the batch's `routed_experts` (MoE replay)
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +112,7 @@ def pack(mb: Batch, share_prompts: bool = False) -> Packed:
         targets=mb["responses"][rows, cols],
         rows=rows,
         cols=cols,
+        routes=mb["routed_experts"].flatten(0, 1)[flat] if "routed_experts" in mb else None,
     )
 
 
@@ -163,6 +165,7 @@ def _pack_shared(mb: Batch, group: torch.Tensor) -> Packed:
         rows=rows,
         cols=cols,
         shared=SharedPrompts(num_prompt=num_prompt, cu_kv=cu_kv, kv_index=kv_index, max_kv=max_kv),
+        routes=take("routed_experts") if "routed_experts" in mb else None,
     )
 
 

@@ -28,6 +28,9 @@ class ModelConfig:
     """LoRA scaling alpha."""
     target_modules: str | list[str] = "all-linear"
     """LoRA target modules: 'all-linear' or a list of module names."""
+    target_parameters: list[str] | None = None
+    """LoRA on nn.Parameters (peft's target_parameters), e.g. an MoE's 3-D expert tensors [experts.gate_up_proj,
+    experts.down_proj]; None: those of every MoE layer when the model has experts (none for dense); []: none."""
     lora_adapter_path: str | None = None
     """Start from a saved peft adapter directory."""
     use_fused_kernels: bool = False

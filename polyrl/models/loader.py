@@ -72,15 +72,20 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, key: str = 
     return model
 
 
-def apply_lora(model, *, rank: int, alpha: int, target_modules, adapter_path: str | None = None):
-    """Wrap `model` with a peft LoRA adapter (or load a saved one)."""
+def apply_lora(model, *, rank: int, alpha: int, target_modules, adapter_path: str | None = None,
+               target_parameters: list[str] | None = None):
+    """Wrap `model` with a peft LoRA adapter (or load a saved one). `target_parameters` None: an MoE's expert
+    tensors (models/moe.py `expert_parameter_targets`), nothing on a dense model."""
     from peft import LoraConfig, PeftModel, get_peft_model
+
+    from polyrl.models.moe import expert_parameter_targets
 
     if adapter_path:
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    params = expert_parameter_targets(model) if target_parameters is None else list(target_parameters)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-                     task_type="CAUSAL_LM")
+                     task_type="CAUSAL_LM", target_parameters=params or None)
     return get_peft_model(model, cfg)
 
 
@@ -96,7 +101,8 @@ def load_policy(model_cfg: ModelConfig, *, device: torch.device, key: str = "act
         if model_cfg.enable_gradient_checkpointing:
             model.enable_input_require_grads()
         model = apply_lora(model, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-                           target_modules=model_cfg.target_modules, adapter_path=model_cfg.lora_adapter_path)
+                           target_modules=model_cfg.target_modules, adapter_path=model_cfg.lora_adapter_path,
+                           target_parameters=model_cfg.target_parameters)
     return model.to(device)
 
 
@@ -139,28 +145,35 @@ def save_hf(model, out_dir: str | Path, *, dtype: torch.dtype, state_dict: dict 
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """HF-named full weights of `model` for the rollout engine and HF export; LoRA adapters are merged in."""
+    """HF-named full weights of `model` for the rollout engine and HF export; LoRA adapters are merged in.
+
+    Each adapted weight is merged into a copy (W + its adapters' deltas, peft's `get_delta_weight`), without touching
+    the trained adapter: Linear layers (`target_modules`) and wrapped parameters (`target_parameters`, e.g. an MoE's
+    3-D expert tensors, where wrappers nest and every `.base_layer` drops out of the name)."""
     from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
 
     if not isinstance(model, PeftModel):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    # merge into a copy of each affected weight: W + scale * B @ A, without touching the trained adapter
     base = model.get_base_model()
+    adapted: dict[str, list] = {}  # clean parameter name -> the LoRA layers adapting it
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            param = getattr(mod, "parameter_name", None) or "weight"
+            adapted.setdefault(f"{name.replace('.base_layer', '')}.{param}", []).append(mod)
     out = {}
-    lora_layers = {name: mod for name, mod in base.named_modules() if hasattr(mod, "lora_A")}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        clean = name.replace(".base_layer.", ".")
-        mod_name = name.rsplit(".", 2)[0] if ".base_layer." in name else None
-        if mod_name in lora_layers and name.endswith("base_layer.weight"):
-            mod = lora_layers[mod_name]
-            w = tensor.detach().clone()
-            for adapter in mod.active_adapters:
-                if adapter in mod.lora_A:
-                    a, b = mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
-                    w += (b.float() @ a.float()).to(w.dtype) * mod.scaling[adapter]
-            out[clean] = w
-        else:
-            out[clean] = tensor.detach()
+    with torch.no_grad():
+        for name, tensor in base.state_dict().items():
+            if ".lora_" in name:
+                continue
+            clean = name.replace(".base_layer", "")
+            if clean in adapted:
+                w = tensor.detach().clone()
+                for mod in adapted[clean]:
+                    for adapter in mod.active_adapters:
+                        if adapter in mod.lora_A:
+                            w += mod.get_delta_weight(adapter).to(w.dtype)
+                out[clean] = w
+            else:
+                out[clean] = tensor.detach()
     return out

@@ -46,14 +46,19 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 
 def tiny_config(vocab_size: int, *, arch="llama", hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                 max_position_embeddings=512, tie=True, **kw):
-    """A tiny Llama (default) or Qwen2 config.
+    """A tiny Llama (default), Qwen2 or Qwen3-MoE config.
 
     Llama is the default for saved tiny models because transformers 5 forces `Qwen2Tokenizer` (a byte-level BPE) onto
-    any directory whose config says `qwen2`, which would break our character tokenizer on reload.
+    any directory whose config says `qwen2`, which would break our character tokenizer on reload (`qwen3_moe` keeps
+    it). `qwen3_moe` takes `num_experts` (8), `num_experts_per_tok` (2) and `moe_intermediate_size` (intermediate / 2)
+    in `kw`, with Qwen3-30B-A3B's `norm_topk_prob=True`.
     """
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    if arch == "qwen3_moe":
+        kw = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate // 2,
+              "norm_topk_prob": True, "head_dim": hidden_size // heads, **kw}
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     return cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -34,6 +34,8 @@ class SamplingParams:
     # `continuations[p]` (a handle or None, n=1) continues prompt p on that cache; engines without one ignore both
     keep_unfinished: bool = False
     continuations: list | None = None
+    # MoE routing replay (R3): return Generation.routed_experts; engines that cannot record leave it None
+    record_routes: bool = False
 
     def row_limits(self, num_rows: int) -> list[int] | None:
         """Each row's exact (forced) or maximum new-token count, where set per row; None: `max_new_tokens` for all."""
@@ -62,9 +64,10 @@ class Generation:
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (emitted a stop token) or "length"
     handles: list | None = None  # with SamplingParams.keep_unfinished: per row, its kept KV cache (None: none kept)
-    # MoE routing replay (R3; native engine with record_routes): per row, int16 [len(prompt) + len(response), MoE
-    # layers, top_k] expert ids aligned with prompt + response positions; -1 where the engine forwarded no token there
-    # (the last sampled token). None: not recorded.
+    # MoE routing replay (R3): per row, int16 [len(prompt) + len(response), num_moe_layers, top_k], the expert ids each
+    # layer chose at each position; -1 rows: not recorded (the last sampled token, never fed back). Recorded by the
+    # native engine when built with `record_routes` and by the hf backend with SamplingParams.record_routes (both set
+    # from rollout.enable_rollout_routing_replay). None: not recorded.
     routed_experts: list | None = None
 
     @property

@@ -89,6 +89,9 @@ class RolloutConfig:
     """Token budget per log-prob micro-batch; None: auto from free memory (training/memory.py)."""
     calculate_log_probs: bool = True
     """Return per-token log-probs from the engine (used for training/rollout_probs_diff_mean)."""
+    enable_rollout_routing_replay: bool = False
+    """MoE: the engine records each token's top-k expert ids per layer (Generation.routed_experts), for
+    actor.router_replay.mode=R3."""
     seed: int = 0
     """Engine sampling seed."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)

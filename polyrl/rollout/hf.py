@@ -7,6 +7,7 @@ prompt are separate rows (no KV sharing here).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Iterable
 
 import torch
@@ -34,20 +35,37 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         limits = sampling.row_limits(len(rows))
+        routing, stack = None, ExitStack()
+        if sampling.record_routes:  # forward hooks on the routers record each step's expert ids (models/moe.py)
+            from polyrl.models.moe import MoERouting, find_routers
+
+            routing = MoERouting(self.model) if find_routers(self.model) else None
+            out.routed_experts = [] if routing is not None else None
         try:
+            if routing is not None:
+                stack.enter_context(routing.plan(record=True))
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start:start + self.max_batch_size]
                 caps = limits[start:start + len(chunk)] if limits is not None else None
-                toks, lps, reasons = self._generate_chunk([prompt_ids[i] for i in chunk], sampling, caps)
+                prompts = [prompt_ids[i] for i in chunk]
+                steps = [] if routing is not None else None
+                toks, lps, reasons = self._generate_chunk(prompts, sampling, caps, routing=routing, routes=steps)
                 out.token_ids += toks
                 out.logprobs += lps
                 out.finish_reason += reasons
+                if routing is not None:
+                    out.routed_experts += _routes_per_row(steps, prompts, toks)
         finally:
             self.model.train(was_training)
+            stack.close()
+            if routing is not None:
+                routing.remove()
         return out
 
-    def _generate_chunk(self, prompts, sampling: SamplingParams, caps):
-        """`caps`: each row's new-token limit (exact when forced_lengths are set: stop tokens are then ignored)."""
+    def _generate_chunk(self, prompts, sampling: SamplingParams, caps, routing=None, routes=None):
+        """`caps`: each row's new-token limit (exact when forced_lengths are set: stop tokens are then ignored).
+        With `routing` (models/moe.MoERouting), each forward's expert ids are appended to `routes` as
+        `[B, columns, num_moe_layers, top_k]`."""
         forced = sampling.forced_lengths is not None
         B, P = len(prompts), max(len(p) for p in prompts)
         dev = self.device
@@ -67,9 +85,16 @@ class HFRollout:
         stopped_B = torch.zeros(B, dtype=torch.bool, device=dev)
         past = None
         cur_ids, cur_pos = input_ids, position_ids
+        # an MoE config asking for the aux loss (output_router_logits, for training) would make HF compute it on every
+        # decode step, against a mask the step's rows do not match
+        moe_kw = {"output_router_logits": False} if getattr(self.model.config, "output_router_logits", False) else {}
         for t in range(max_new):
+            if routing is not None:
+                routing.begin()
             out = self.model(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
-                             use_cache=True)
+                             use_cache=True, **moe_kw)
+            if routing is not None:
+                routes.append(routing.take_recorded().view(*cur_ids.shape, routing.num_layers, routing.top_k))
             past = out.past_key_values
             tok_B, lp_B = sample(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p,
                                  generator=self.generator)
@@ -105,6 +130,20 @@ class HFRollout:
 
     def resume(self) -> None:
         pass
+
+
+def _routes_per_row(steps: list[torch.Tensor], prompts: list[list[int]], tokens: list[list[int]]) -> list:
+    """Each row's routes at its prompt and response positions (`Generation.routed_experts`): the left-padded prefill
+    columns, then one column per decode step (step t fed response token t-1); the last token was never fed: -1."""
+    cols = torch.cat(steps, dim=1).cpu()  # [B, P + steps - 1, L, K]
+    P = steps[0].shape[1]
+    out = []
+    for b, (p, toks) in enumerate(zip(prompts, tokens)):
+        r = torch.full((len(p) + len(toks), *cols.shape[2:]), -1, dtype=torch.int16)
+        fed = len(p) + max(len(toks) - 1, 0)
+        r[:fed] = cols[b, P - len(p):P - len(p) + fed]
+        out.append(r)
+    return out
 
 
 @register_rollout("hf")

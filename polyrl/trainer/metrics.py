@@ -39,11 +39,15 @@ def data_metrics(batch: dict, *, max_response_length: int, index: list) -> dict[
     return m
 
 
-def rollout_logprob_gap(rollout_logp_BT: torch.Tensor, train_logp_BT: torch.Tensor, mask_BT: torch.Tensor
-                        ) -> dict[str, float]:
-    """|p_rollout - p_train| per token: how far the engine's numbers are from the trainer's (verl's metric)."""
+def rollout_logprob_gap(rollout_logp_BT: torch.Tensor, train_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                        with_kl: bool = False) -> dict[str, float]:
+    """|p_rollout - p_train| per token: how far the engine's numbers are from the trainer's (verl's metric); with
+    `with_kl` (MoE) also the mismatch KL E[log p_rollout - log p_train] as verl's `rollout_corr/kl`."""
     m = mask_BT.bool()
     diff = (rollout_logp_BT.exp() - train_logp_BT.exp()).abs()[m]
     if not diff.numel():
         return {}
-    return {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max())}
+    out = {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max())}
+    if with_kl:
+        out["rollout_corr/kl"] = float((rollout_logp_BT - train_logp_BT)[m].mean())
+    return out

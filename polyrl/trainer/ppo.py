@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 
 import numpy as np
@@ -33,11 +34,13 @@ from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
+from polyrl.distributed.env import launched_world_size, local_device
 from polyrl.distributed import data as dp_data
 from polyrl.distributed.balance import balance_across_ranks
 from polyrl.distributed.parallelize import param_groups
 from polyrl.errors import ConfigError
 from polyrl.models.loader import load_policy, load_tokenizer, merged_state_dict
+from polyrl.models.moe import check_router_replay, find_routers
 from polyrl.rewards import RewardManager, build_reward_fn
 from polyrl.rewards.model_reward import build_model_reward, resolve_reward_model
 from polyrl.rollout import SamplingParams, make_rollout
@@ -59,7 +62,8 @@ from polyrl.learner.actor import (
 )
 from polyrl.learner.config import micro_batch_per_gpu, mini_batch_per_gpu
 from polyrl.learner.critic import explained_variance
-from polyrl.learner.memory import FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory, resolve_switches
+from polyrl.learner.memory import (FirstUpdateCalibration, cpu_packs_shared_prompts, plan_memory,
+                                  resolve_optimizer_offload, resolve_switches)
 from polyrl.utils.device import pick_device
 from polyrl.utils.console import bar_lifted
 from polyrl.utils.profiler import Profiler
@@ -102,6 +106,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         self.cfg = cfg
         roles, t = cfg.actor_rollout_ref, cfg.trainer
         # data parallelism (polyrl.distributed): one process per GPU under torchrun; a no-op in a single process
+        if dist is None:  # parameters, gradients and AdamW state to host memory where the GPUs cannot hold them
+            resolve_optimizer_offload(cfg, world_size=launched_world_size(), device=local_device(t.device),
+                                      log=print if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)
         offload = roles.actor.fsdp_config.cpu_offload or roles.ref.fsdp_config.cpu_offload
         self.dist = dist or DistEnv.setup(t.device, fsdp_size=roles.actor.fsdp_config.fsdp_size, cpu_offload=offload,
                                           sp_size=roles.actor.ulysses_sequence_parallel_size,
@@ -128,6 +135,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         # a set rollout TP size keeps the full policy off the GPUs (FSDP2 moves each rank's shards there)
         host = self.dist.is_distributed and (roles.rollout.tensor_model_parallel_size or 1) > 1
         model = load_policy(roles.model, device=torch.device("cpu") if host else self.device)
+        check_router_replay(roles.actor.router_replay.mode, roles.rollout.enable_rollout_routing_replay,
+                            bool(find_routers(model)), roles.actor.ulysses_sequence_parallel_size)
         # every auto (None) memory key: token budgets, checkpointing, compile, engine share (training/memory.py)
         made = plan_memory(cfg, model, self.device, dist=self.dist, log=print if self.dist.is_rank0 else lambda _: None,
                            role=self.ROLE)
@@ -298,7 +307,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
                             ctx=StageContext(batch, s.micro_batch_size, engine=self.engine))
                 if batch["old_log_probs"] is not batch["rollout_log_probs"]:  # async_ppo's engine-behaviour batches
                     metrics.update(rollout_logprob_gap(batch["rollout_log_probs"], batch["old_log_probs"],
-                                                       batch["response_mask"]))
+                                                       batch["response_mask"],
+                                                       with_kl=self.actor.fwd.routing is not None))
             if rc.bypass_mode:  # two policies: the rollout's log-probs stand in for pi_old
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif rc.enabled:
@@ -386,12 +396,18 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             skip_mini_batches=skip_mini_batches)
 
     def _old_logprobs(self, model, batch, s: UpdateSettings) -> torch.Tensor:
+        """pi_old's log-probs; with router_replay.mode=R2 also the routes this pass chose, into batch["routed_experts"]
+        for the update to replay."""
         r = self.cfg.actor_rollout_ref.rollout
         micro = micro_batch_per_gpu(r.log_prob_micro_batch_size_per_gpu, r.log_prob_micro_batch_size,
                                     self.dist.data.world_size)
-        return compute_logprobs(model, batch, temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
-                                max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
-                                fwd=self.actor.fwd, dp=self.dist)
+        r2 = self.cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
+        out = compute_logprobs(model, batch, temperature=s.temperature, micro_batch_size=micro or s.micro_batch_size,
+                               max_token_len=r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None,
+                               fwd=self.actor.fwd, dp=self.dist, record_routes=r2)
+        if r2:
+            out, batch["routed_experts"] = out
+        return out
 
     def _ref_logprobs(self, batch, s: UpdateSettings) -> torch.Tensor:
         ref = self.cfg.actor_rollout_ref.ref

@@ -37,7 +37,10 @@ class QuickstartSettings:
     sft_correct_fraction: float = 0.4
     num_train: int = 2000
     num_val: int = 200
-    # model
+    # model: llama, or qwen3_moe (a tiny Qwen3-MoE: `num_experts` experts, `top_k` of them per token)
+    arch: str = "llama"
+    num_experts: int = 8
+    top_k: int = 2
     hidden_size: int = 128
     layers: int = 2
     heads: int = 4
@@ -62,6 +65,12 @@ FAST = dict(grpo_steps=20)
 GPU_SCALE = dict(hidden_size=256, layers=4, heads=8, kv_heads=4, intermediate=512, num_train=4000, sft_batch=128,
                  prompts_per_step=64, n=16, grpo_steps=60, lr=5e-4, device="cuda")
 
+# `--arch qwen3_moe`: the same task and recipe on a tiny Qwen3-MoE (the MLP's budget split over 8 experts of half
+# width, 2 active); the native engine has no MoE layers yet, so rollouts run on the `hf` backend
+MOE_ARCHS = ("qwen3_moe",)
+MOE_SPEC = lambda s: dict(num_experts=s.num_experts, num_experts_per_tok=s.top_k)  # noqa: E731
+MOE_OVERRIDES = ["actor_rollout_ref.rollout.name=hf"]
+
 # A plausible wrong answer per task, for the SFT demonstrations that are deliberately wrong.
 DISTRACTORS = {
     "reverse": lambda prompt, answer: answer[::-1],  # copy the letters instead of reversing them
@@ -84,6 +93,8 @@ def build_base_model(s: QuickstartSettings) -> Path:
 
     spec = dict(hidden_size=s.hidden_size, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads,
                 intermediate=s.intermediate, seed=s.seed, max_position_embeddings=128)
+    if s.arch != "llama":  # (the dense default's cache key stays what it was)
+        spec.update(arch=s.arch, **MOE_SPEC(s) if s.arch in MOE_ARCHS else {})
     out = cache_root() / "models" / f"tiny-{_key(spec)}"
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
@@ -177,7 +188,8 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
         sft_dir = warm_up_with_sft(base, train_rows, s, progress=bar)
         if bar is not None:
             bar.set_description("quickstart: GRPO")
-        overrides = grpo_overrides(sft_dir, data_dir, run, s) + list(extra_overrides or [])
+        arch_overrides = MOE_OVERRIDES if s.arch in MOE_ARCHS else []
+        overrides = grpo_overrides(sft_dir, data_dir, run, s) + arch_overrides + list(extra_overrides or [])
         cfg = build_config(PPOConfig(), overrides)
         if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
             before, after, final = _run_as_job(cfg, overrides, run)
@@ -226,6 +238,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fast", action="store_true", help="fewer GRPO steps (what the test runs)")
     p.add_argument("--scale", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: a bigger model, batches and more steps on CUDA (same task and recipe)")
+    p.add_argument("--arch", choices=["llama", *MOE_ARCHS], default="llama",
+                   help="qwen3_moe: the same recipe on a tiny Mixture-of-Experts model (8 experts, 2 per token)")
     p.add_argument("overrides", nargs="*", help="extra polyrl train overrides, e.g. trainer.logger=[console,file]")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -235,7 +249,9 @@ def main(argv: list[str]) -> int:
             from polyrl.errors import UserError
 
             raise UserError("polyrl quickstart --scale gpu needs a CUDA GPU and none is visible; drop --scale gpu.")
-        settings = QuickstartSettings(**{**GPU_SCALE, **(FAST if args.fast else {})})
+        settings = QuickstartSettings(**{**GPU_SCALE, **(FAST if args.fast else {}), "arch": args.arch})
+    elif args.arch != "llama":
+        settings = QuickstartSettings(**{**(FAST if args.fast else {}), "arch": args.arch})
     r = run_quickstart(args.run_dir, fast=args.fast, extra_overrides=args.overrides, settings=settings)
     gain = 100 * (r["accuracy_after"] - r["accuracy_before"])
     print(f"\nheld-out greedy accuracy ({r['metric']}): before GRPO {100 * r['accuracy_before']:.1f}%  "

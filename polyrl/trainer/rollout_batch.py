@@ -80,7 +80,8 @@ class RolloutBatchMixin:
     def _sampling_params(self) -> SamplingParams:
         r = self.cfg.actor_rollout_ref.rollout
         return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
-                              max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos)
+                              max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos,
+                              record_routes=r.enable_rollout_routing_replay)
 
     def _assemble_batch(self, parts: list[dict], want: int, metrics: dict):
         """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep])."""
@@ -100,6 +101,9 @@ class RolloutBatchMixin:
         for i, lp in enumerate(logps):  # then one copy (a device copy per row cost a sync each)
             rl[i, : len(lp)] = torch.tensor(lp, dtype=rl.dtype)
         batch["rollout_log_probs"] = rl.to(self.device)
+        if all(p["out"].routed_experts is not None for p in parts):  # MoE routing replay (R3): the engine's routes
+            batch["routed_experts"] = routes_batch([parts[i]["out"].routed_experts[j] for i, j in rows],
+                                                   [len(p) for p in prompts_all], batch, self.device)
         tls = torch.zeros_like(batch["response_mask"])
         last = (batch["response_lengths"] - 1).clamp(min=0)
         tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
@@ -146,6 +150,18 @@ class RolloutBatchMixin:
                 prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
                 f.write(json.dumps({"step": self.global_step + 1, "input": prompt, "output": resp, "score": score})
                         + "\n")
+
+
+def routes_batch(routes: list[torch.Tensor], prompt_lens: list[int], batch, device) -> torch.Tensor:
+    """`[B, P+T, num_moe_layers, top_k]` int16 in the batch's layout (left-padded prompt | response), -1 where no
+    route was recorded, from `Generation.routed_experts` (one `[len(prompt) + len(response), L, K]` per row)."""
+    B, L = batch["input_ids"].shape
+    P = L - batch["responses"].shape[1]
+    out = torch.full((B, L, *routes[0].shape[1:]), -1, dtype=torch.int16)
+    for b, (r, p) in enumerate(zip(routes, prompt_lens)):
+        n = min(len(r), L - (P - p))
+        out[b, P - p:P - p + n] = r[:n]
+    return out.to(device)
 
 
 def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
