@@ -66,10 +66,12 @@ GPU_SCALE = dict(hidden_size=256, layers=4, heads=8, kv_heads=4, intermediate=51
                  prompts_per_step=64, n=16, grpo_steps=60, lr=5e-4, device="cuda")
 
 # `--arch qwen3_moe`: the same task and recipe on a tiny Qwen3-MoE (the MLP's budget split over 8 experts of half
-# width, 2 active); the native engine has no MoE layers yet, so rollouts run on the `hf` backend
+# width, 2 active), rollouts on the native engine's MoE layers with routing replay (R3: the engine's routes replayed
+# in the trainer's forward)
 MOE_ARCHS = ("qwen3_moe",)
 MOE_SPEC = lambda s: dict(num_experts=s.num_experts, num_experts_per_tok=s.top_k)  # noqa: E731
-MOE_OVERRIDES = ["actor_rollout_ref.rollout.name=hf"]
+MOE_OVERRIDES = ["actor_rollout_ref.actor.router_replay.mode=R3",
+                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"]
 
 # A plausible wrong answer per task, for the SFT demonstrations that are deliberately wrong.
 DISTRACTORS = {
