@@ -123,9 +123,9 @@ def test_lora_grpo_on_moe_changes_only_the_adapters(moe_dir, synth_data_dir, tmp
 @pytest.mark.slow
 def test_moe_quickstart_learns(tmp_path, monkeypatch):
     """`polyrl quickstart --arch qwen3_moe`'s path, shortened: a tiny Qwen3-MoE (8 experts, 2 a token), a shorter SFT
-    warm-up on the noisy demonstrations, then GRPO through PPOTrainer on the hf rollout; held-out greedy accuracy must
-    rise (measured 0.23 -> 0.38 after 10 steps). Cost: 500 s wall and 497 s CPU on the shared 2-core machine (load
-    ~5), mostly the 200-step SFT warm-up of its own tiny MoE: over the ~60 s wanted; the warm-up is the part to cut."""
+    warm-up on the noisy demonstrations, then GRPO through PPOTrainer with the native engine's MoE layers and R3
+    routing replay; held-out greedy accuracy must rise. Cost: 30 s wall on the 2-core machine (500 s when its rollouts
+    ran on the hf backend, before the engine had MoE layers)."""
     from polyrl.trainer.quickstart import QuickstartSettings, run_quickstart
 
     monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
