@@ -34,6 +34,10 @@ class SamplingParams:
     # `continuations[p]` (a handle or None, n=1) continues prompt p on that cache; engines without one ignore both
     keep_unfinished: bool = False
     continuations: list | None = None
+    # multi-turn (polyrl/agents): every row keeps its KV cache whatever ended it, a continuation's prompt may extend
+    # the kept tokens (only the new ones are prefilled), and kept rows a call does not continue stay kept until
+    # `release_kept` (or until the cache runs short)
+    keep_cache: bool = False
 
     def row_limits(self, num_rows: int) -> list[int] | None:
         """Each row's exact (forced) or maximum new-token count, where set per row; None: `max_new_tokens` for all."""
