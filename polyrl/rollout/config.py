@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.agents.config import AgentConfig, MultiTurnConfig
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
@@ -101,9 +102,9 @@ class RolloutConfig:
     (with quantization=fp8, the LM head in FP8 too, a tied one as an e4m3 copy of the embedding: a recipe, off by
     default, since the sampled tokens' log-probs then come from e4m3 logits; pair it with
     algorithm.rollout_correction)."""
-    multi_turn: dict = field(default_factory=dict)
-    """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
-    agent: dict = field(default_factory=dict)
-    """verl agent-loop settings; single-turn is the only loop here."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts (polyrl/agents, polyrl/tools; docs/tools.md)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent loops: the default one and your own (polyrl/agents)."""
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings (see global_profiler)."""
