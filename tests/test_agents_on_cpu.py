@@ -206,3 +206,30 @@ def test_bad_tool_yaml_and_unregistered_agent_are_one_sentence_config_errors(tmp
     s.agent_name = "my_unregistered_loop"
     with pytest.raises(ConfigError, match="row 3's agent_name='my_unregistered_loop' names no registered agent loop"):
         runner.check_samples([s], "data.train_files")
+
+
+def test_a_verl_tool_ported_by_its_imports_runs_from_verls_yaml(tmp_path, monkeypatch):
+    """examples/tools/answer_check_tool.py is a verl-shaped tool whose only change is its imports; loaded through
+    verl's YAML schema, it gets the sample's create_kwargs and its step reward reaches the trajectory."""
+    from polyrl.models.tiny import build_char_tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root))
+    src = (root / "examples" / "tools" / "answer_check_tool.py").read_text()
+    assert "from verl" not in src.replace("# verl:  from verl", "")  # nothing else of verl is needed
+    tok = build_char_tokenizer(QWEN25_TEMPLATE)
+    eos = tok.eos_token_id
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [eos]  # noqa: E731
+    r = RolloutConfig(multi_turn=MultiTurnConfig(enable=True, max_user_turns=2,
+                                                 tool_config_path=str(root / "examples/tools/answer_check_tool.yaml")),
+                      agent=AgentConfig(default_agent_loop="tool_agent"))
+    runner = AgentRunner(r, tok, response_length=800)
+    s = _sample("What is 6*7?", 0, tools_kwargs={"check_answer": {"create_kwargs": {"ground_truth": "42"}}})
+    prompt = runner.prompt_ids(s)
+    assert '"check_answer"' in tok.decode(prompt)
+    call = lambda a: ids('<tool_call>{"name": "check_answer", "arguments": {"answer": "%s"}}</tool_call>' % a)  # noqa
+    eng = ScriptedEngine({tuple(prompt): [call("41"), call("41"), call("42")]}, eos)
+    out = runner.generate(eng, [s], SamplingParams(n=1, max_new_tokens=800, stop_token_ids=(eos,)))
+    text = tok.decode(out.token_ids[0])
+    assert text.count("reward=0.0") == 2 and out.num_turns == [6]  # max_user_turns=2 ends it after the 3rd assistant turn
+    assert out.tool_rewards == [-0.1]  # the unimproved resubmission's penalty, twice (first: 0 -> 0 also penalised)

@@ -115,7 +115,9 @@ class ToolAgentLoop(AgentLoopBase):
         create_kwargs = (tools_kwargs.get(call.name) or {}).get("create_kwargs") or {}
 
         async def once():
-            iid, _ = await tool.create(create_kwargs=create_kwargs)
+            # verl's tools take create_kwargs either whole (newer) or spread as keywords (older); both are given
+            created = await tool.create(create_kwargs=create_kwargs, **create_kwargs)
+            iid = created[0] if isinstance(created, tuple) else created  # (id, ToolResponse) or a bare id
             try:
                 return await tool.execute(iid, call.arguments)
             finally:
@@ -129,6 +131,15 @@ class ToolAgentLoop(AgentLoopBase):
             return f"Error: the tool '{call.name}' took longer than {timeout:.0f} s and was abandoned.", 0.0, True
         except Exception as e:
             return f"Error: the tool '{call.name}' failed: {type(e).__name__}: {e}", 0.0, True
-        text = resp.text if resp is not None and resp.text is not None else ""
+        text = _response_text(resp)
         failed = bool((metrics or {}).get("error")) if isinstance(metrics, dict) else False
         return text, float(reward or 0.0), failed
+
+
+def _response_text(resp) -> str:
+    """A tool's response as text: a ToolResponse, a verl-style {"text": ...} dict, or a plain string."""
+    if isinstance(resp, str):
+        return resp
+    if isinstance(resp, dict):
+        return str(resp.get("text") or "")
+    return str(getattr(resp, "text", None) or "")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from polyrl.agents import loops as _builtin_loops  # noqa: F401  (registers single_turn_agent and tool_agent)
 from polyrl.agents.base import AGENT_LOOPS, AgentLoopOutput, load_agent_loops
 from polyrl.agents.chat import ToolTurnRenderer
 from polyrl.agents.server import EngineServer
@@ -144,3 +145,22 @@ class AgentRunner:
 
 def replace_n(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, n=1)
+
+
+def build_agent_runner(cfg, tokenizer, datasets: list[tuple[str, list]]) -> AgentRunner | None:
+    """The trainer's runner when `multi_turn.enable`, after checking every sample it will run (agent_name,
+    tools_kwargs, the prompt with the tool schemas within data.max_prompt_length); None for single-turn runs."""
+    r = cfg.actor_rollout_ref.rollout
+    if not r.multi_turn.enable:
+        return None
+    runner = AgentRunner(r, tokenizer, response_length=r.response_length or cfg.data.max_response_length,
+                         template_kwargs=cfg.data.apply_chat_template_kwargs, keep_messages=cfg.data.return_raw_chat)
+    for where, samples in datasets:
+        runner.check_samples(samples, where)
+        if runner.tools_shown:
+            longest = max((len(runner.prompt_ids(s)) for s in samples), default=0)
+            if longest > cfg.data.max_prompt_length:
+                raise ConfigError(f"{where}: with the tool schemas of {KEY}.tool_config_path the longest prompt has "
+                                  f"{longest} tokens, over data.max_prompt_length={cfg.data.max_prompt_length}; "
+                                  "raise data.max_prompt_length.")
+    return runner

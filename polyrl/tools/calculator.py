@@ -56,11 +56,13 @@ def evaluate(expression: str) -> int | float:
 class CalculatorTool(BaseTool):
     def __init__(self, config: dict | None = None, tool_schema=None):
         super().__init__(config or {}, tool_schema or SCHEMA)
+        # the expression is the schema's first parameter, whatever its name (the tiny quickstart calls it `e`)
+        self.arg = next(iter(self.tool_schema.function.parameters.get("properties") or {}), "expression")
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
-        expr = parameters.get("expression")
+        expr = parameters.get(self.arg)
         if not isinstance(expr, str):
-            return ToolResponse(text="Error: 'expression' must be a string."), 0.0, {"error": 1}
+            return ToolResponse(text=f"Error: '{self.arg}' must be a string."), 0.0, {"error": 1}
         try:
             return ToolResponse(text=str(evaluate(expr))), 0.0, {}
         except ValueError as e:
