@@ -137,7 +137,8 @@ def main(argv=None) -> int:
         print(f"step {step}: {m['timing_s/step']:.2f} s, gen {m['timing_s/gen']:.2f} s, score "
               f"{m['critic/score/mean']:.3f}, turns {m.get('num_turns/mean', 1):.2f}, tool calls "
               f"{m.get('tool_calls/mean', 0):.2f}, tool s {m.get('timing_s/tool_calls', 0):.2f}, prefill saved "
-              f"{m.get('rollout/prefill_tokens_saved', 0):.0f}/{m.get('rollout/prefill_tokens', 0):.0f}", flush=True)
+              f"{m.get('rollout/prefill_tokens_saved', 0):.0f}/{m.get('rollout/prefill_tokens', 0):.0f}, engine idle "
+              f"{m.get('rollout/engine_idle_s', 0):.2f} s", flush=True)
     after = trainer.validate()[key]
     step_s = statistics.median(m["timing_s/step"] for m in steps)
     gen_s = sum(m["timing_s/gen"] for m in steps)

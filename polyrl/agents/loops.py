@@ -69,9 +69,11 @@ class ToolAgentLoop(AgentLoopBase):
             lps += out.log_probs
             versions.append(out.weight_version)
             assistant_turns += 1
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            # parsed with special tokens kept: a tokenizer may make <tool_call> one (the tiny quickstart's does)
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
             if chat is not None:
-                chat.append({"role": "assistant", "content": text})
+                chat.append({"role": "assistant", "content": self.tokenizer.decode(out.token_ids,
+                                                                                   skip_special_tokens=True)})
             if len(resp) >= self.response_length or (cfg.max_assistant_turns and
                                                      assistant_turns >= cfg.max_assistant_turns) \
                     or (cfg.max_user_turns and user_turns >= cfg.max_user_turns):

@@ -9,6 +9,7 @@ file) is checked in `__init__` and `check_samples`, which the trainer calls befo
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -101,6 +102,7 @@ class AgentRunner:
                                 renderer=self.renderer, response_length=self.response_length, tool_pool=pool)
                 jobs.append(self._one(server, loop, f"{p}-{j}", s, ids))
         server.num_live = len(jobs)
+        t0 = time.perf_counter()
         pump = asyncio.create_task(server.pump())
         try:
             outs: list[AgentLoopOutput] = await asyncio.gather(*jobs)
@@ -109,6 +111,7 @@ class AgentRunner:
             pump.cancel()
             server.close()
             pool.shutdown(wait=False, cancel_futures=True)
+        server.stats["wall_s"] = time.perf_counter() - t0
         return self._collect(outs, n, server)
 
     async def _one(self, server: EngineServer, loop, rid: str, sample, ids) -> AgentLoopOutput:
@@ -132,6 +135,8 @@ class AgentRunner:
             "rollout/prefill_tokens_saved": float(server.stats["prefill_tokens_saved"]),
             "rollout/prefill_tokens": float(server.stats["prefill_tokens"]),
             "rollout/num_generate_calls": float(server.stats["num_generate_calls"]),
+            # the engine idle while trajectories were live (waiting on tools, or on the batching of their turns)
+            "rollout/engine_idle_s": max(0.0, server.stats["wall_s"] - server.stats["engine_s"]),
         }
         return AgentGeneration(
             prompt_index=[i // n for i in range(len(outs))], token_ids=[o.response_ids for o in outs],
