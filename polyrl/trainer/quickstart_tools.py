@@ -45,7 +45,7 @@ class ToolsSettings(QuickstartSettings):
     sft_correct_fraction: float = 0.3  # here: the fraction of demonstrations that call the tool
     num_train: int = 1500
     num_val: int = 64
-    sft_steps: int = 250
+    sft_steps: int = 600
     sft_batch: int = 32
     grpo_steps: int = 12
     prompts_per_step: int = 16
