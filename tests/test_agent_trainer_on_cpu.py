@@ -102,8 +102,15 @@ def test_bad_agent_input_ends_the_run_with_one_sentence(tiny_model_dir, synth_da
     rows = read_parquet_rows(str(tmp_path / "train.parquet"))
     rows[3]["agent_name"] = "nobody_registered_this"
     write_parquet(rows, tmp_path / "bad.parquet")
+    missing_class = tmp_path / "missing_class.yaml"
+    missing_class.write_text((tmp_path / "tools.yaml").read_text().replace("my_tools.RewardCalc", "my_tools.Nope"))
+    not_openai = tmp_path / "not_openai.yaml"
+    not_openai.write_text((tmp_path / "tools.yaml").read_text().replace("{type: function, function:", "{function:"))
+    tc = "actor_rollout_ref.rollout.multi_turn.tool_config_path="
     cases = [
         ([f"data.train_files={tmp_path / 'bad.parquet'}"], "agent_name='nobody_registered_this'"),
+        ([tc + str(missing_class)], "class_name 'my_tools.Nope' cannot be imported"),
+        ([tc + str(not_openai)], "it must be an OpenAI function"),
         (["actor_rollout_ref.rollout.multi_turn.tool_config_path=" + str(tmp_path / "missing.yaml")], "not a file"),
         (["actor_rollout_ref.rollout.multi_turn.enable=False"], "multi_turn.enable is False"),
     ]
