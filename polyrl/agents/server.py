@@ -18,6 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import torch
+
 from polyrl.agents.base import TokenOutput
 from polyrl.rollout.base import SamplingParams
 
@@ -98,6 +100,9 @@ class EngineServer:
         self.released = []
 
     def _generate(self, batch: list[_Request]) -> list[TokenOutput]:
+        dev = getattr(self.engine, "device", None)
+        if isinstance(dev, torch.device) and dev.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(dev)
         self._release()
         n = _group_size(batch, self.handles)
         prompts = [r.prompt_ids for r in batch][::n]
