@@ -33,6 +33,7 @@ class AgentGeneration(Generation):
     prompt_ids: list[list[int]] = field(default_factory=list)  # per row: the first turn's prompt (tool schemas shown)
     response_masks: list[list[int]] = field(default_factory=list)
     tool_rewards: list[float] = field(default_factory=list)  # per row: the sum of its tools' step rewards
+    reward_scores: list[float | None] = field(default_factory=list)  # per row: its loop's own reward, if it set one
     num_turns: list[int] = field(default_factory=list)
     weight_versions: list[list[int]] = field(default_factory=list)  # per row, per assistant turn
     messages: list[list[dict] | None] = field(default_factory=list)
@@ -143,7 +144,7 @@ class AgentRunner:
             logprobs=[o.response_logprobs for o in outs],
             finish_reason=["length" if len(o.response_ids) >= self.response_length else "stop" for o in outs],
             response_masks=[o.response_mask for o in outs],
-            tool_rewards=[float(sum(o.tool_rewards)) + (o.reward_score or 0.0) for o in outs],
+            tool_rewards=[float(sum(o.tool_rewards)) for o in outs], reward_scores=[o.reward_score for o in outs],
             num_turns=turns, weight_versions=[o.weight_versions for o in outs], messages=[o.messages for o in outs],
             metrics=metrics, prompt_ids=[o.prompt_ids for o in outs])
 

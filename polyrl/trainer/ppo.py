@@ -437,7 +437,7 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             if self.dist.is_distributed:  # each rank validates a slice; gathered below
                 val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
             out = self.oom.run("gen", lambda: self._rollout(val, sampling), ctx=StageContext(engine=self.engine))
-            scores, extras, texts = self._score(val, out)
+            scores, extras, texts = self._score(val, out, tool_rewards=False)  # accuracy: the reward function's
         rows = [val[pi] for pi in out.prompt_index]
         preds = [t.strip() for t in texts]
         infos = {"reward": scores, **extras}

@@ -141,12 +141,16 @@ class RolloutBatchMixin:
             self.engine.release_memory()
         return out
 
-    def _score(self, prompts, out):
+    def _score(self, prompts, out, tool_rewards: bool = True):
+        """Reward-function scores (+ multi-turn tool step rewards unless `tool_rewards=False`, as in validation)."""
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
                    for pi, text in zip(out.prompt_index, texts)]
         scores, extras = self.reward.score(samples, response_lengths=out.lengths)
-        tool = getattr(out, "tool_rewards", None)
+        own = getattr(out, "reward_scores", None)
+        if own:  # multi-turn: a loop that scores its own trajectory replaces the reward function (as verl)
+            scores = [float(s) if o is None else float(o) for s, o in zip(scores, own)]
+        tool = getattr(out, "tool_rewards", None) if tool_rewards else None
         if tool:  # multi-turn: the reward function's score plus the tools' step rewards
             scores = [float(a) + b for a, b in zip(scores, tool)]
             extras = {**extras, "tool_reward": list(tool)}
