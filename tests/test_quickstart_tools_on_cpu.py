@@ -1,6 +1,8 @@
 """`polyrl quickstart --task tools`: the tiny model learns to call a calculator for 3-digit products (held-out greedy
 accuracy rises by >= 30 points), and the control, the same model and recipe with multi-turn off, stays low. The SFT
-warm-up is shared by both runs (cached in the session's POLYRL_CACHE)."""
+warm-up is shared by both runs (cached in the session's POLYRL_CACHE). Measured: 194 CPU-seconds in all (SFT ~130,
+each GRPO run ~25-30), on one torch thread; most of it is the SFT warm-up, which needs its 600 steps (400 left the
+digit copying too weak for any reward)."""
 
 import pytest
 
