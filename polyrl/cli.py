@@ -14,6 +14,7 @@ USAGE = """usage: polyrl <command> [args]
 
 commands:
   quickstart [--fast]         build a tiny model, SFT it, run GRPO on CPU, print accuracy before/after
+  quickstart --task tools     the same with a calculator tool (multi-turn rollouts, polyrl/agents)
   train KEY=VALUE ...         RL training with verl's keys (also: --config file.yaml); e.g. algorithm.adv_estimator=grpo
   sft KEY=VALUE ...           supervised fine-tuning on parquet prompt/response or messages
   flow quickstart|train ...   FlowGRPO for flow-matching image models

@@ -37,7 +37,8 @@ class DataConfig:
     seed: int | None = None
     """Seed of the shuffle order; null means 1, as in verl."""
     return_raw_chat: bool = False
-    """Keep the raw chat list with each prompt (always kept here; the key is accepted for verl compatibility)."""
+    """The raw chat is always kept with each prompt; with multi_turn.enable, True also keeps each trajectory's
+    messages (tool turns included) on the rollout output (polyrl/agents)."""
     dataloader_num_workers: int = 0
     """Accepted for verl compatibility; prompts are tokenized once at load time, so no loader work is left."""
     tokenizer: str | None = None

@@ -37,6 +37,7 @@ class RLSample:
     extra_info: dict = field(default_factory=dict)
     ability: str | None = None
     index: int = 0
+    agent_name: str | None = None  # the agent loop that runs this row (polyrl/agents); None: the default loop
 
 
 # --------------------------------------------------------------------------------------------------- reading files
@@ -188,6 +189,7 @@ def load_rl_dataset(files: str | list[str], tokenizer, cfg: DataConfig) -> list[
                 extra_info=dict(r.get("extra_info") or {}),
                 ability=r.get("ability"),
                 index=i,
+                agent_name=r.get("agent_name"),
             )
         )
     if not samples:

@@ -49,6 +49,18 @@ class SyntheticTask:
         return self.match(solution_str, ground_truth)
 
 
+def last_line_match(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the response's last line is the ground truth: with tool turns in the response (decoded without
+    special tokens), the final answer after them, not a number the tool printed."""
+    lines = solution_str.strip().splitlines()
+    return 1.0 if lines and lines[-1].strip() == str(ground_truth).strip() else 0.0
+
+
+def _multiply(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"{a}*{b}=", str(a * b)
+
+
 def _addition(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     return f"{a}+{b}=", str(a + b)
@@ -79,6 +91,9 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("addition", "polyrl/addition", "arithmetic", _addition, "two-digit a+b, e.g. '23+45=' -> '68'"),
         SyntheticTask("reverse", "polyrl/reverse", "string", _reverse, "reverse 3-5 letters, e.g. 'rev abc=' -> 'cba'"),
         SyntheticTask("count", "polyrl/count", "counting", _count, "count a letter, e.g. '#a abca=' -> '2'"),
+        SyntheticTask("multiply", "polyrl/multiply", "arithmetic", _multiply,
+                      "3-digit a*b, e.g. '123*456=' -> '56088': beyond a tiny model, easy with a calculator tool "
+                      "(`polyrl quickstart --task tools`); scored on the last line", match=last_line_match),
         SyntheticTask("word_addition", "polyrl/word_addition", "arithmetic", _word_addition,
                       "a, b in 1..60 asked in words for chat models; the answer's last number must be a+b",
                       match=last_number_match),

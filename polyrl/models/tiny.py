@@ -19,14 +19,17 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 
-def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
-    """A character-level fast tokenizer: one token per printable ASCII char, ChatML specials, EOS = <|im_end|>."""
+def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE, extra_special_tokens: tuple[str, ...] = ()):
+    """A character-level fast tokenizer: one token per printable ASCII char, ChatML specials, EOS = <|im_end|>.
+    `extra_special_tokens` (e.g. `<tool_call>`) get the ids after the printable characters, so others keep theirs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in string.printable:
         vocab.setdefault(ch, len(vocab))
+    for t in extra_special_tokens:
+        vocab.setdefault(t, len(vocab))
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -36,7 +39,7 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
         eos_token="<|im_end|>",
         bos_token=None,
         unk_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|endoftext|>"],
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>", *extra_special_tokens],
     )
     tok.padding_side = "left"
     if chat_template is not None:
@@ -72,12 +75,13 @@ def tiny_config(vocab_size: int, *, arch="llama", hidden_size=64, layers=2, head
     )
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, **config_kw) -> Path:
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, extra_special_tokens: tuple[str, ...] = (),
+                     **config_kw) -> Path:
     """Build a random tiny causal LM + char tokenizer and save both to `out_dir` (HF format)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(extra_special_tokens=tuple(extra_special_tokens))
     cfg = tiny_config(len(tok), **config_kw)
     cfg.pad_token_id = tok.pad_token_id
     cfg.eos_token_id = tok.eos_token_id

@@ -266,6 +266,8 @@ def build_report(run_dir: str, out_path: str | None = None) -> str:
     cards, skipped = [], []
     for plot in PLOTS:
         result = plot.fn(m, env)
+        if result is None:  # a plot for runs of another kind (multi-turn plots in a single-turn run)
+            continue
         if isinstance(result, str):
             skipped.append((plot, result))
             continue

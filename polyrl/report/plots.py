@@ -32,8 +32,8 @@ class Plot:
     """HTML id (`plot-<id>`) and test handle."""
     title: str
     """Card heading and image alt text."""
-    fn: Callable[[Metrics, dict], "tuple[Figure, str] | str"]
-    """Builds the figure and its caption, or returns the reason it is skipped."""
+    fn: Callable[[Metrics, dict], "tuple[Figure, str] | str | None"]
+    """Builds the figure and its caption, or returns the reason it is skipped (None: not a plot for this run)."""
 
 
 def _figure(ylabel: str, height: float = 3.3) -> tuple[Figure, "object"]:
@@ -237,6 +237,23 @@ def response_length(m: Metrics, env: dict) -> "tuple[Figure, str] | str":
     return fig, caption
 
 
+def agent_turns(m: Metrics, env: dict) -> "tuple[Figure, str] | str | None":
+    """Multi-turn runs only (polyrl/agents): turns and tool calls per trajectory, and tool errors."""
+    if not m.has("num_turns/mean"):
+        return None
+    return _lines(m, [("num_turns/mean", "turns / trajectory"), ("num_turns/max", "turns, max"),
+                      ("tool_calls/mean", "tool calls / trajectory"), ("tool_calls/errors", "tool errors")], "count")
+
+
+def agent_prefill(m: Metrics, env: dict) -> "tuple[Figure, str] | str | None":
+    """Multi-turn runs only: prompt tokens the kept KV caches spared from prefilling again, beside those prefilled,
+    and the seconds tools ran (summed over trajectories)."""
+    if not m.has("rollout/prefill_tokens_saved"):
+        return None
+    return _lines(m, [("rollout/prefill_tokens_saved", "prefill tokens saved"),
+                      ("rollout/prefill_tokens", "prefill tokens"), ("timing_s/tool_calls", "tool seconds")], "")
+
+
 PLOTS: list[Plot] = [
     Plot("reward", "Reward", reward),
     Plot("validation", "Validation", validation),
@@ -257,6 +274,8 @@ PLOTS: list[Plot] = [
             percent=True,
         ),
     ),
+    Plot("agent_turns", "Turns and tool calls", agent_turns),
+    Plot("agent_prefill", "Prefill saved between turns", agent_prefill),
     Plot(
         "zero_std",
         "Zero-std groups",

@@ -36,6 +36,10 @@ class SamplingParams:
     continuations: list | None = None
     # MoE routing replay (R3): return Generation.routed_experts; engines that cannot record leave it None
     record_routes: bool = False
+    # multi-turn (polyrl/agents): every row keeps its KV cache whatever ended it, a continuation's prompt may extend
+    # the kept tokens (only the new ones are prefilled), and kept rows a call does not continue stay kept until
+    # `release_kept` (or until the cache runs short)
+    keep_cache: bool = False
 
     def row_limits(self, num_rows: int) -> list[int] | None:
         """Each row's exact (forced) or maximum new-token count, where set per row; None: `max_new_tokens` for all."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrl.agents.config import AgentConfig, MultiTurnConfig
 from polyrl.utils.profiler import RoleProfilerConfig
 
 
@@ -108,9 +109,9 @@ class RolloutConfig:
     algorithm.rollout_correction). Fallbacks from a Triton kernel, both on by default: prefill_kernel (False: CUDA
     prefill attends through the gather path and SDPA instead of paged_prefill.py) and fp8_splitk (False: FP8 decode
     GEMMs run cuBLAS _scaled_mm and w8a16 instead of splitk_fp8.py); docs/switches.md."""
-    multi_turn: dict = field(default_factory=dict)
-    """Multi-turn / tool settings (not supported yet; must stay empty or enable=False)."""
-    agent: dict = field(default_factory=dict)
-    """verl agent-loop settings; single-turn is the only loop here."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts (polyrl/agents, polyrl/tools; docs/tools.md)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent loops: the default one and your own (polyrl/agents)."""
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
     """Per-role profiler settings (see global_profiler)."""

@@ -299,9 +299,7 @@ def check_supported(cfg) -> None:
         raise ConfigError("algorithm.use_pf_ppo is not implemented; set it to False.")
     check_rollout_correction(cfg.algorithm.rollout_correction)
     check_gdpo(cfg.algorithm)
-    if r.multi_turn.get("enable"):
-        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True: multi-turn/tool rollouts are not "
-                          "implemented; use single-turn prompts.")
+    check_multi_turn(cfg)
     if cfg.trainer.default_hdfs_dir:
         raise ConfigError("trainer.default_hdfs_dir: HDFS upload is not supported; leave it null and copy "
                           "trainer.default_local_dir yourself.")
@@ -348,3 +346,24 @@ def check_flow_supported(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.strategy={a.fsdp_config.strategy!r} is not "
                           "available; use fsdp2.")
     refuse_unread(cfg, "flow")
+
+
+def check_multi_turn(cfg) -> None:
+    """multi_turn.* and agent.* act only with multi_turn.enable; multi-turn runs in the on-policy trainer."""
+    from polyrl.agents.config import AgentConfig, MultiTurnConfig
+
+    r = cfg.actor_rollout_ref.rollout
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if not r.multi_turn.enable:
+        if r.multi_turn != MultiTurnConfig(enable=False) or r.agent != AgentConfig():
+            raise ConfigError(f"{key}.* or actor_rollout_ref.rollout.agent.* is set but {key}.enable is False; set "
+                              f"{key}.enable=True to run agent loops, or remove those keys.")
+        return
+    if r.name not in ("native", "hf"):
+        raise ConfigError(f"{key}.enable=True runs on rollout.name=native or hf, not {r.name!r}.")
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"{key}.enable=True is not available in the off-policy pipeline (hybrid_engine=False) yet; "
+                          "run it on-policy with actor_rollout_ref.hybrid_engine=True.")
+    if cfg.algorithm.adv_estimator == "remax":
+        raise ConfigError(f"{key}.enable=True with algorithm.adv_estimator=remax: the greedy baseline is a single-turn "
+                          "rollout; use grpo, rloo or gae.")

@@ -44,7 +44,6 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
                                "rollout.max_num_seqs)",
         "data.filter_overlong_prompts_workers": "prompts are tokenized in one batched fast-tokenizer call",
         "data.dataloader_num_workers": "prompts are tokenized once at load time, so there is no loader worker",
-        "data.return_raw_chat": "the raw chat is always kept with each prompt",
         "actor_rollout_ref.model.use_shm": "models load from local disk, not through shared memory",
         "actor_rollout_ref.model.use_fused_kernels": _FUSED,
         "actor_rollout_ref.actor.use_fused_kernels": _FUSED,
@@ -62,7 +61,6 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.rollout.load_format": "the trainer's weights are copied into the engine before the first "
                                                  "rollout",
         "actor_rollout_ref.rollout.data_parallel_size": "it is derived from the number of processes",
-        "actor_rollout_ref.rollout.agent": "single-turn generation is the only loop (no agent loop)",
         **{f"critic.model.{k}": "the critic trains every weight (no LoRA)"
            for k in ("lora_rank", "lora_alpha", "target_modules")},
         "critic.shuffle": "the critic's epochs run over the mini-batches in order",

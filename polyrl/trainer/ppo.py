@@ -31,6 +31,7 @@ import torch
 
 from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
+from polyrl.agents.runner import build_agent_runner
 from polyrl.algorithms.validation import process_validation_metrics
 from polyrl.data.dataset import PromptSampler, load_rl_dataset
 from polyrl.distributed import DistEnv
@@ -125,6 +126,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
                                         trust_remote_code=roles.model.trust_remote_code)
         self.train_data = load_rl_dataset(cfg.data.train_files, self.tokenizer, cfg.data)
         self.val_data = load_rl_dataset(cfg.data.val_files, self.tokenizer, cfg.data) if cfg.data.val_files else []
+        # multi-turn: tools, loops and every sample's agent_name checked before the model loads (polyrl/agents)
+        self.agents = build_agent_runner(cfg, self.tokenizer, [("data.train_files", self.train_data),
+                                                               ("data.val_files", self.val_data)])
         seed = cfg.data.seed if cfg.data.seed is not None else t.seed
         batch = cfg.data.gen_batch_size or cfg.data.train_batch_size
         self.sampler = PromptSampler(self.train_data, batch, shuffle=cfg.data.shuffle, seed=seed)
@@ -472,9 +476,8 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             val = self.val_data
             if self.dist.is_distributed:  # each rank validates a slice; gathered below
                 val = [val[i] for i in dp_data.shard_evenly(len(val), self.dist.rank, self.dist.world_size)]
-            out = self.oom.run("gen", lambda: self._generate([s.prompt_ids for s in val], sampling),
-                               ctx=StageContext(engine=self.engine))
-            scores, extras, texts = self._score(val, out)
+            out = self.oom.run("gen", lambda: self._rollout(val, sampling), ctx=StageContext(engine=self.engine))
+            scores, extras, texts = self._score(val, out, tool_rewards=False)  # accuracy: the reward function's
         rows = [val[pi] for pi in out.prompt_index]
         preds = [t.strip() for t in texts]
         infos = {"reward": scores, **extras}

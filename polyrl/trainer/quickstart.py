@@ -242,9 +242,20 @@ def main(argv: list[str]) -> int:
                    help="gpu: a bigger model, batches and more steps on CUDA (same task and recipe)")
     p.add_argument("--arch", choices=["llama", *MOE_ARCHS], default="llama",
                    help="qwen3_moe: the same recipe on a tiny Mixture-of-Experts model (8 experts, 2 per token)")
+    p.add_argument("--task", choices=["reverse", "tools"], default="reverse",
+                   help="tools: learn to call a calculator for 3-digit products (quickstart_tools.py)")
+    p.add_argument("--no-tools", action="store_true", help="with --task tools: the control run, multi-turn off")
     p.add_argument("overrides", nargs="*", help="extra polyrl train overrides, e.g. trainer.logger=[console,file]")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.task == "tools":
+        from polyrl.trainer.quickstart_tools import run_tools_quickstart
+
+        r = run_tools_quickstart(args.run_dir, tools=not args.no_tools, extra_overrides=args.overrides)
+        print(f"\nheld-out greedy accuracy ({r['metric']}, tools {'on' if r['tools'] else 'off'}): before GRPO "
+              f"{100 * r['accuracy_before']:.1f}%  after GRPO {100 * r['accuracy_after']:.1f}% in {r['wall_s']:.0f} s")
+        print(f"run directory: {r['run_dir']}  (metrics.jsonl, config.yaml, report.html)")
+        return 0
     settings = None
     if args.scale == "gpu":
         if not torch.cuda.is_available():

@@ -40,8 +40,8 @@ class RolloutBatchMixin:
             num_gen += 1
             with timer.stage("gen"):
                 sampling = self._sampling_params()
-                out = self.oom.run("gen", lambda: self._generate([p.prompt_ids for p in prompts], sampling),
-                                   ctx=StageContext(engine=self.engine))
+                out = self.oom.run("gen", lambda: self._rollout(prompts, sampling), ctx=StageContext(engine=self.engine))
+            metrics.update(getattr(out, "metrics", {}))  # multi-turn: turns, tool calls, prefill tokens saved
             with timer.stage("reward"):
                 scores, extras, texts = self._score(prompts, out)
             for k, v in getattr(self.reward, "pop_metrics", dict)().items():  # counts over the step's batches
@@ -88,7 +88,8 @@ class RolloutBatchMixin:
         cfg = self.cfg
         rows = kept_rows(parts, want)
         samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
-        prompts_all = [s.prompt_ids for s in samples]
+        agent = hasattr(parts[0]["out"], "response_masks")  # multi-turn: per-row prompts (tool schemas) and masks
+        prompts_all = [parts[i]["out"].prompt_ids[j] for i, j in rows] if agent else [s.prompt_ids for s in samples]
         resp = [parts[i]["out"].token_ids[j] for i, j in rows]
         logps = [parts[i]["out"].logprobs[j] for i, j in rows]
         scores = [parts[i]["scores"][j] for i, j in rows]
@@ -104,6 +105,12 @@ class RolloutBatchMixin:
         if all(p["out"].routed_experts is not None for p in parts):  # MoE routing replay (R3): the engine's routes
             batch["routed_experts"] = routes_batch([parts[i]["out"].routed_experts[j] for i, j in rows],
                                                    [len(p) for p in prompts_all], batch, self.device)
+        if agent:  # tool tokens are context, never trained on: response_mask 0
+            rm = torch.zeros_like(rl)
+            for k, (i, j) in enumerate(rows):
+                m = parts[i]["out"].response_masks[j]
+                rm[k, : len(m)] = torch.tensor(m, dtype=rm.dtype)
+            batch["response_mask"] = rm.to(self.device)
         tls = torch.zeros_like(batch["response_mask"])
         last = (batch["response_lengths"] - 1).clamp(min=0)
         tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
@@ -121,6 +128,17 @@ class RolloutBatchMixin:
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
         return samples, batch, index, metrics
 
+    def _rollout(self, prompts, sampling):
+        """Generation for a list of samples: one engine call, or with multi_turn.enable each sample's agent loop
+        (polyrl/agents/runner.py), which samples its turns on the same engine."""
+        if self.agents is None:
+            return self._generate([p.prompt_ids for p in prompts], sampling)
+        self.engine.resume()
+        out = self.agents.generate(self.engine, prompts, sampling, weight_version=self.global_step)
+        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        return out
+
     def _generate(self, prompt_ids, sampling):
         """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""
         self.engine.resume()
@@ -129,7 +147,8 @@ class RolloutBatchMixin:
             self.engine.release_memory()
         return out
 
-    def _score(self, prompts, out):
+    def _score(self, prompts, out, tool_rewards: bool = True):
+        """Reward-function scores (+ multi-turn tool step rewards unless `tool_rewards=False`, as in validation)."""
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
                    for pi, text in zip(out.prompt_index, texts)]
@@ -139,6 +158,13 @@ class RolloutBatchMixin:
                                                response_ids=out.token_ids)
         else:
             scores, extras = self.reward.score(samples, response_lengths=out.lengths)
+        own = getattr(out, "reward_scores", None)
+        if own:  # multi-turn: a loop that scores its own trajectory replaces the reward function (as verl)
+            scores = [float(s) if o is None else float(o) for s, o in zip(scores, own)]
+        tool = getattr(out, "tool_rewards", None) if tool_rewards else None
+        if tool:  # multi-turn: the reward function's score plus the tools' step rewards
+            scores = [float(a) + b for a, b in zip(scores, tool)]
+            extras = {**extras, "tool_reward": list(tool)}
         return scores, extras, texts  # the decoded responses, for logging and majority votes
 
     def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:

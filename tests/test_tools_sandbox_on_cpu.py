@@ -1,0 +1,97 @@
+"""The Python tool's sandbox (polyrl/tools/sandbox.py): each attack is stopped and reported, the caller goes on, and
+no process is left running. Runs on the strongest isolation this machine permits; the file-system and network checks
+need bwrap (they skip on the weaker paths, whose limits the docstring states)."""
+
+import asyncio
+import os
+import subprocess
+import time
+
+import pytest
+
+from polyrl.tools.python_tool import PythonTool
+from polyrl.tools.sandbox import NOBODY, SandboxLimits, isolation, run_python
+
+FAST = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, max_procs=16)
+needs_bwrap = pytest.mark.skipif(isolation() != "bwrap", reason="bubblewrap is not usable here")
+
+
+def _sandbox_processes() -> list[str]:
+    """Live processes of the sandbox user (uid 65534 when the tests run as root), or of bwrap. Zombies (state Z) are
+    dead, waiting for pid 1 to reap them, and not counted."""
+    out = subprocess.run(["ps", "-eo", "pid,uid,stat,comm"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return [ln for ln in out if (ln.split()[1] == str(NOBODY) or ln.split()[3] == "bwrap")
+            and not ln.split()[2].startswith("Z")]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    yield
+    time.sleep(0.2)
+    assert _sandbox_processes() == [], "a sandboxed process outlived its run"
+
+
+def test_plain_code_runs_and_prints():
+    res = run_python("print(sum(i * i for i in range(10)))", FAST)
+    assert (res.status, res.stdout.strip()) == ("ok", "285")
+
+
+@needs_bwrap
+def test_write_outside_workdir_is_refused_and_workdir_is_thrown_away(tmp_path):
+    target = tmp_path / "escaped.txt"
+    res = run_python(f"open('local.txt', 'w').write('ok')\nprint('local ok')\nopen({str(target)!r}, 'w').write('x')",
+                     FAST)
+    assert "local ok" in res.stdout and res.status == "error"
+    assert "Read-only file system" in res.stderr or "No such file" in res.stderr
+    assert not target.exists()
+    assert run_python("import os; print(os.path.exists('local.txt'))", FAST).stdout.strip() == "False"
+
+
+@needs_bwrap
+def test_network_is_unreachable():
+    res = run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')", FAST)
+    assert res.status == "error" and "connected" not in res.stdout
+    assert "unreachable" in res.stderr.lower() or "errno" in res.stderr.lower()
+
+
+def test_fork_bomb_is_contained():
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    t0 = time.perf_counter()
+    res = run_python(bomb, SandboxLimits(wall_s=3, cpu_s=2, memory_mb=256, max_procs=16))
+    assert res.status in ("timeout", "killed") and time.perf_counter() - t0 < 10
+
+
+def test_infinite_loop_hits_the_cpu_limit():
+    res = run_python("while True:\n    pass", SandboxLimits(wall_s=10, cpu_s=1))  # wall: slack for a busy CPU
+    assert res.status == "killed" and "CPU" in res.as_text() and res.seconds < 10
+
+
+def test_sleeping_code_hits_the_wall_clock():
+    res = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.5, cpu_s=2))
+    assert res.status == "timeout" and res.seconds < 5 and "time limit" in res.as_text()
+
+
+def test_memory_hog_gets_memory_error():
+    res = run_python("x = bytearray(1 << 30)\nprint('allocated')", FAST)
+    assert res.status == "error" and "MemoryError" in res.as_text() and "allocated" not in res.stdout
+
+
+def test_tool_reports_errors_and_runs_concurrently():
+    tool = PythonTool({"timeout": 4, "cpu_s": 2})
+
+    async def call(code):
+        iid, _ = await tool.create()
+        resp, reward, metrics = await tool.execute(iid, {"code": code})
+        await tool.release(iid)
+        return resp.text, metrics
+
+    async def main():
+        return await asyncio.gather(call("import time; time.sleep(1); print('a')"),
+                                    call("import time; time.sleep(1); print('b')"), call("1/0"),
+                                    call("print(7 * 6)"))
+
+    t0 = time.perf_counter()
+    out = asyncio.run(main())
+    assert [o[0] for o in out[:2]] == ["a", "b"] and "ZeroDivisionError" in out[2][0] and out[3][0] == "42"
+    assert out[2][1]["error"] == 1 and out[3][1]["error"] == 0
+    assert time.perf_counter() - t0 < 1.9  # the two one-second sleeps overlapped
