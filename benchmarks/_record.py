@@ -31,8 +31,12 @@ BENCHMARK_NAMES = [
     (r"^flow_quickstart_cpu", "flow_quickstart_cpu"),
     (r"^quickstart", "quickstart"),
     (r"^examples/grpo_smollm2_addition\.sh", "grpo_smollm2_addition.sh"),
+    (r"^reward_model\.py (scoring|judge)", r"reward_model \1"),
+    (r"^moe_decode\.py \(engine, decode only\) (\S+)", r"moe_decode \1"),
+    (r"^tp_decode\.py (\S+) (TP \d+( FP8)?)", r"tp_decode \1 \2"),
     # probes: one engineering question each (benchmarks/probes/); kept in the history, left out of the summary
     (r"^seed_workloads\.py --gemms", "probes/seed_workloads --gemms"),
+    (r"^moe_decode\.py --gemms", "probes/moe_decode --gemms"),
     (r"^(a_bound|gemm_waves|sampler_bench|decode_kernel|flow_fp8_rollout)\.py", r"probes/\1"),
     (r"^packed attention", "probes/packed attention"),
     (r"^logprob\+entropy", "probes/logprob+entropy"),
@@ -51,7 +55,7 @@ def device_class(device: str) -> str:
     if device.upper().startswith("CPU") or device == "cpu":
         return "CPU"
     gpu = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", device)
-    count = re.match(r"(\d+)x ", device)
+    count = re.match(r"(\d+)x ", device) or re.search(r" x(\d+)$", device)
     name = gpu.group(1) if gpu else device.split("(")[0].strip()
     return f"{count.group(1)}x {name}" if count and count.group(1) != "1" else name
 
