@@ -78,6 +78,8 @@ def parallelize(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
     else:
         fully_shard(root, reshard_after_forward=cfg.reshard_after_forward,
                     ignored_params={p for p in root.parameters() if id(p) not in block_params}, **kw)
+        for p in replicated:  # FSDP leaves ignored parameters where they are: a policy loaded on the host (rollout TP)
+            p.data = p.data.to(device)
         _all_reduce_grads_of(replicated)
     if cfg.forward_prefetch:
         prefetch_forward(blocks)
