@@ -60,22 +60,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * x.numel() / float(np.median(times))
-
-
 def forward_flops(cfg, lengths: list[int]) -> float:
     from polyrl.learner.flops import training_flops
 
@@ -186,6 +170,8 @@ def bench_judge(args, device: str, dtype, peak: float, rows: list, report: dict,
         W = eng.weight_bytes()
         s = eng.spec
         kvpt = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
+        from rollout import copy_bandwidth  # the one copy-bandwidth probe every roofline uses
+
         bw = copy_bandwidth()
         t_min = 2 * (trunk * B * P + head * B) / peak + sum(W + B * (P + i) * kvpt for i in range(N)) / bw
         roof = B * N / t_min

@@ -116,22 +116,6 @@ def build_engine(spec, tp, fp8: bool, args):
                         shards=shards)
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * x.numel() / float(np.median(times))
-
-
 def allreduce_busbw(group, n: int, nbytes: int = 256 << 20, iters: int = 10) -> float:
     """All-reduce bus bandwidth (bytes/s) of a large bf16 buffer over `group`: the link's practical limit."""
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -247,6 +231,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dev_name = f"{torch.cuda.get_device_name()} x{world}"
+    from rollout import copy_bandwidth  # the one copy-bandwidth probe every roofline uses
+
     bw = copy_bandwidth()
     spec = spec_of(args.shape, args.layers)
     ids = torch.randint(0, spec.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
