@@ -34,7 +34,8 @@ def mlp_active_intermediate(cfg, layer: int) -> int:
     plus a shared expert's (qwen2_moe) in an MoE layer."""
     if not is_sparse_layer(cfg, layer):
         return _get(cfg, "intermediate_size")
-    return _get(cfg, "num_experts_per_tok") * _get(cfg, "moe_intermediate_size") + \
+    width = _get(cfg, "moe_intermediate_size") or _get(cfg, "intermediate_size")  # Mixtral: experts are that wide
+    return _get(cfg, "num_experts_per_tok") * width + \
         (_get(cfg, "shared_expert_intermediate_size") or 0)
 
 
