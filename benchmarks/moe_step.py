@@ -105,6 +105,8 @@ def setup(work: Path, args) -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
     model.save_pretrained(work / "model")
     del model
+    if args.device == "cuda":  # rank 0's GPU would keep its bf16 copy cached (and the planner's free memory short)
+        torch.cuda.empty_cache()
 
 
 def bandwidth(device: str) -> float:

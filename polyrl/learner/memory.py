@@ -163,7 +163,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
            engine_on_device: bool, extra_static: int, world_size: int, compile_layers: bool | None,
            checkpointing: bool | None, update_tokens: int | None = None, chunk_size: int = 2048,
            peak_flops: float = 0.0, trains: bool = True, engine_bytes: int | None = None,
-           tp_size: int = 1) -> dict[str, Choice]:
+           tp_size: int = 1, engine_auto: bool = False) -> dict[str, Choice]:
     """The auto values (pure function of the numbers; keys are the short names of `plan_memory`'s keys).
     `trains=False`: a process that only generates (the off-policy rollout GPU) holds no optimizer state.
 
@@ -171,7 +171,9 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
     rollout replica) in bytes. A user's `update_tokens` budget is kept; checkpointing is then on iff it does not fit
     without. `peak_flops` (the device's dense bf16 peak; 0: unknown) sizes the compile decision. `engine_bytes`:
     the engine's weights on this GPU where they are not a bf16 replica (a tensor-parallel slice); `tp_size`: GPUs
-    per replica (its engine generates the rows of `tp_size` ranks, each rank holding 1/tp_size of their KV)."""
+    per replica (its engine generates the rows of `tp_size` ranks, each rank holding 1/tp_size of their KV).
+    `engine_auto`: the engine's share is ours to pick, so where its weights and one full-length row's KV cache do
+    not fit beside the trainer the run is refused here (ConfigError), not by the engine after planning."""
     cuda = device.type == "cuda"
     out: dict[str, Choice] = {}
     if compile_layers is None:
@@ -213,6 +215,16 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
         kv = num_rollout_rows * (max_seq_len + 32) * shape.kv_bytes_per_token
         want = engine + 2 * GiB + 1.25 * kv
         room = free - HEADROOM * total - (static - engine)
+        one_row = (max_seq_len + 32) * shape.kv_bytes_per_token
+        if engine_auto and room < engine + 2 * GiB + one_row:
+            from polyrl.errors import ConfigError
+
+            raise ConfigError(
+                f"the rollout engine needs {(engine + 2 * GiB + one_row) / GiB:.1f} GiB per GPU ({engine / GiB:.1f} "
+                f"GiB of weights, a {max_seq_len}-token row of KV cache and its 2 GiB reserve) but only "
+                f"{room / GiB:.1f} GiB is left beside the trainer's {(static - engine) / GiB:.1f} GiB of optimizer "
+                f"state and copies ({gib}); set actor_rollout_ref.actor.fsdp_config.offload_policy=True, train "
+                "LoRA (actor_rollout_ref.model.lora_rank=64), use more GPUs or a smaller model.")
         util = max(0.05, min(want, room) / total)
         out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
                                f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
@@ -318,19 +330,15 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     a, r, ref, m = roles.actor, roles.rollout, roles.ref, roles.model
     shape = ModelShape.of(model)
     max_seq_len = data.max_prompt_length + data.max_response_length
-    extra = 0
     uses_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    if uses_ref and not m.lora_rank and not m.lora_adapter_path:
-        extra += shape.num_params * shape.param_bytes  # the reference is a frozen copy
-    if world_size > 1:
-        extra += shape.num_params * shape.param_bytes // world_size  # sharded copy beside the full rollout replica
-    if cfg.critic.enable:
-        extra += shape.num_params * shape.param_bytes * 4
+    extra = copies_bytes(cfg, shape, world_size)
     free, total = device_memory(device)
+    if device.type == "cuda":  # what the allocator caches but no tensor holds is free to this process
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if world_size > 1:
         free = int(dist.all_reduce(torch.tensor(free, dtype=torch.float64, device=device), op="min"))
     rows = data.train_batch_size * r.n // max(1, world_size)
-    tp_choice, engine_bytes = _tensor_parallel(cfg, model, shape, device, world_size, role, rows, max_seq_len)
+    tp_choice, engine_bytes = _tensor_parallel(cfg, model, shape, device, world_size, role, rows, max_seq_len, free)
     if engine_bytes is not None and device.type == "cuda" and next(model.parameters()).is_cuda:
         free += shape.num_params * shape.param_bytes  # the loaded policy leaves the GPU (ppo.py): no replica there
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
@@ -340,7 +348,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
                      peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0,
-                     engine_bytes=engine_bytes, tp_size=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+                     engine_bytes=engine_bytes, tp_size=cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                     engine_auto=r.gpu_memory_utilization is None)
     made: list[Choice] = [tp_choice] if tp_choice else []
 
     def take(name, holder, attr, key=None, read=True):
@@ -384,25 +393,35 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     return made
 
 
-def trainer_state_bytes(cfg, shape: ModelShape, world_size: int) -> int:
-    """The trainer's bytes on each GPU outside the update's activations, all FSDP-sharded over `world_size`: its
-    weights, Adam state and gradients, a frozen reference (full fine-tuning with a KL term), a critic; plus the LM
-    head's chunk workspace."""
+def copies_bytes(cfg, shape: ModelShape, world_size: int) -> int:
+    """Bytes on each GPU of the copies beside the optimizer state that the memory measured at plan time does not
+    hold (ppo.py keeps the loaded policy in host memory on multi-GPU runs): the trained weights' FSDP2 shard
+    (several processes), a frozen reference (full fine-tuning with a KL term; FSDP2-sharded like the policy,
+    ppo.py's parallelize_frozen) and a critic (weights, gradients and Adam state, whole on each GPU). One account
+    for `plan_memory` and `choose_tp_size`."""
     a, m = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
     weights = shape.num_params * shape.param_bytes
-    total = weights + shape.num_trainable * 3 * shape.param_bytes
+    out = weights // world_size if world_size > 1 else 0
     if (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not m.lora_rank and not m.lora_adapter_path:
-        total += weights
+        out += weights // world_size
     if cfg.critic.enable:
-        total += weights * 4
-    return total // world_size + 2048 * shape.vocab * 8
+        out += weights * 4
+    return out
+
+
+def trainer_state_bytes(cfg, shape: ModelShape, world_size: int) -> int:
+    """The trainer's bytes on each GPU outside the update's activations: Adam state and gradients (FSDP-sharded over
+    `world_size`), the copies `copies_bytes` counts, and the LM head's chunk workspace (as `choose` counts them)."""
+    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
+    return optimizer + copies_bytes(cfg, shape, world_size) + 2048 * shape.vocab * 8
 
 
 def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, role: str, rows: int,
-                     max_seq_len: int) -> tuple[Choice | None, int | None]:
+                     max_seq_len: int, free: int) -> tuple[Choice | None, int | None]:
     """Resolve `rollout.tensor_model_parallel_size` (auto: `choose_tp_size`, on CUDA with the native engine and
     several processes; else 1) and return (the auto choice or None, one rank's engine weight bytes under TP or
-    None for a full replica). A set size is kept; one the model's heads do not divide is refused here."""
+    None for a full replica). A set size is kept; one the model's heads do not divide is refused here. `free`: the
+    least free bytes of any rank, measured as `plan_memory` does (a policy still on the GPU leaves it)."""
     from polyrl.rollout.native.tensor_parallel import check_divides
 
     r, c = cfg.actor_rollout_ref.rollout, model.config
@@ -414,10 +433,12 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
         r.tensor_model_parallel_size = 1
         if device.type == "cuda" and r.name == "native" and role == "colocated" and world_size > 1:
             _, total = device_memory(device)
+            if next(model.parameters()).is_cuda:
+                free += shape.num_params * shape.param_bytes
             per_node = min(world_size, cfg.trainer.n_gpus_per_node)
             trainer = trainer_state_bytes(cfg, shape, world_size)
             made = choose_tp_size(shape, num_heads=heads, num_kv_heads=kv_heads, gpus_per_node=per_node,
-                                  room=int(total * (1 - HEADROOM) - trainer), rows_per_rank=rows,
+                                  room=int(free - HEADROOM * total - trainer), rows_per_rank=rows,
                                   max_seq_len=max_seq_len, fp8=r.quantization == "fp8", tied=tied)
             r.tensor_model_parallel_size = made.value
     n = r.tensor_model_parallel_size

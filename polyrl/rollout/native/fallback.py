@@ -31,6 +31,8 @@ def fall_back_to_hf(cfg, model, why: UnsupportedModel, *, record_routes: bool, p
                           f"(model_type in {SUPPORTED_MODEL_TYPES}).")
     print(f"polyrl: {why.reason}: generating with actor_rollout_ref.rollout.name=hf (transformers' forward, slower) "
           "for this model")
+    if device.type == "cuda" and next(model.parameters()).device != device:  # multi-GPU runs keep it on the host
+        model.to(device)
     return build_hf_rollout(cfg, model, pad_token_id=pad_token_id, device=device, max_model_len=max_model_len)
 
 
