@@ -19,7 +19,8 @@ MOE_24 = ModelShape(hidden=2048, intermediate=8 * 768, num_layers=24, vocab=1519
 def _plan(free, cfg, world=4, rows=64, seq=4096):
     return choose(MOE_24, device=torch.device("cuda"), free=free, total=TOTAL, max_seq_len=seq, num_rollout_rows=rows,
                   engine_on_device=True, extra_static=copies_bytes(cfg, MOE_24, world), world_size=world,
-                  compile_layers=True, checkpointing=None, engine_auto=True)
+                  compile_layers=True, checkpointing=None, engine_auto=True,
+                  trains=not cfg.actor_rollout_ref.actor.fsdp_config.cpu_offload)  # as plan_memory passes it
 
 
 def test_15b_moe_full_finetune_on_4_h200s_plans_a_kv_cache():
@@ -50,3 +51,6 @@ def test_an_engine_that_cannot_fit_is_refused_with_one_sentence():
     # the bug's numbers: the unsharded fp32 policy still on each GPU at plan time (53 GiB free)
     with pytest.raises(ConfigError, match=r"offload_policy=True.*lora_rank"):
         _plan(int(53.0 * GiB), cfg)
+    # the first fix it names: FSDP2 keeps weights, gradients and Adam state in host memory, the engine then fits
+    cfg.actor_rollout_ref.actor.fsdp_config.offload_policy = True
+    assert _plan(int(53.0 * GiB), cfg)["engine"].value > 0.05

@@ -2,7 +2,8 @@
 keeps its KV cache through the update.
 
 Every key handled here defaults to None ("auto"); an explicit user value is never touched. `plan_memory` reads the
-model's shape, the sequence lengths and the memory actually free on the device (after the policy is loaded), picks
+model's shape, the sequence lengths and the memory actually free on the device (after the policy is loaded: on the
+GPU with one process, in host memory with several, where each GPU gets FSDP2 shards and the engine's copy), picks
 a value for each auto key, writes it into the config and prints it once with its reason.
 
 The memory model (bytes on one device during the update; the engine's KV cache is released by then):
@@ -223,8 +224,9 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                 f"the rollout engine needs {(engine + 2 * GiB + one_row) / GiB:.1f} GiB per GPU ({engine / GiB:.1f} "
                 f"GiB of weights, a {max_seq_len}-token row of KV cache and its 2 GiB reserve) but only "
                 f"{room / GiB:.1f} GiB is left beside the trainer's {(static - engine) / GiB:.1f} GiB of optimizer "
-                f"state and copies ({gib}); set actor_rollout_ref.actor.fsdp_config.offload_policy=True, train "
-                "LoRA (actor_rollout_ref.model.lora_rank=64), use more GPUs or a smaller model.")
+                f"state and copies ({gib}); " + ("set actor_rollout_ref.actor.fsdp_config.offload_policy=True, "
+                                                 if trains else "")
+                + "train LoRA (actor_rollout_ref.model.lora_rank=64), use more GPUs or a smaller model.")
         util = max(0.05, min(want, room) / total)
         out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
                                f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
@@ -319,8 +321,8 @@ def resolve_switches(cfg) -> None:
 
 
 def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role: str = "colocated") -> list[Choice]:
-    """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`); print each choice
-    once. `role`: colocated (trains and generates), train (no engine on this GPU) or rollout (no optimizer).
+    """Fill every auto (None) memory key of the PPO config `cfg` for `model` (loaded on `device`, or on the host by a
+    multi-GPU run: see `copies_bytes`); print each choice once. `role`: colocated (trains and generates), train (no engine on this GPU) or rollout (no optimizer).
     Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv) every
     rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
@@ -344,7 +346,7 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",
-                     trains=role != "rollout",
+                     trains=role != "rollout" and not a.fsdp_config.cpu_offload,  # offloaded: host memory
                      extra_static=extra, world_size=world_size, compile_layers=compile_set,
                      checkpointing=m.enable_gradient_checkpointing, update_tokens=a.ppo_max_token_len_per_gpu,
                      peak_flops=device_peak_flops(device) if device.type == "cuda" else 0.0,
@@ -401,7 +403,7 @@ def copies_bytes(cfg, shape: ModelShape, world_size: int) -> int:
     for `plan_memory` and `choose_tp_size`."""
     a, m = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model
     weights = shape.num_params * shape.param_bytes
-    out = weights // world_size if world_size > 1 else 0
+    out = weights // world_size if world_size > 1 and not a.fsdp_config.cpu_offload else 0  # offloaded: host
     if (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not m.lora_rank and not m.lora_adapter_path:
         out += weights // world_size
     if cfg.critic.enable:
@@ -412,7 +414,8 @@ def copies_bytes(cfg, shape: ModelShape, world_size: int) -> int:
 def trainer_state_bytes(cfg, shape: ModelShape, world_size: int) -> int:
     """The trainer's bytes on each GPU outside the update's activations: Adam state and gradients (FSDP-sharded over
     `world_size`), the copies `copies_bytes` counts, and the LM head's chunk workspace (as `choose` counts them)."""
-    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
+    offloaded = cfg.actor_rollout_ref.actor.fsdp_config.cpu_offload  # FSDP2 keeps the state in host memory
+    optimizer = 0 if offloaded else shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
     return optimizer + copies_bytes(cfg, shape, world_size) + 2048 * shape.vocab * 8
 
 
