@@ -54,3 +54,30 @@ def test_an_engine_that_cannot_fit_is_refused_with_one_sentence():
     # the first fix it names: FSDP2 keeps weights, gradients and Adam state in host memory, the engine then fits
     cfg.actor_rollout_ref.actor.fsdp_config.offload_policy = True
     assert _plan(int(53.0 * GiB), cfg)["engine"].value > 0.05
+
+
+def test_expert_weight_casts_shrink_the_update_budget_without_checkpointing():
+    """Full fine-tuning in fp32 keeps a bf16 copy of every layer's experts through backward (autocast): the budget
+    leaves room for them, all layers' without checkpointing, one layer's with it; LoRA's frozen bf16 experts add none."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from polyrl.models.moe import expert_parameters
+
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    shape = ModelShape.of(model)
+    assert shape.expert_cast_bytes == 2 * sum(p.numel() for p in expert_parameters(model)) > 0
+    model.to(torch.bfloat16).requires_grad_(False)
+    assert ModelShape.of(model).expert_cast_bytes == 0
+
+    casts = dataclasses.replace(MOE_24, expert_cast_bytes=2 * 14_800_000_000)
+    kw = dict(device=torch.device("cuda"), free=TOTAL - GiB, total=TOTAL, max_seq_len=4096, num_rollout_rows=64,
+              engine_on_device=False, extra_static=0, world_size=4, compile_layers=True)
+    budget = lambda shape, ckpt: choose(shape, checkpointing=ckpt, **kw)["update_tokens"].value  # noqa: E731
+    assert budget(casts, False) < budget(MOE_24, False)
+    per_token = 24 * 2 * (6 * 2048 + 3 * 8 * 768)  # bf16 activations of 24 compiled layers (memory.py)
+    assert budget(MOE_24, False) - budget(casts, False) == pytest.approx(29.6e9 / per_token, rel=0.1)
+    assert budget(MOE_24, True) - budget(casts, True) < budget(MOE_24, False) - budget(casts, False)

@@ -77,11 +77,15 @@ class ModelShape:
     # the expert outputs in the grouped GEMMs), bf16 bytes; `intermediate` is then the active width (top_k experts)
     moe_bytes_per_token: int = 0
     num_active: int | None = None  # parameters one token passes through (MoE: top_k of the experts); None: all
+    # MoE full fine-tuning: the bf16 copies autocast makes of the fp32 routed experts, which the grouped GEMMs save
+    # for backward: every layer's without checkpointing (a 12-layer 30B-A3B: 13 GiB the per-token activations miss;
+    # a dense layer's casts are within the calibrated activation ratios), one layer's with it
+    expert_cast_bytes: int = 0
 
     @classmethod
     def of(cls, model) -> "ModelShape":
         from polyrl.learner.flops import is_sparse_layer, mlp_active_intermediate
-        from polyrl.models.moe import parameter_counts
+        from polyrl.models.moe import expert_parameters, parameter_counts
 
         c = model.config
         heads = c.num_attention_heads
@@ -105,7 +109,9 @@ class ModelShape:
                    param_bytes=params[0].element_size(),
                    moe_intermediate=getattr(c, "moe_intermediate_size", 0) if experts else 0,
                    shared_intermediate=(getattr(c, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
-                   moe_bytes_per_token=moe_bytes, num_active=min(trainable, active) if sparse else None)
+                   moe_bytes_per_token=moe_bytes, num_active=min(trainable, active) if sparse else None,
+                   expert_cast_bytes=2 * sum(p.numel() for p in expert_parameters(model)
+                                             if p.requires_grad and p.dtype == torch.float32))
 
 
 def layer_activation_bytes(shape: ModelShape) -> int:
@@ -190,8 +196,9 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
         spare *= MULTI_PROCESS_SAFETY
     gib = f"{free / GiB:.1f} GiB free of {total / GiB:.1f}, {static / GiB:.1f} GiB more for optimizer/engine/copies"
     floor = max_seq_len  # one whole sequence must fit a micro-batch
+    casts = {False: shape.expert_cast_bytes, True: shape.expert_cast_bytes // max(1, shape.num_layers)}
     if checkpointing is None:
-        fast = spare / update_bytes_per_token(shape, checkpointing=False, compiled=compile_layers)
+        fast = (spare - casts[False]) / update_bytes_per_token(shape, checkpointing=False, compiled=compile_layers)
         # enough tokens per micro-batch to keep the GEMMs efficient, and one whole sequence: at long context a single
         # sequence already is a large micro-batch, and checkpointing would re-run every layer (~1/3 more compute)
         want = update_tokens or max(MIN_FAST_TOKENS, max_seq_len)
@@ -201,6 +208,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
             f"without it {max(0, int(fast))} tokens fit per micro-batch, {want} wanted ({gib})" if checkpointing
             else f"{int(min(fast, 1e9))} tokens fit per micro-batch without it, {want} wanted ({gib})")
     per_token = update_bytes_per_token(shape, checkpointing=checkpointing, compiled=compile_layers)
+    spare -= casts[bool(checkpointing)]
     budget = _round_down(spare / per_token, floor, MAX_UPDATE_TOKENS)
     out["update_tokens"] = Choice(
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget,

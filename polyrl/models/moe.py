@@ -71,7 +71,12 @@ class MoERouting:
         self.recorded: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.agreement: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        # one hook object for every router, kept out of torch.compile: a per-layer closure made compiled decoder
+        # layers recompile once per layer (dynamo guards the closure's layer index) until the recompile limit
+        # (8) sent the rest eager, with more activation memory than planned (an OOM on 2 H200s, 12-layer 30B-A3B)
+        self._layer_of = {id(r): i for i, r in enumerate(self.routers)}
+        hook = torch.compiler.disable(self._on_router)
+        self._handles = [r.register_forward_hook(hook) for r in self.routers]
 
     # ---- what the forwards do ----------------------------------------------------------------------------------
     @contextmanager
@@ -134,35 +139,33 @@ class MoERouting:
         self._handles = []
 
     # ---- the hook ----------------------------------------------------------------------------------------------
-    def _hook(self, layer: int):
-        def hook(module, args, output):
-            if not self._planned or module is not self.routers[layer]:
-                return None
-            logits, weights, ids = output
-            if self._collect:
-                self.logits[layer] = logits
-            if self._record:
-                self.recorded[layer] = ids.detach().to(torch.int16)
-            if self._routes_NLK is None:
-                return None
-            want = self._routes_NLK[:, layer]
-            if want.shape[0] != ids.shape[0]:
-                raise RuntimeError(f"routing replay: {want.shape[0]} recorded rows for a forward of {ids.shape[0]} "
-                                   "tokens (the routes must be laid out as the forward's input ids).")
-            want = want.to(ids.device, torch.long)
-            have = want[:, 0] >= 0  # -1 rows: not recorded, the router's own choice stands
-            with torch.no_grad():
-                self.agreement[layer] = ((_same_sets(ids, want) & have).sum(), have.sum())
-            if not self._apply:
-                return None
-            chosen = torch.where(have[:, None], want, ids)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-            gate = probs.gather(1, chosen)
-            if getattr(module, "norm_topk_prob", False):
-                gate = gate / gate.sum(dim=-1, keepdim=True)
-            return logits, gate.to(weights.dtype), chosen
-
-        return hook
+    def _on_router(self, module, args, output):
+        layer = self._layer_of.get(id(module))
+        if not self._planned or layer is None or module is not self.routers[layer]:
+            return None
+        logits, weights, ids = output
+        if self._collect:
+            self.logits[layer] = logits
+        if self._record:
+            self.recorded[layer] = ids.detach().to(torch.int16)
+        if self._routes_NLK is None:
+            return None
+        want = self._routes_NLK[:, layer]
+        if want.shape[0] != ids.shape[0]:
+            raise RuntimeError(f"routing replay: {want.shape[0]} recorded rows for a forward of {ids.shape[0]} "
+                               "tokens (the routes must be laid out as the forward's input ids).")
+        want = want.to(ids.device, torch.long)
+        have = want[:, 0] >= 0  # -1 rows: not recorded, the router's own choice stands
+        with torch.no_grad():
+            self.agreement[layer] = ((_same_sets(ids, want) & have).sum(), have.sum())
+        if not self._apply:
+            return None
+        chosen = torch.where(have[:, None], want, ids)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        gate = probs.gather(1, chosen)
+        if getattr(module, "norm_topk_prob", False):
+            gate = gate / gate.sum(dim=-1, keepdim=True)
+        return logits, gate.to(weights.dtype), chosen
 
 
 # ---------------------------------------------------------------------------------------------- parameter counts
