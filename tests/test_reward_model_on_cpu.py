@@ -127,16 +127,16 @@ def test_scores_do_not_depend_on_batching(digit_rm):
 
 
 def test_ppo_with_a_critic_and_a_reward_model(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
-    """Classic RLHF: GAE with a value model, rewards from the RM; the step runs and reports critic metrics."""
-    from polyrl.trainer.ppo import PPOTrainer
-
-    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
-                                          "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=64",
-                                          "reward_model.enable=True", f"reward_model.model.path={digit_rm}"))
-    m = PPOTrainer(cfg).step()
-    for k in ("critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "timing_s/reward_model",
-              "timing_s/update_critic"):
-        assert k in m, k
+    """Classic RLHF: GAE over a value model's estimates, rewards from the RM alone; the policy learns what the RM
+    prefers (the digit fraction rose from ~0.1 to ~0.8 in 8 steps when written)."""
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=8",
+                                          "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=128",
+                                          "critic.optim.lr=1e-2", "reward_model.enable=True",
+                                          f"reward_model.model.path={digit_rm}"))
+    before, after, logs = _learns(cfg)
+    assert after - before > 0.2, (before, after)
+    for k in ("critic/vf_loss", "critic/vf_explained_var", "timing_s/reward_model", "timing_s/update_critic"):
+        assert k in logs[-1], k
 
 
 # ------------------------------------------------------------------------------------------------ generative judge
