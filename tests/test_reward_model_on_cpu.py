@@ -128,7 +128,7 @@ def test_scores_do_not_depend_on_batching(digit_rm):
 
 def test_ppo_with_a_critic_and_a_reward_model(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
     """Classic RLHF: GAE over a value model's estimates, rewards from the RM alone; the policy learns what the RM
-    prefers (the digit fraction rose from ~0.1 to ~0.8 in 8 steps when written)."""
+    prefers (its score, critic/score/mean, rose 0.21 -> 0.92 over the 8 steps when written)."""
     cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=8",
                                           "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=128",
                                           "critic.optim.lr=1e-2", "reward_model.enable=True",
