@@ -11,6 +11,7 @@ from polyrl.config import build_config
 from polyrl.errors import ConfigError
 from polyrl.models.tiny_reward import grey_images, train_brightness_judge
 from polyrl.trainer.flow_config import FlowConfig
+from test_flow_pipeline_on_cpu import pipe_dir  # noqa: F401  (a fixture: the tiny Qwen-Image pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,26 @@ def test_a_text_model_or_a_template_without_the_image_is_refused(brightness_judg
     bad.write_text("JUDGE_TEMPLATE = 'Is {question} bright?'\n\ndef parse_score(a):\n    return 1.0\n")
     with pytest.raises(ConfigError, match="no \\{response\\} placeholder"):
         build_flow_reward(build_config(FlowConfig(), _keys(brightness_judge[0], bad)).reward)
+
+
+def test_a_flow_grpo_step_scores_its_images_with_the_vlm_judge(brightness_judge, pipe_dir):
+    """The judge as the reward of a FlowGRPO step on a tiny Qwen-Image pipeline (tests/test_flow_pipeline_on_cpu.py's):
+    the generated 32x32 images go through the image processor, and every score is a parsed verdict, 0 or 1."""
+    from test_flow_pipeline_on_cpu import _config
+
+    from polyrl.models.diffusion.pipeline import load_pipeline_policy
+    from polyrl.trainer.flow_cli import build_flow_reward
+    from polyrl.trainer.flow_grpo import FlowGRPOTrainer
+
+    torch.manual_seed(0)
+    cfg = _config(1.0, True, False)
+    cfg.reward = build_config(FlowConfig(), _keys(*brightness_judge)).reward
+    reward_fn, _ = build_flow_reward(cfg.reward)
+    p = cfg.actor_rollout_ref.rollout.pipeline
+    policy = load_pipeline_policy(pipe_dir, height=p.height, width=p.width,
+                                  max_sequence_length=p.max_sequence_length)
+    policy.add_lora(4, 8, cfg.actor_rollout_ref.model.target_modules)
+    prompts = [("a square", {}), ("a card", {})]
+    m = FlowGRPOTrainer(cfg, policy, reward_fn, prompts, prompts[:1]).step()
+    assert m["critic/rewards/min"] in (0.0, 1.0) and m["critic/rewards/max"] in (0.0, 1.0)
+    assert reward_fn.last_components["reward/judge_parse_failures"] == 0.0
