@@ -117,7 +117,7 @@ class ProcessReward:
     def __init__(self, factory: Callable, args: tuple = (), *, gpus: list[str], timeout_s: float = 3600.0):
         ctx = mp.get_context("spawn")  # a fork would inherit this process's CUDA context
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.timeout_s = timeout_s
+        self.gpus, self.timeout_s = gpus, timeout_s
         with _environ(CUDA_VISIBLE_DEVICES=",".join(gpus)):  # a spawned child starts with this environment
             self.proc = ctx.Process(target=_serve, args=(factory, args, self.inbox, self.outbox), daemon=True)
             self.proc.start()
