@@ -99,4 +99,4 @@ def test_a_flow_grpo_step_scores_its_images_with_the_vlm_judge(brightness_judge,
     prompts = [("a square", {}), ("a card", {})]
     m = FlowGRPOTrainer(cfg, policy, reward_fn, prompts, prompts[:1]).step()
     assert m["critic/rewards/min"] in (0.0, 1.0) and m["critic/rewards/max"] in (0.0, 1.0)
-    assert reward_fn.last_components["reward/judge_parse_failures"] == 0.0
+    assert m["reward/judge_parse_failures"] == 0.0 and m["reward/reward_model"] == m["critic/rewards/mean"]
