@@ -221,13 +221,18 @@ def _reward_fn(s: RewardModelSetting, custom):
 def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=None):
     """The reward for the trainer: a `ModelReward` in this process, or, with `enable_resource_pool`, a client of one
     in a process holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`)."""
-    _reward_fn(s, cfg.custom_reward_function)  # a bad custom function or directory fails here, not in the worker
     if _pool(s.model):
-        from polyrl.models.loader import _check_dir
-
-        _check_dir(s.path, s.path_key)
+        check_model_reward(s, cfg)  # a bad custom function or directory fails here, not in the worker
         return RemoteModelReward(s, cfg, overlong)
     return _build(s, cfg, overlong=overlong, device=device, dist=dist, colocated=True)
+
+
+def check_model_reward(s: RewardModelSetting, cfg) -> None:
+    """One sentence for a missing model directory or a custom function without `rm_score`, before anything loads."""
+    from polyrl.models.loader import _check_dir
+
+    _check_dir(s.path, s.path_key)
+    _reward_fn(s, cfg.custom_reward_function)
 
 
 def _pool(block: RewardModelConfig | RewardModel09Config) -> bool:

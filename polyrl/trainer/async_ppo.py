@@ -245,8 +245,14 @@ class AsyncPPOTrainer(PPOTrainer):
         return msg["samples"], batch, msg["index"], metrics
 
     def _make_reward(self):
-        """Built when validation first scores: the rollout process scores the training batches, so a reward model
-        loads here only if validation needs it."""
+        """A reward model is built when validation first scores (the rollout process scores the training batches, so
+        it loads here only if validation needs it); its directory and custom function are checked now."""
+        from polyrl.rewards.model_reward import check_model_reward, resolve_reward_model
+
+        setting = resolve_reward_model(self.cfg, self.dist.data.world_size)
+        if setting is None:
+            return super()._make_reward()
+        check_model_reward(setting, self.cfg)
         return _BuiltOnUse(super()._make_reward)
 
     def _update_settings(self, batch, skip_mini_batches: int = 0):
