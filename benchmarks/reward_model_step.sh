@@ -7,6 +7,7 @@
 #   offpolicy serial: the RM colocated on the rollout GPU, scored after each generation;
 #   offpolicy behind: the RM on GPU 2, scoring batch k while the rollout generates batch k+1
 #                     (timing_s/reward_overlap: seconds of scoring hidden behind that generation).
+# RUNS="colocated own_gpu" picks runs (each is one `polyrl train` of STEPS steps, about 2-4 minutes).
 # Prints the mean timing_s/* of steps 2..N of each run (step 1 warms up and starts the RM), the device, and the
 # bound each layout can reach: colocated step >= gen + reward + update; own GPU the same minus the RM's wake/sleep;
 # behind, the reward leaves the rollout's critical path (reward_overlap -> reward).
@@ -31,8 +32,10 @@ print(sys.argv[1], {k.split("/")[1]: round(sum(r.get(k, 0) for r in rows) / max(
                     if any(k in r for r in rows)}, f"({len(rows)} steps)")
 PY
 }
+RUNS=" ${RUNS:-colocated own_gpu offpolicy_serial offpolicy_behind} "  # a subset fits a shorter time limit
 run() {  # run <name> <CUDA_VISIBLE_DEVICES> <keys...>
   local name=$1 gpus=$2; shift 2
+  [[ "$RUNS" == *" $name "* ]] || return 0
   CUDA_VISIBLE_DEVICES=$gpus timeout 900 python -m polyrl train "${common[@]}" "$@" trainer.run_dir="$OUT/$name" \
     trainer.default_local_dir="$OUT/$name/ck" > "$OUT/$name.log" 2>&1 || tail -5 "$OUT/$name.log"
   summary "$name" "$OUT/$name"
