@@ -7,7 +7,7 @@
 #   offpolicy serial: the RM colocated on the rollout GPU, scored after each generation;
 #   offpolicy behind: the RM on GPU 2, scoring batch k while the rollout generates batch k+1
 #                     (timing_s/reward_overlap: seconds of scoring hidden behind that generation).
-# RUNS="colocated own_gpu" picks runs (each is one `polyrl train` of STEPS steps, about 2-4 minutes).
+# RUNS="colocated own_gpu" picks runs (each is one `polyrl train` of STEPS steps; the device allows 600 s a call).
 # Prints the mean timing_s/* of steps 2..N of each run (step 1 warms up and starts the RM), the device, and the
 # bound each layout can reach: colocated step >= gen + reward + update; own GPU the same minus the RM's wake/sleep;
 # behind, the reward leaves the rollout's critical path (reward_overlap -> reward).
