@@ -82,7 +82,8 @@ class VLMJudge:
         self.tokenizer = load_tokenizer(s.path, key=s.key)
         self.image_processor = AutoImageProcessor.from_pretrained(s.path)
         self.image_pad = self.tokenizer.convert_ids_to_tokens(self.model_config.image_token_id)
-        dtype = torch.float32 if self.device.type == "cpu" else to_dtype(s.rollout.dtype, "reward.reward_model.rollout.dtype")
+        key = "reward.reward_model.rollout.dtype"
+        dtype = torch.float32 if self.device.type == "cpu" else to_dtype(s.rollout.dtype, key)
         model = AutoModelForImageTextToText.from_pretrained(s.path, dtype=dtype).eval().requires_grad_(False)
         self.offload = None
         if self.device.type == "cuda" and s.rollout.free_cache_engine:
