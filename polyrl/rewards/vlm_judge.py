@@ -68,7 +68,7 @@ class VLMJudge:
         self.spec = spec
         template, parser = load_judge_file(spec.judge, spec.key.rsplit(".", 1)[0])
         self.template, self.verdicts = template, Verdicts(parser, spec.judge.default_score)
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or _default_device()
         self.model = None  # loaded on the first call (module docstring)
         self.num_parse_failures = 0
 
@@ -156,6 +156,18 @@ class VLMJudge:
     def pop_metrics(self) -> dict[str, float]:
         n, self.num_parse_failures = self.num_parse_failures, 0
         return {"reward/judge_parse_failures": float(n)}
+
+
+def _default_device() -> torch.device:
+    """The trainer's GPU in its process; in a reward worker a torchrun rank spawned, that rank's (LOCAL_RANK is
+    inherited); in a Ray actor, the one GPU Ray left visible."""
+    import os
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def _vlm_config(path: str, key: str):
