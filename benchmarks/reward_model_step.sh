@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Whole GRPO step with a Qwen2.5-7B-shaped reward model (random weights), on a 2-GPU host:
-#   colocated: policy (Qwen2.5-1.5B shape) and RM on GPU 0; the RM sleeps in host memory while the actor trains;
-#   own GPU:   the policy on GPU 0, the RM in a Ray actor on GPU 1 (reward_model.enable_resource_pool=True).
-# Prints the mean timing_s/{step,gen,reward,reward_model,update_actor} of steps 2..N of each run (step 1 warms up).
+# Whole GRPO step with a Qwen2.5-7B-shaped reward model (random weights), Qwen2.5-1.5B-shaped policy:
+#   colocated: policy and RM on GPU 0; the RM sleeps in host memory while the actor trains;
+#   own GPU:   the policy on GPU 0, the RM on GPU 1 in a process of its own (reward_model.enable_resource_pool=True;
+#              spawned on this host, no Ray needed);
+# and, on a host with 3+ GPUs, the one-step off-policy pipeline (trainer GPU 0, rollout GPU 1):
+#   offpolicy serial: the RM colocated on the rollout GPU, scored after each generation;
+#   offpolicy behind: the RM on GPU 2, scoring batch k while the rollout generates batch k+1
+#                     (timing_s/reward_overlap: seconds of scoring hidden behind that generation).
+# RUNS="colocated own_gpu" picks runs (each is one `polyrl train` of STEPS steps; the device allows 600 s a call).
+# Prints the mean timing_s/* of steps 2..N of each run (step 1 warms up and starts the RM), the device, and the
+# bound each layout can reach: colocated step >= gen + reward + update; own GPU the same minus the RM's wake/sleep;
+# behind, the reward leaves the rollout's critical path (reward_overlap -> reward).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; M=${M:-/tmp/rm_step_models}; STEPS=${STEPS:-4}; mkdir -p "$OUT"
+NGPU=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed "s/^/device: ${NGPU}x /"
 [ -d "$M/rm" ] || python benchmarks/reward_model.py --save-models "$M" --policy-shape "${POLICY_SHAPE:-1.5b}"
 common=(data.train_files="$M/data/train.parquet" data.train_batch_size=32 data.max_prompt_length=64
   data.max_response_length=512 actor_rollout_ref.model.path="$M/policy" actor_rollout_ref.rollout.n=8
@@ -16,17 +26,26 @@ summary() {  # summary <name> <run dir>
   python - "$1" "$2/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[2]) if "timing_s/step" in l][1:]
-keys = ["timing_s/step", "timing_s/gen", "timing_s/reward", "timing_s/reward_model", "timing_s/update_actor"]
-print(sys.argv[1], {k.split("/")[1]: round(sum(r.get(k, 0) for r in rows) / max(1, len(rows)), 3) for k in keys},
-      f"({len(rows)} steps)")
+keys = ["timing_s/step", "timing_s/gen", "timing_s/reward", "timing_s/reward_model", "timing_s/reward_fn",
+        "timing_s/reward_overlap", "timing_s/exposed_generation", "timing_s/update_actor"]
+print(sys.argv[1], {k.split("/")[1]: round(sum(r.get(k, 0) for r in rows) / max(1, len(rows)), 3) for k in keys
+                    if any(k in r for r in rows)}, f"({len(rows)} steps)")
 PY
 }
-CUDA_VISIBLE_DEVICES=0 timeout 900 python -m polyrl train "${common[@]}" trainer.run_dir="$OUT/colocated" \
-  trainer.default_local_dir="$OUT/colocated/ck" > "$OUT/colocated.log" 2>&1 || tail -5 "$OUT/colocated.log"
-summary colocated "$OUT/colocated"
-CUDA_VISIBLE_DEVICES=1 ray start --head --num-gpus=1 --disable-usage-stats > "$OUT/ray.log" 2>&1
-CUDA_VISIBLE_DEVICES=0 RAY_ADDRESS=auto timeout 900 python -m polyrl train "${common[@]}" \
-  reward_model.enable_resource_pool=True reward_model.n_gpus_per_node=1 trainer.run_dir="$OUT/own_gpu" \
-  trainer.default_local_dir="$OUT/own_gpu/ck" > "$OUT/own_gpu.log" 2>&1 || tail -5 "$OUT/own_gpu.log"
-summary own_gpu "$OUT/own_gpu"
-ray stop > /dev/null 2>&1
+RUNS=" ${RUNS:-colocated own_gpu offpolicy_serial offpolicy_behind} "  # a subset fits a shorter time limit
+run() {  # run <name> <CUDA_VISIBLE_DEVICES> <keys...>
+  local name=$1 gpus=$2; shift 2
+  [[ "$RUNS" == *" $name "* ]] || return 0
+  CUDA_VISIBLE_DEVICES=$gpus timeout 900 python -m polyrl train "${common[@]}" "$@" trainer.run_dir="$OUT/$name" \
+    trainer.default_local_dir="$OUT/$name/ck" > "$OUT/$name.log" 2>&1 || tail -5 "$OUT/$name.log"
+  summary "$name" "$OUT/$name"
+}
+run colocated 0
+run own_gpu 0,1 reward_model.enable_resource_pool=True reward_model.n_gpus_per_node=1
+if [ "$NGPU" -ge 3 ]; then
+  off=(actor_rollout_ref.hybrid_engine=False actor_rollout_ref.rollout.gpu_memory_utilization=0.5)  # room to wake the RM
+  run offpolicy_serial 0,1 "${off[@]}"
+  run offpolicy_behind 0,1,2 "${off[@]}" reward_model.enable_resource_pool=True reward_model.n_gpus_per_node=1
+else
+  echo "offpolicy_serial/offpolicy_behind skipped: the pipeline with an RM of its own needs 3 GPUs ($NGPU here)"
+fi

@@ -410,3 +410,38 @@ def test_an_error_in_the_rollout_process_reaches_the_trainer_as_one_sentence(tin
     last = [line for line in log.splitlines() if line.startswith("polyrl: error: The rollout process failed")]
     assert len(last) == 1 and "batch 0" in last[0] and "no score today" in last[0], log[-3000:]
 
+
+
+SLOW_RM_REWARD = '''
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, rm_score=0.0):
+    time.sleep(0.05)  # 16 samples a batch: 0.8 s, longer than generating one
+    return rm_score
+'''
+
+
+@pytest.mark.slow  # 3 processes start and import torch: 87 s on a 2-core box at load 8 (the 1-process error test: 59)
+def test_a_reward_model_of_its_own_scores_behind_the_next_generation(tiny_model_dir, synth_data_dir, tmp_path):
+    """enable_resource_pool without Ray: the classifier and the (slow) custom function run in a process spawned on
+    this host (on the CPU here, n_gpus_per_node=0); the rollout process hands each batch to it and generates the next
+    meanwhile (trainer/scoring_behind.py). Batch 0's scoring spans batch 1's whole generation, and timing_s/reward
+    splits into the model, the function and the round trip."""
+    from polyrl.models.tiny_reward import save_tiny
+
+    save_tiny(tmp_path / "rm", "LlamaForSequenceClassification", seed=0, num_labels=1)
+    reward = tmp_path / "reward.py"
+    reward.write_text(SLOW_RM_REWARD)
+    argv = _args(tiny_model_dir, synth_data_dir, tmp_path, 3, "actor_rollout_ref.hybrid_engine=False",
+                 "reward.reward_model.enable=True", f"reward.reward_model.model_path={tmp_path / 'rm'}",
+                 "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=0",
+                 f"custom_reward_function.path={reward}")
+    codes, log = _wait(_job(argv))
+    assert codes == [0, 0], log[-4000:]
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["timing_s/reward_fn"] >= 0.8 and r["timing_s/reward_model"] > 0
+        assert r["timing_s/reward"] >= r["timing_s/reward_fn"] + r["timing_s/reward_model"]
+    assert rows[0]["timing_s/reward_overlap"] >= 0.8 * rows[1]["timing_s/gen"] > 0

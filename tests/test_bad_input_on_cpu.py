@@ -116,9 +116,9 @@ def test_help_points_at_the_keys(argv, capsys):
 
 
 def test_keys_lists_one_trainer_under_a_prefix(capsys):
-    assert cli_main(["keys", "flow", "reward.reward_model."]) == 0
+    assert cli_main(["keys", "flow", "reward.reward_model.judge."]) == 0
     keys = [line.split("\t")[0] for line in capsys.readouterr().out.strip().splitlines()]
-    assert keys == ["reward.reward_model.enable", "reward.reward_model.model_path",
-                    "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node"]
+    assert keys == ["reward.reward_model.judge.path", "reward.reward_model.judge.template",
+                    "reward.reward_model.judge.parser", "reward.reward_model.judge.default_score"]
     assert cli_main(["keys", "train", "no.such.prefix"]) == 2
     assert "No train key starts with 'no.such.prefix'" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -63,3 +63,37 @@ def test_grpo_with_a_reward_model_and_with_a_judge_on_cuda(digit_rm, digit_judge
         trainer = PPOTrainer(_cfg(tiny_model_dir, synth_data_dir, tmp_path / name, *keys))
         m = trainer.step()
         assert m["timing_s/reward_model"] > 0 and 0.0 <= m["critic/score/mean"] <= 1.05, (name, m)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the trainer's and the reward model's")
+def test_a_reward_model_on_a_gpu_of_its_own_without_ray(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
+    """enable_resource_pool on one host without Ray: the model runs in a process spawned on GPU 1 (the one after the
+    trainer's), which holds memory there while the trainer computes on GPU 0."""
+    from polyrl.rewards.remote import ProcessReward
+    from polyrl.trainer.ppo import PPOTrainer
+
+    free_before = torch.cuda.mem_get_info(1)[0]
+    trainer = PPOTrainer(_cfg(tiny_model_dir, synth_data_dir, tmp_path, "reward_model.enable=True",
+                              f"reward_model.model.path={digit_rm}", "reward_model.enable_resource_pool=True",
+                              "reward_model.n_gpus_per_node=1"))
+    assert isinstance(trainer.reward.client, ProcessReward) and trainer.reward.client.gpus == ["1"]
+    m = trainer.step()
+    assert m["timing_s/reward_model"] > 0 and m["timing_s/reward"] >= m["timing_s/reward_model"]
+    assert free_before - torch.cuda.mem_get_info(1)[0] > 100 * 2**20  # the worker's context and model on GPU 1
+    trainer.reward.close()
+
+
+def test_the_vlm_judge_in_bf16_on_cuda_agrees_with_cpu(tmp_path):
+    from polyrl.models.tiny_reward import grey_images, train_brightness_judge
+    from polyrl.rewards.config import JudgeConfig, RewardModelRolloutConfig
+    from polyrl.rewards.vlm_judge import VLMJudge, VLMJudgeSpec
+
+    model_dir, judge_file = train_brightness_judge(tmp_path / "vlm")
+    spec = VLMJudgeSpec(str(model_dir), "k.model_path", JudgeConfig(path=str(judge_file)),
+                        RewardModelRolloutConfig(do_sample=False, response_length=2, max_num_seqs=16))
+    images = grey_images(torch.rand(32, generator=torch.Generator().manual_seed(3)), seed=5)
+    cpu = VLMJudge(spec, device=torch.device("cpu"))(images, ["square"] * 32, [{}] * 32)
+    gpu_judge = VLMJudge(spec, device=torch.device("cuda"))
+    gpu = gpu_judge(images, ["square"] * 32, [{}] * 32)
+    assert next(gpu_judge.model.parameters()).device.type == "cpu"  # asleep between calls (free_cache_engine)
+    assert sum(a == b for a, b in zip(cpu, gpu)) >= 30, (cpu, gpu)

@@ -127,16 +127,16 @@ def test_scores_do_not_depend_on_batching(digit_rm):
 
 
 def test_ppo_with_a_critic_and_a_reward_model(digit_rm, tiny_model_dir, synth_data_dir, tmp_path):
-    """Classic RLHF: GAE with a value model, rewards from the RM; the step runs and reports critic metrics."""
-    from polyrl.trainer.ppo import PPOTrainer
-
-    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=1",
-                                          "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=64",
-                                          "reward_model.enable=True", f"reward_model.model.path={digit_rm}"))
-    m = PPOTrainer(cfg).step()
-    for k in ("critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "timing_s/reward_model",
-              "timing_s/update_critic"):
-        assert k in m, k
+    """Classic RLHF: GAE over a value model's estimates, rewards from the RM alone; the policy learns what the RM
+    prefers (its score, critic/score/mean, rose 0.21 -> 0.92 over the 8 steps when written)."""
+    cfg = build_config(PPOConfig(), _grpo(tiny_model_dir, synth_data_dir, tmp_path, "trainer.total_training_steps=8",
+                                          "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=128",
+                                          "critic.optim.lr=1e-2", "reward_model.enable=True",
+                                          f"reward_model.model.path={digit_rm}"))
+    before, after, logs = _learns(cfg)
+    assert after - before > 0.2, (before, after)
+    for k in ("critic/vf_loss", "critic/vf_explained_var", "timing_s/reward_model", "timing_s/update_critic"):
+        assert k in logs[-1], k
 
 
 # ------------------------------------------------------------------------------------------------ generative judge
@@ -247,6 +247,47 @@ def test_sharded_reward_model_matches_one_process(digit_rm, tmp_path):
     got0, got1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     torch.testing.assert_close(torch.tensor(got0), torch.tensor(want), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got1), torch.tensor(want[:2]), rtol=0, atol=1e-5)
+
+
+def test_reward_gpus_without_ray_are_the_ones_after_the_training_processes(monkeypatch):
+    from polyrl.rewards.remote import local_reward_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # e.g. the off-policy pipeline's trainer and rollout processes
+    for rank, gpus in ((0, ["6"]), (1, ["7"])):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert local_reward_gpus(2, "k") == gpus
+    assert local_reward_gpus(1, "k") == ["6"]  # fewer reward GPUs than ranks: shared
+    assert local_reward_gpus(0, "k") == []  # the CPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert local_reward_gpus(2, "k") == ["5", "6"]
+    with pytest.raises(ConfigError, match="reward.reward_model.n_gpus_per_node=8 .* set it to at most 3"):
+        local_reward_gpus(8, "reward.reward_model.n_gpus_per_node")
+
+
+def test_a_reward_process_without_ray_scores_as_here_and_reports_errors():
+    """`ProcessReward` (a spawned process, the no-Ray pool): answers in ticket order whatever order they are asked
+    in, and the reward's own exceptions come back as one sentence instead of a hang."""
+    from polyrl.errors import RewardError
+    from polyrl.rewards.config import CustomRewardConfig, OverlongBufferConfig
+    from polyrl.rewards.remote import ProcessReward, manager_score
+
+    args = (CustomRewardConfig(), OverlongBufferConfig(enable=True, len=4), 8)
+    samples = [("polyrl/reverse", "cba", "cba", {}), ("polyrl/reverse", "abc", "cba", {})]
+    here = manager_score(*args)
+    worker = ProcessReward(manager_score, args, gpus=[])
+    try:
+        a, b = worker.submit(samples, [3, 8]), worker.submit(samples[:1], [7])
+        assert worker.get([b, a]) == [here(samples[:1], [7]), here(samples, [3, 8])]
+        with pytest.raises(RewardError, match="overlong_buffer needs one response length per sample"):
+            worker.get(worker.submit(samples, [3]))
+    finally:
+        worker.close()
+    broken = ProcessReward(int, ("x",), gpus=[])
+    with pytest.raises(RewardError, match="building the reward raised ValueError"):
+        broken.get(broken.submit())
+    broken.close()
 
 
 @pytest.mark.slow  # ~20-40 s: a local Ray starts and its worker imports torch and transformers

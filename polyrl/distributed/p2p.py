@@ -2,7 +2,8 @@
 
 Two one-way streams, so neither side can block the other by sending at the same time:
 - `send_object` / `recv_object`: pickled Python objects (rollout batches, the start-up handshake) as CPU byte tensors,
-  always over gloo (with NCCL on the GPUs the job is `cpu:gloo,cuda:nccl`, and CPU tensors take gloo).
+  always over gloo (with NCCL on the GPUs the job is `cpu:gloo,cuda:nccl`, and CPU tensors take gloo), on a gloo
+  group of their own (`object_link`), so that a thread may send objects while another receives weights.
 - `WeightSender` / `WeightReceiver`: the trainer's weights, flattened into buckets of at most `bucket_bytes` (one
   dtype per bucket) and sent with `isend`, so the trainer goes on to its next stage while they travel (over NCCL on
   GPUs). Both ends derive the same bucket plan from the same `(name, shape, dtype)` list: only values travel.
@@ -24,18 +25,24 @@ OBJECT_TAG = 1
 WEIGHT_TAG = 2
 
 
-def send_object(obj: Any, dst: int) -> list:
-    """Start sending `obj` to rank `dst`; returns the pending works (keep them until they are waited on)."""
+def object_link():
+    """The gloo group objects travel on; every rank of the job calls this once, in the same order."""
+    return dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+
+
+def send_object(obj: Any, dst: int, group=None) -> list:
+    """Start sending `obj` to rank `dst` (over `group`, an `object_link`); returns the pending works (keep them until
+    they are waited on)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [dist.isend(size, dst, tag=OBJECT_TAG), dist.isend(payload, dst, tag=OBJECT_TAG)]
+    return [dist.isend(size, dst, group=group, tag=OBJECT_TAG), dist.isend(payload, dst, group=group, tag=OBJECT_TAG)]
 
 
-def recv_object(src: int) -> Any:
+def recv_object(src: int, group=None) -> Any:
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, tag=OBJECT_TAG)
+    dist.recv(size, src, group=group, tag=OBJECT_TAG)
     payload = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(payload, src, tag=OBJECT_TAG)
+    dist.recv(payload, src, group=group, tag=OBJECT_TAG)
     return pickle.loads(payload.numpy().tobytes())
 
 

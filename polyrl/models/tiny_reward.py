@@ -129,3 +129,85 @@ def train_digit_judge(out: str | Path, *, steps: int = 120, seed: int = 1) -> tu
         opt.step()
     model.save_pretrained(out)
     return out, judge_file
+
+
+# ------------------------------------------------------------------------------------------------ VLM judge (images)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
+    "{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+BRIGHTNESS_JUDGE_FILE = '''
+JUDGE_TEMPLATE = "Is this {question} bright? {response} Say 1 or 0."
+
+
+def parse_score(answer):
+    answer = answer.strip()
+    return float(answer[0]) if answer[:1] in ("0", "1") else None
+'''
+
+
+def save_tiny_vlm(out: str | Path, seed: int = 0):
+    """A random tiny Qwen2-VL (one text and one vision block, 56x56 pixels = 4 image tokens) with the char tokenizer
+    plus the vision tokens and a chat template that places images, and its image processor, saved to `out`."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from polyrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer(chat_template=VLM_CHAT_TEMPLATE, extra_special_tokens=VISION_TOKENS)
+    start, end, pad = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=512, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=start, vision_end_token_id=end,
+                        image_token_id=pad, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(out)
+    return model, tok
+
+
+def grey_images(brightness: torch.Tensor, size: int = 32, seed: int = 0) -> torch.Tensor:
+    """[B, 3, size, size] images of the given mean brightness, with pixel noise."""
+    noise = torch.rand(len(brightness), 3, size, size, generator=torch.Generator().manual_seed(seed)) - 0.5
+    return (brightness.view(-1, 1, 1, 1) + 0.2 * noise).clamp(0, 1)
+
+
+def train_brightness_judge(out: str | Path, *, steps: int = 60, seed: int = 2) -> tuple[Path, Path]:
+    """A tiny Qwen2-VL judge answering 1 for bright images (mean > 0.5) and 0 for dark ones after the prompt of
+    `BRIGHTNESS_JUDGE_FILE`, trained on the inputs polyrl's VLM judge builds (rewards/vlm_judge.py); returns (model
+    directory, judge file)."""
+    from polyrl.rewards.config import JudgeConfig, RewardModelRolloutConfig
+    from polyrl.rewards.vlm_judge import VLMJudge, VLMJudgeSpec
+
+    out = Path(out)
+    save_tiny_vlm(out, seed=seed)
+    judge_file = out.parent / f"{out.name}_judge.py"
+    judge_file.write_text(BRIGHTNESS_JUDGE_FILE)
+    spec = VLMJudgeSpec(str(out), "reward.reward_model.model_path", JudgeConfig(path=str(judge_file)),
+                        RewardModelRolloutConfig())
+    judge = VLMJudge(spec, device=torch.device("cpu"))
+    judge.load()
+    model, tok = judge.model, judge.tokenizer
+    model.requires_grad_(True).train()
+    one, zero = tok.convert_tokens_to_ids(["1", "0"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        b = torch.rand(16, generator=g)
+        x = judge.inputs(grey_images(b, seed=step), ["square"] * 16, [{}] * 16)
+        logits = model(**x).logits[:, -1]  # the answer's first token, after the generation prompt
+        target = torch.where(b > 0.5, one, zero)
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(out)
+    return out, judge_file

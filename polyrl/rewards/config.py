@@ -83,9 +83,10 @@ class ModelRewardConfig:
     enable: bool = False
     """Score responses with a reward model: a sequence classifier, or a generative judge (judge.path)."""
     enable_resource_pool: bool = False
-    """Score in a Ray actor (as launch_reward_fn_async) holding n_gpus_per_node GPUs of its own. Start Ray with only
-    those GPUs visible (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train on the others with
-    RAY_ADDRESS=auto."""
+    """Score in a process holding n_gpus_per_node GPUs of its own. A reward model on one host needs no Ray: it runs
+    in a process spawned on the GPUs after the training processes' ones. With a Ray cluster (RAY_ADDRESS; always for
+    a rule reward or FlowGRPO's scorer), a Ray actor: start Ray with only those GPUs visible
+    (`CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`) and train on the others with RAY_ADDRESS=auto."""
     n_gpus_per_node: int = 0
     """GPUs of the reward resource pool per node; each trainer rank's actor asks for this / ranks per node."""
     nnodes: int = 0

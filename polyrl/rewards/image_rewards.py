@@ -1,6 +1,7 @@
 """Image rewards: `fn(images, prompts, metadata) -> scores`, images a float tensor [B, C, H, W] in [0, 1].
 
 Built-ins live in a name->factory registry (`REWARDS`): `ocr` (flow_grpo's formula on rapidocr's transcription).
+A VLM judge (`reward.reward_model.*`, rewards/vlm_judge.py) joins as the component `reward_model`.
 The quickstart registers its digit classifier at run time. `load_custom` imports a user function by file path;
 `weighted` combines several into sum_i w_i * r_i and reports each component (`reward/<name>`) for logging.
 """
@@ -147,18 +148,20 @@ class WeightedReward:
         for name, fn in self.fns.items():
             scores = as_scores(fn(images, prompts, metadata), len(prompts), name)
             self.last_components[f"reward/{name}"] = float(scores.mean())
+            self.last_components.update(getattr(fn, "pop_metrics", dict)())  # a judge's parse failures
             total += self.weights.get(name, 1.0) * scores
         return total
 
 
 def build_reward(reward_fns: dict[str, float], custom_path: str | None = None, custom_name: str = "compute_score",
-                 extra: dict[str, RewardFn] | None = None) -> WeightedReward:  # fmt: skip
-    """The configured reward: built-ins by name with weights, plus `extra` (task rewards) and a custom fn."""
+                 extra: dict[str, RewardFn] | None = None, judge=None) -> WeightedReward:  # fmt: skip
+    """The configured reward: built-ins by name with weights, plus `extra` (task rewards), a custom fn and a VLM
+    judge (`judge`, a `vlm_judge.VLMJudgeSpec`: the `reward_model` component)."""
     available = dict(extra or {})
     fns, weights = {}, {}
     for name, w in reward_fns.items():
-        if name == "custom" and custom_path:
-            continue  # the weight of the custom fn, added below
+        if (name == "custom" and custom_path) or (name == "reward_model" and judge is not None):
+            continue  # the weight of the custom fn or the judge, added below
         if name in available:
             fns[name] = available[name]
         elif name in REWARDS:
@@ -169,4 +172,9 @@ def build_reward(reward_fns: dict[str, float], custom_path: str | None = None, c
     if custom_path:
         fns["custom"] = load_custom(custom_path, custom_name)
         weights["custom"] = float(reward_fns.get("custom", 1.0))
+    if judge is not None:
+        from polyrl.rewards.vlm_judge import VLMJudge
+
+        fns["reward_model"] = VLMJudge(judge)
+        weights["reward_model"] = float(reward_fns.get("reward_model", 1.0))
     return WeightedReward(fns, weights)

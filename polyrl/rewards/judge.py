@@ -58,6 +58,31 @@ def last_user_turn(chat: list[dict]) -> str:
     return str(users[-1]) if users else ""
 
 
+class Verdicts:
+    """Judge answers to scores with the judge file's parser; an answer it cannot read scores `default_score`."""
+
+    def __init__(self, parser, default_score: float):
+        self.parser, self.default_score = parser, default_score
+        self.warned = False
+
+    def parse(self, answer: str) -> float | None:
+        try:
+            value = self.parser(answer)
+            value = None if value is None else float(value)
+        except Exception as e:  # a judge's odd answer must not stop training (counted as a parse failure)
+            if not self.warned:
+                print(f"polyrl: judge parser raised {type(e).__name__}: {e} on {answer!r:.80}; such answers score "
+                      f"{self.default_score} (reward/judge_parse_failures counts them)", flush=True)
+                self.warned = True
+            return None
+        return value if value is not None and math.isfinite(value) else None
+
+    def read(self, answers: list[str]) -> tuple[list[float], list[bool]]:
+        """A score per answer, and whether it failed to parse."""
+        parsed = [self.parse(a) for a in answers]
+        return [self.default_score if v is None else v for v in parsed], [v is None for v in parsed]
+
+
 class GenerativeJudge:
     """A causal LM judge on the native engine; see the module docstring."""
 
@@ -66,8 +91,8 @@ class GenerativeJudge:
         from polyrl.models.loader import load_causal_lm, load_tokenizer
         from polyrl.rollout.native.engine import NativeEngine
 
-        self.template, self.parser = load_judge_file(judge, key)
-        self.default_score = judge.default_score
+        self.template, parser = load_judge_file(judge, key)
+        self.verdicts = Verdicts(parser, judge.default_score)
         self.tokenizer = load_tokenizer(path, key=key, trust_remote_code=trust_remote_code)
         lm = load_causal_lm(path, dtype=dtype, key=key, trust_remote_code=trust_remote_code)
         self.rollout = rollout
@@ -81,7 +106,6 @@ class GenerativeJudge:
             self.engine.release_memory(offload_weights=True)
         eos = self.tokenizer.eos_token_id
         self.stop_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
-        self.warned = False
 
     def prompt_ids(self, question: str, response: str, reference: str) -> list[int]:
         message = fill(self.template, question, response, reference)
@@ -94,16 +118,7 @@ class GenerativeJudge:
         return ids[-self.rollout.prompt_length:]  # keep the end: the instructions and the generation prompt
 
     def parse(self, answer: str) -> float | None:
-        try:
-            value = self.parser(answer)
-            value = None if value is None else float(value)
-        except Exception as e:  # a judge's odd answer must not stop training (counted as a parse failure)
-            if not self.warned:
-                print(f"polyrl: judge parser raised {type(e).__name__}: {e} on {answer!r:.80}; such answers score "
-                      f"{self.default_score} (reward/judge_parse_failures counts them)", flush=True)
-                self.warned = True
-            return None
-        return value if value is not None and math.isfinite(value) else None
+        return self.verdicts.parse(answer)
 
     def score(self, chats: list[list[dict]], responses: list[str], references: list) -> tuple[list[float], list[bool]]:
         """A score per response, and whether its verdict failed to parse."""
@@ -121,6 +136,4 @@ class GenerativeJudge:
         finally:
             if self.sleep:
                 self.engine.release_memory(offload_weights=True)
-        answers = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-        parsed = [self.parse(a) for a in answers]
-        return [self.default_score if v is None else v for v in parsed], [v is None for v in parsed]
+        return self.verdicts.read(self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True))

@@ -18,8 +18,10 @@ model-only path skips the manager), and lands on the last response token as any 
 verl's `rm_scores`).
 
 Placement: colocated by default (the model sleeps while the actor trains); with `enable_resource_pool=True` the model
-and the manager run in a Ray actor holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`, on the rule
-reward's actor machinery in rewards/remote.py), where the model never sleeps.
+and the manager run in a process holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`), where the model
+never sleeps: a Ray actor where a Ray cluster is given (the rule reward's actor machinery in rewards/remote.py), else
+a process spawned on the GPUs of this host after the training processes' ones. In the off-policy pipeline
+(trainer/async_ppo.py) its scoring of a batch overlaps the generation of the next.
 
 Timing: `timing_s/reward` splits into `timing_s/reward_model` (the model) and `timing_s/reward_fn` (the manager).
 """
@@ -218,14 +220,19 @@ def _reward_fn(s: RewardModelSetting, custom):
 
 def build_model_reward(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=None):
     """The reward for the trainer: a `ModelReward` in this process, or, with `enable_resource_pool`, a client of one
-    in a Ray actor holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`)."""
-    _reward_fn(s, cfg.custom_reward_function)  # a bad custom function fails here, not inside the Ray actor
+    in a process holding `n_gpus_per_node` GPUs of its own (`RemoteModelReward`)."""
     if _pool(s.model):
-        from polyrl.rewards.remote import reward_gpus_per_rank
-
-        gpus = reward_gpus_per_rank(s.model.n_gpus_per_node, f"{s.key}.n_gpus_per_node")
-        return RemoteModelReward(s, cfg, overlong, num_gpus=gpus)
+        check_model_reward(s, cfg)  # a bad custom function or directory fails here, not in the worker
+        return RemoteModelReward(s, cfg, overlong)
     return _build(s, cfg, overlong=overlong, device=device, dist=dist, colocated=True)
+
+
+def check_model_reward(s: RewardModelSetting, cfg) -> None:
+    """One sentence for a missing model directory or a custom function without `rm_score`, before anything loads."""
+    from polyrl.models.loader import _check_dir
+
+    _check_dir(s.path, s.path_key)
+    _reward_fn(s, cfg.custom_reward_function)
 
 
 def _pool(block: RewardModelConfig | RewardModel09Config) -> bool:
@@ -262,7 +269,7 @@ def _build(s: RewardModelSetting, cfg, *, overlong, device: torch.device, dist=N
 
 
 def _actor_scorer(s: RewardModelSetting, cfg, overlong):
-    """Built inside the Ray reward actor (its own GPUs): (samples, lengths, chats, ids) -> (scores, extras,
+    """Built inside the reward worker (its own GPUs): (samples, lengths, chats, ids) -> (scores, extras,
     metrics, seconds in the model, seconds in the manager)."""
     from polyrl.utils.timing import StepTimer
 
@@ -279,15 +286,16 @@ def _actor_scorer(s: RewardModelSetting, cfg, overlong):
 
 
 class RemoteModelReward:
-    """`ModelReward`'s interface over a Ray actor with GPUs of its own (`enable_resource_pool`): the model loads and
-    runs there, never on the trainer's GPUs, and it never sleeps. `timing_s/reward_model` and `timing_s/reward_fn`
-    are the actor's own; the rest of `timing_s/reward` is the round trip."""
+    """`ModelReward`'s interface over a process with GPUs of its own (`enable_resource_pool`): a Ray actor, or without
+    a Ray cluster a process spawned on this host's spare GPUs (`remote.reward_worker`). The model loads and runs
+    there, never on the trainer's GPUs, and it never sleeps. `timing_s/reward_model` and `timing_s/reward_fn` are
+    the worker's own; the rest of `timing_s/reward` is the round trip."""
 
-    def __init__(self, s: RewardModelSetting, cfg, overlong, *, num_gpus: float, address: str | None = None):
-        from polyrl.rewards.remote import RayReward
+    def __init__(self, s: RewardModelSetting, cfg, overlong, *, address: str | None = None):
+        from polyrl.rewards.remote import reward_worker
 
-        self.client = RayReward(_actor_scorer, (s, cfg, overlong), num_gpus=num_gpus, key=f"{s.key}.n_gpus_per_node",
-                                address=address)
+        self.client = reward_worker(_actor_scorer, (s, cfg, overlong), n_gpus_per_node=s.model.n_gpus_per_node,
+                                    key=f"{s.key}.n_gpus_per_node", address=address)
         self.metrics: dict[str, float] = {}
 
     def score(self, samples, response_lengths=None, *, chats, response_ids=None, timer=None):

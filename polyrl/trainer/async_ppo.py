@@ -34,6 +34,9 @@ lognormal lengths) it took 1.1-1.4 s of the rollout's 6.5 s per batch. Hence the
 correction on where the gap is large (FP8 rollouts). Batches as fresh as the trained weights (the first, and all of
 them at age 0) take the on-policy path (`old_from_current`): no pass, bit-identical results.
 
+A reward in a process of its own (a reward model on GPUs of its own, the rule reward's Ray actor) scores batch k on
+a thread while the rollout process generates batch k+1 (trainer/scoring_behind.py; `timing_s/reward_overlap`).
+
 Partial rollouts (`async_training.partial_rollout=True`, trainer/partial_rollout.py): the rollout caps the tokens
 a row decodes per generation call and continues unfinished rows in the next call, shipping the groups that finished;
 their rows span weight versions, so pi_old is the engine's token by token and each sample is tagged with the first
@@ -68,13 +71,14 @@ import torch.distributed as dist
 
 from polyrl.distributed import DistEnv
 from polyrl.distributed.env import use_expandable_segments
-from polyrl.distributed.p2p import WeightReceiver, WeightSender, recv_object, send_object, tensor_spec
+from polyrl.distributed.p2p import WeightReceiver, WeightSender, object_link, recv_object, send_object, tensor_spec
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
 from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
 from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
+from polyrl.trainer.scoring_behind import ScoringBehind, ScoringFailed
 from polyrl.utils.timing import StepTimer
 
 TRAINER_RANK, ROLLOUT_RANK = 0, 1
@@ -160,6 +164,18 @@ class RemoteRollout:
         pass
 
 
+class _BuiltOnUse:
+    """An object built by `build()` when one of its attributes is first read."""
+
+    def __init__(self, build):
+        self._build, self._built = build, None
+
+    def __getattr__(self, name):
+        if self._built is None:
+            self._built = self._build()
+        return getattr(self._built, name)
+
+
 class _MirroredGenerator:
     """Holds the rollout engine's generator state as it arrives (it may be a CUDA generator's: kept opaque)."""
 
@@ -179,6 +195,7 @@ class AsyncPPOTrainer(PPOTrainer):
     ROLE = "train"
 
     def __init__(self, cfg, dist_env: DistEnv):
+        self._link = object_link()  # both roles' first call, so the groups pair up
         self._sender = WeightSender(ROLLOUT_RANK, _bucket_bytes(cfg))
         if cfg.actor_rollout_ref.rollout.free_cache_engine is None:  # no engine cache on this GPU to keep
             cfg.actor_rollout_ref.rollout.free_cache_engine = True
@@ -206,14 +223,14 @@ class AsyncPPOTrainer(PPOTrainer):
         hello = {"global_step": self.global_step, "total_steps": self.total_steps,
                  "sampler": self.sampler.state_dict(), "engine": self._engine_generator_state()}
         with self._lost_guard("at start-up"):
-            for w in send_object(hello, ROLLOUT_RANK):
+            for w in send_object(hello, ROLLOUT_RANK, self._link):
                 w.wait()
             self._sender.send(self._weights_for_rollout())
         self.engine.streaming = True
 
     def _collect_batch(self, timer):
         with timer.stage("exposed_generation"), self._lost_guard(f"before batch {self.global_step}"):
-            msg = recv_object(ROLLOUT_RANK)
+            msg = recv_object(ROLLOUT_RANK, self._link)
         if "error" in msg:
             raise RolloutProcessLost(f"The rollout process failed generating batch {msg['batch_index']}: "
                                      f"{msg['error']}")
@@ -226,6 +243,17 @@ class AsyncPPOTrainer(PPOTrainer):
         metrics = {**msg["metrics"], **msg["timings"],
                    **staleness_metrics(msg["weight_versions"], self.global_step, self.max_age)}
         return msg["samples"], batch, msg["index"], metrics
+
+    def _make_reward(self):
+        """A reward model is built when validation first scores (the rollout process scores the training batches, so
+        it loads here only if validation needs it); its directory and custom function are checked now."""
+        from polyrl.rewards.model_reward import check_model_reward, resolve_reward_model
+
+        setting = resolve_reward_model(self.cfg, self.dist.data.world_size)
+        if setting is None:
+            return super()._make_reward()
+        check_model_reward(setting, self.cfg)
+        return _BuiltOnUse(super()._make_reward)
 
     def _update_settings(self, batch, skip_mini_batches: int = 0):
         s = super()._update_settings(batch, skip_mini_batches)
@@ -268,12 +296,28 @@ class _RolloutRole(PPOTrainer):
     ROLE = "rollout"
 
 
+def scores_behind(cfg, reward) -> bool:
+    """Whether the rollout process scores one batch behind its generation (trainer/scoring_behind.py): the reward
+    runs in a process of its own, and no stage needs a batch's scores, or the rollout GPU, before the next
+    generation (DAPO's group filter and remax's baseline decide what to generate next; decoupled rollout correction
+    and partial rollouts are serial here for now)."""
+    from polyrl.rewards.model_reward import RemoteModelReward
+    from polyrl.rewards.remote import RemoteReward
+
+    alg, rc = cfg.algorithm, cfg.algorithm.rollout_correction
+    return isinstance(reward, (RemoteModelReward, RemoteReward)) and not (
+        alg.filter_groups.enable or alg.adv_estimator == "remax" or (rc.enabled and not rc.bypass_mode)
+        or cfg.async_training.partial_rollout)
+
+
 class RolloutWorker:
     """The rollout process: generates and scores batch after batch with the newest weights the age limit allows
     (evaluating stale batches' behaviour log-probs where decoupled rollout correction asks for them), and sends each
-    batch to the trainer."""
+    batch to the trainer. A reward in a process of its own scores one batch behind the generation
+    (trainer/scoring_behind.py)."""
 
     def __init__(self, cfg, dist_env: DistEnv):
+        self.link = object_link()  # both roles' first call, so the groups pair up
         cfg = copy.deepcopy(cfg)
         resolve_defaults(cfg)
         # no reference model, critic, logs or resumed state here: the trainer owns those, and sends the start position
@@ -295,30 +339,47 @@ class RolloutWorker:
         r = cfg.actor_rollout_ref.rollout
         self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg)) \
             if cfg.async_training.partial_rollout else None
+        self.behind = ScoringBehind(self.roll, self._message, self._send) if scores_behind(cfg, self.roll.reward) \
+            else None
+        self.pending: list = []  # the works of the last message sent
 
     def serve(self) -> None:
-        hello = recv_object(TRAINER_RANK)
+        hello = recv_object(TRAINER_RANK, self.link)
         start, total = hello["global_step"], hello["total_steps"]
         self.roll.sampler.load_state_dict(hello["sampler"])
         set_engine_state(self.roll.engine, hello["engine"])
         self._load_weights(start)
-        pending: list = []
         for k in range(start, total):
             with self.timer.stage("rollout_idle"):
                 while self.version < k - self.max_age:
                     self._load_weights(self.version + 1)
             self.roll.global_step = k  # names rollout_data_dir dumps after the step that trains this batch
             try:
-                msg = self._batch(k)
-            except Exception as e:  # the trainer stops with this sentence instead of a broken-pipe error
-                for w in send_object({"batch_index": k, "error": f"{type(e).__name__}: {e}"}, TRAINER_RANK):
-                    w.wait()
+                if self.behind is not None:
+                    self.behind.generate(k, self.timer, self.version)
+                else:
+                    self._send(self._batch(k))
+            except ScoringFailed:  # the thread has told the trainer
                 raise
-            for w in pending:  # the previous batch has long arrived; keep at most one message in flight
-                w.wait()
-            pending = send_object(msg, TRAINER_RANK)
-        for w in pending:  # the trainer has taken the last batch: nothing more to do here
+            except Exception as e:  # the trainer stops with this sentence instead of a broken-pipe error
+                if self.behind is not None:
+                    self.behind.close()  # the batches before this one go first (or their failure is the news)
+                self._send({"batch_index": k, "error": f"{type(e).__name__}: {e}"})
+                self._wait_sent()
+                raise
+        if self.behind is not None:
+            self.behind.close()
+        self._wait_sent()  # the trainer has taken the last batch: nothing more to do here
+
+    def _send(self, msg: dict) -> None:
+        """Send a message to the trainer; the previous one has long arrived: keep at most one in flight."""
+        self._wait_sent()
+        self.pending = send_object(msg, TRAINER_RANK, self.link)
+
+    def _wait_sent(self) -> None:
+        for w in self.pending:
             w.wait()
+        self.pending = []
 
     def _batch(self, k: int) -> dict:
         roll = self.roll
@@ -327,18 +388,24 @@ class RolloutWorker:
         else:
             samples, batch, index, metrics = roll._collect_batch(self.timer)
             versions = [self.version] * batch["responses"].shape[0]
+        position = {"sampler": (self.partial and self.partial.resume_state()) or roll.sampler.state_dict(),
+                    "engine": roll._engine_generator_state()}
+        return self._message(k, samples, batch, index, metrics, self.timer.pop(), versions, position)
+
+    def _message(self, k, samples, batch, index, metrics, timings, versions, position) -> dict:
+        """Batch k for the trainer: its tensors on the CPU, where its pi_old comes from, its weight versions and the
+        data position a resume starts generating from (before the oldest prompts still in flight, if any)."""
+        roll = self.roll
         behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=min(versions) < k)
         if behaviour == "recomputed":  # the generating weights' log-probs at the trainer's precision
+            assert self.behind is None  # scores_behind: never with decoupled correction
             with self.timer.stage("behaviour_log_prob"):
                 batch["old_log_probs"] = roll._old_logprobs(roll.model, batch, roll._update_settings(batch))
-        timings = self.timer.pop()
-        if "timing_s/rollout_update_weights" not in timings:
-            timings["timing_s/rollout_update_weights"] = 0.0
+            timings = {**timings, **self.timer.pop()}
+        timings.setdefault("timing_s/rollout_update_weights", 0.0)
         return {"batch_index": k, "samples": samples, "index": index, "metrics": metrics, "timings": timings,
                 "batch": {key: v.cpu() for key, v in batch.items()}, "behaviour": behaviour,
-                "weight_versions": versions, "engine": roll._engine_generator_state(),
-                # where a resume starts generating: before the oldest prompts still in flight, if any
-                "sampler": (self.partial and self.partial.resume_state()) or roll.sampler.state_dict()}
+                "weight_versions": versions, "engine": position["engine"], "sampler": position["sampler"]}
 
     def _partial_batch(self):
         """Partial rollouts (trainer/partial_rollout.py): draw a batch of prompts, decode every row in flight up to
@@ -358,15 +425,10 @@ class RolloutWorker:
             on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
         groups = pool.take(want)
         prompts, out = as_part(groups)
-        with timer.stage("reward"):
-            scores, extras, texts = roll._score(prompts, out)
-        if roll.cfg.trainer.rollout_data_dir:
-            roll._dump_generations(roll.cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
         metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
                    "async/partial_rollout/rows_continued_on_kept_cache": float(on_cache),
-                   "async/partial_rollout/groups_in_flight": float(len(pool.groups)),
-                   **getattr(roll.reward, "pop_metrics", dict)()}  # a reward model's counts (model_reward.py)
-        part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=None)
+                   "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
+        part = roll._scored_part(prompts, out, timer, metrics)
         samples, batch, index, metrics = roll._assemble_batch([part], want, metrics)
         return samples, batch, index, metrics, [r.first_version for g in groups for r in g.rows]
 

@@ -346,6 +346,9 @@ def check_flow_supported(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.actor.fsdp_config.strategy={a.fsdp_config.strategy!r} is not "
                           "available; use fsdp2.")
     refuse_unread(cfg, "flow")
+    from polyrl.rewards.vlm_judge import judge_spec
+
+    judge_spec(cfg.reward.reward_model)  # a VLM judge's directory and judge file, or its keys set while it is off
 
 
 def check_multi_turn(cfg) -> None:

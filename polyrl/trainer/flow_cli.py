@@ -40,10 +40,22 @@ def load_prompts(path: str) -> list[tuple[str, dict]]:
     return out
 
 
+def build_flow_reward(r):
+    """The image reward (`cfg.reward`): the weighted reward fn the trainer calls (validation, and training when no
+    scorer runs), and the async scorer or reward-pool actor that scores training batches elsewhere, or None."""
+    from polyrl.rewards import image_rewards
+    from polyrl.rewards.async_scorer import build_scorer
+    from polyrl.rewards.vlm_judge import judge_spec
+
+    judge = judge_spec(r.reward_model)
+    reward_fns = r.reward_fns or ({} if r.custom_reward_function.path or judge else {"ocr": 1.0})
+    args = (reward_fns, r.custom_reward_function.path, r.custom_reward_function.name, None, judge)
+    return image_rewards.build_reward(*args), build_scorer(r, image_rewards.build_reward, args)
+
+
 def train(argv: list[str]) -> int:
     from polyrl.config import build_config
     from polyrl.trainer import flow_quickstart
-    from polyrl.rewards import image_rewards
     from polyrl.trainer.flow_config import FlowConfig
     from polyrl.models.diffusion.pipeline import load_pipeline_policy
     from polyrl.trainer.flow_grpo import FlowGRPOTrainer
@@ -74,13 +86,7 @@ def train(argv: list[str]) -> int:
         policy.transformer.enable_gradient_checkpointing()
     train_prompts = load_prompts(cfg.data.train_files)
     val_prompts = load_prompts(cfg.data.val_files) if cfg.data.val_files else train_prompts[: cfg.data.val_batch_size]
-    r = cfg.reward
-    reward_fns = r.reward_fns or ({} if r.custom_reward_function.path else {"ocr": 1.0})
-    reward_fn = image_rewards.build_reward(reward_fns, r.custom_reward_function.path, r.custom_reward_function.name)
-    from polyrl.rewards.async_scorer import build_scorer
-
-    scorer = build_scorer(r, image_rewards.build_reward, (reward_fns, r.custom_reward_function.path,
-                                                    r.custom_reward_function.name))  # fmt: skip
+    reward_fn, scorer = build_flow_reward(cfg.reward)
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, async_scorer=scorer, dist=dist)
     try:
         history = trainer.fit()

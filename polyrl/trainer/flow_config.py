@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from polyrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from polyrl.learner.config import FSDPConfig
+from polyrl.rewards.config import JudgeConfig, RewardModelRolloutConfig
 from polyrl.trainer.core import LoopConfig
 from polyrl.utils.profiler import GlobalProfilerConfig
 
@@ -240,9 +241,15 @@ class RewardPoolConfig:
     """VeRL-Omni's reward resource pool: scoring on GPUs of its own, apart from the trainer's."""
 
     enable: bool = False
-    """A reward model (VLM judge) scoring the images: not implemented for FlowGRPO (refused)."""
+    """Score the images with a VLM judge (rewards/vlm_judge.py), joining reward_fns as `reward_model` (weight 1
+    unless reward_fns names it)."""
     model_path: str | None = None
-    """The VLM judge's directory (refused with enable)."""
+    """The VLM judge's local directory (an image-text-to-text model such as Qwen2-VL)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge file: prompt template ({question}: the image's prompt, {response}: the image) and score parser."""
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
+    """The judge's decoding (HF generate): dtype, max_num_seqs images per call, response_length, sampling,
+    free_cache_engine."""
     enable_resource_pool: bool = False
     """Score in a Ray actor holding n_gpus_per_node GPUs (implies async scoring; needs Ray). Start Ray with only the
     reward GPUs visible, e.g. `CUDA_VISIBLE_DEVICES=4 ray start --head --num-gpus=1`, then train on the others with

@@ -508,6 +508,8 @@ class FlowGRPOTrainer(TrainerCore):
             "perf/time_per_step": dt,
             "training/global_step": float(self.global_step),
         })  # fmt: skip
+        if self.async_scorer is None:  # this rank's reward components: reward/<name>, a VLM judge's parse failures
+            metrics.update(getattr(self.reward_fn, "last_components", {}))
         if torch.cuda.is_available():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(self.timer.pop())

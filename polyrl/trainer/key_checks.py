@@ -23,9 +23,8 @@ _FUSED = f"{_CHUNKED}, which is the memory saving the fused kernels are for"
 _FSDP_WRAP = "polyrl's FSDP2 wraps each transformer block (distributed/parallelize.py)"
 _FSDP1 = "it is an FSDP1 flag and polyrl uses FSDP2, whose parameters are always the original ones"
 _TRAINER_SETS = "the trainer sets it from the data and trainer.total_training_steps; set trainer.total_training_steps"
-_NO_VLM_JUDGE = ("a VLM judge for image rewards is not implemented (polyrl's engine decodes text-only models; "
-                 "`polyrl train` has the text judge, docs/reward_models.md); score images with reward.reward_fns or "
-                 "reward.custom_reward_function")
+_VLM_JUDGE_HF = ("the VLM judge decodes with HF generate, since polyrl's engine has no vision tower "
+                 "(rewards/vlm_judge.py)")
 _UNSHARDED_CRITIC = "the critic runs unsharded in one process (distributed/data.py refuses it with several)"
 
 def _fsdp_cls():
@@ -85,7 +84,8 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.actor.fsdp_config.dtype": "the flow trainer computes in the weights' dtype; set "
                                                      "actor_rollout_ref.model.dtype",
         **{f"actor_rollout_ref.actor.fsdp_config.{k}": why for k, why in _FSDP_REFUSED.items()},
-        **{f"reward.reward_model.{k}": _NO_VLM_JUDGE for k in ("enable", "model_path")},
+        **{f"reward.reward_model.rollout.{k}": _VLM_JUDGE_HF for k in ("name", "gpu_memory_utilization",
+                                                                          "max_num_batched_tokens", "prompt_length")},
     },
 }
 

@@ -183,25 +183,7 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
 
         self.engine = self._make_engine()
         self.stop_ids = self._stop_token_ids()
-        rm = cfg.reward_model
-        overlong = rm.overlong_buffer
-        if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
-            for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
-                setattr(overlong, k, v)
-        model_rm = resolve_reward_model(cfg, self.dist.data.world_size)  # rewards/model_reward.py
-        if model_rm is not None:  # a classifier or a generative judge, then the rule / custom function
-            self.reward = build_model_reward(model_rm, cfg, overlong=overlong, device=self.device, dist=self.dist)
-        elif rm.launch_reward_fn_async or rm.enable_resource_pool:  # a Ray actor apart from the trainer (remote.py)
-            from polyrl.rewards.remote import RemoteReward, reward_gpus_per_rank
-
-            gpus = 0.0
-            if rm.enable_resource_pool:  # GPUs of its own, shared by this node's ranks
-                gpus = reward_gpus_per_rank(rm.n_gpus_per_node, "reward_model.n_gpus_per_node")
-            self.reward = RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length,
-                                       num_gpus=gpus)  # fmt: skip
-        else:
-            self.reward = RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
-                                        max_response_length=cfg.data.max_response_length)
+        self.reward = self._make_reward()
         self.profiler = Profiler(cfg.global_profiler, {"actor": roles.actor.profiler, "ref": roles.ref.profiler,
                                                         "rollout": roles.rollout.profiler})
         self.timer = StepTimer(hooks=[self.profiler])
@@ -231,6 +213,28 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
 
             parallelize_frozen(ref, self.dist.mesh, self.cfg.actor_rollout_ref.ref.fsdp_config, self.device)
         return ref
+
+    def _make_reward(self):
+        """The reward: a reward model (rewards/model_reward.py) then the rule or custom function; the function in a Ray
+        actor apart from the trainer (rewards/remote.py); or the function here."""
+        cfg = self.cfg
+        rm = cfg.reward_model
+        overlong = rm.overlong_buffer
+        if "overlong_buffer_cfg" in rm.reward_kwargs:  # verl's newer spelling
+            for k, v in rm.reward_kwargs["overlong_buffer_cfg"].items():
+                setattr(overlong, k, v)
+        model_rm = resolve_reward_model(cfg, self.dist.data.world_size)
+        if model_rm is not None:
+            return build_model_reward(model_rm, cfg, overlong=overlong, device=self.device, dist=self.dist)
+        if rm.launch_reward_fn_async or rm.enable_resource_pool:
+            from polyrl.rewards.remote import RemoteReward, reward_gpus_per_rank
+
+            gpus = 0.0
+            if rm.enable_resource_pool:  # GPUs of its own, shared by this node's ranks
+                gpus = reward_gpus_per_rank(rm.n_gpus_per_node, "reward_model.n_gpus_per_node")
+            return RemoteReward(cfg.custom_reward_function, overlong, cfg.data.max_response_length, num_gpus=gpus)
+        return RewardManager(build_reward_fn(cfg.custom_reward_function), overlong_buffer=overlong,
+                             max_response_length=cfg.data.max_response_length)
 
     def _make_critic(self):
         from polyrl.models.loader import load_causal_lm

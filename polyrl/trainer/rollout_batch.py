@@ -32,36 +32,22 @@ class RolloutBatchMixin:
         parts, metrics = [], {}
         num_gen = 0
         while True:
-            prompts = self.sampler.next_batch()
-            if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
-                keep = dp_data.shard_prompts(len(prompts), cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
-                                             self.dist.data.rank, self.dist.data.world_size)
-                prompts = [prompts[i] for i in keep]
+            prompts, out = self._generate_batch(timer)
             num_gen += 1
-            with timer.stage("gen"):
-                sampling = self._sampling_params()
-                out = self.oom.run("gen", lambda: self._rollout(prompts, sampling), ctx=StageContext(engine=self.engine))
             metrics.update(getattr(out, "metrics", {}))  # multi-turn: turns, tool calls, prefill tokens saved
-            with timer.stage("reward"):
-                scores, extras, texts = self._score(prompts, out)
-            for k, v in getattr(self.reward, "pop_metrics", dict)().items():  # counts over the step's batches
-                metrics[k] = metrics.get(k, 0.0) + v
-            if cfg.trainer.rollout_data_dir:
-                self._dump_generations(cfg.trainer.rollout_data_dir, prompts, out, texts, scores)
+            part = self._scored_part(prompts, out, timer, metrics)
             if cfg.algorithm.adv_estimator == "remax":
                 with timer.stage("gen_max"):
                     greedy = self.engine.generate([p.prompt_ids for p in prompts],
                                                   SamplingParams(n=1, temperature=0.0, max_new_tokens=r.response_length,
                                                                  stop_token_ids=self.stop_ids))
                     base, _, _ = self._score(prompts, greedy)
-                baselines = [base[i] for i in out.prompt_index]
-            else:
-                baselines = None
-            part = dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=baselines)
+                part["baselines"] = [base[i] for i in out.prompt_index]
             if not fg.enable:
                 parts = [part]
                 break
             # DAPO dynamic sampling: keep only groups whose metric varies, until train_batch_size prompts are kept
+            scores, extras = part["scores"], part["extras"]
             metric = extras.get(fg.metric, scores) if fg.metric not in (None, "score", "seq_reward") else scores
             kept, _ = select_groups(metric, out.prompt_index)
             metrics["train/num_gen_batches"] = num_gen
@@ -77,15 +63,39 @@ class RolloutBatchMixin:
                     "too many groups get identical rewards.")
         return self._assemble_batch(parts, want, metrics)
 
+    def _generate_batch(self, timer):
+        """This data shard's next prompts and their generation (`timing_s/gen`)."""
+        prompts = self.sampler.next_batch()
+        if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
+            keep = dp_data.shard_prompts(len(prompts), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                                         self.dist.data.rank, self.dist.data.world_size)
+            prompts = [prompts[i] for i in keep]
+        with timer.stage("gen"):
+            sampling = self._sampling_params()
+            out = self.oom.run("gen", lambda: self._rollout(prompts, sampling), ctx=StageContext(engine=self.engine))
+        return prompts, out
+
+    def _scored_part(self, prompts, out, timer, metrics: dict, step: int | None = None) -> dict:
+        """The generation scored (`timing_s/reward`), as a part for `_assemble_batch`; the reward's own counts are
+        added to `metrics`; `step` names a rollout_data_dir dump (default the current one)."""
+        with timer.stage("reward"):
+            scores, extras, texts = self._score(prompts, out, timer=timer)
+        for k, v in getattr(self.reward, "pop_metrics", dict)().items():  # counts over the step's batches
+            metrics[k] = metrics.get(k, 0.0) + v
+        if self.cfg.trainer.rollout_data_dir:
+            self._dump_generations(self.cfg.trainer.rollout_data_dir, prompts, out, texts, scores, step)
+        return dict(prompts=prompts, out=out, scores=scores, extras=extras, baselines=None)
+
     def _sampling_params(self) -> SamplingParams:
         r = self.cfg.actor_rollout_ref.rollout
         return SamplingParams(n=r.n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.response_length, stop_token_ids=self.stop_ids, ignore_eos=r.ignore_eos,
                               record_routes=r.enable_rollout_routing_replay)
 
-    def _assemble_batch(self, parts: list[dict], want: int, metrics: dict):
-        """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep])."""
-        cfg = self.cfg
+    def _assemble_batch(self, parts: list[dict], want: int, metrics: dict, device=None):
+        """The step's batch from scored generation parts (dicts of prompts, out, scores, extras, baselines[, keep]),
+        on `device` (default the trainer's)."""
+        cfg, device = self.cfg, device or self.device
         rows = kept_rows(parts, want)
         samples = [parts[i]["prompts"][parts[i]["out"].prompt_index[j]] for i, j in rows]
         agent = hasattr(parts[0]["out"], "response_masks")  # multi-turn: per-row prompts (tool schemas) and masks
@@ -97,33 +107,33 @@ class RolloutBatchMixin:
         baselines = [parts[i]["baselines"][j] for i, j in rows] if parts[0]["baselines"] is not None else []
         gdpo_keys = cfg.algorithm.gdpo_reward_keys if cfg.algorithm.adv_estimator == "gdpo" else None
         extras_all = {k: [parts[i]["extras"][k][j] for i, j in rows] for k in parts[0]["extras"]}
-        batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        batch = build_batch(prompts_all, resp, pad_token_id=self.tokenizer.pad_token_id, device=device)
         rl = torch.zeros(batch["response_mask"].shape, dtype=batch["response_mask"].dtype)  # filled on the host,
         for i, lp in enumerate(logps):  # then one copy (a device copy per row cost a sync each)
             rl[i, : len(lp)] = torch.tensor(lp, dtype=rl.dtype)
-        batch["rollout_log_probs"] = rl.to(self.device)
+        batch["rollout_log_probs"] = rl.to(device)
         if all(p["out"].routed_experts is not None for p in parts):  # MoE routing replay (R3): the engine's routes
             batch["routed_experts"] = routes_batch([parts[i]["out"].routed_experts[j] for i, j in rows],
-                                                   [len(p) for p in prompts_all], batch, self.device)
+                                                   [len(p) for p in prompts_all], batch, device)
         if agent:  # tool tokens are context, never trained on: response_mask 0
             rm = torch.zeros_like(rl)
             for k, (i, j) in enumerate(rows):
                 m = parts[i]["out"].response_masks[j]
                 rm[k, : len(m)] = torch.tensor(m, dtype=rm.dtype)
-            batch["response_mask"] = rm.to(self.device)
+            batch["response_mask"] = rm.to(device)
         tls = torch.zeros_like(batch["response_mask"])
         last = (batch["response_lengths"] - 1).clamp(min=0)
-        tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=self.device, dtype=tls.dtype)
+        tls[torch.arange(len(scores)), last] = torch.tensor(scores, device=device, dtype=tls.dtype)
         batch["token_level_scores"] = tls
         if baselines:
-            batch["reward_baselines"] = torch.tensor(baselines, device=self.device)
+            batch["reward_baselines"] = torch.tensor(baselines, device=device)
         if gdpo_keys:  # [B, K]: one column per reward component, popped again by _advantages
             missing = [k for k in gdpo_keys if k not in extras_all]
             if missing:
                 raise ConfigError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not "
                                   f"return (it returns {sorted(extras_all)}); return them in its result dict.")
             batch["reward_components"] = torch.tensor([extras_all[k] for k in gdpo_keys], dtype=torch.float32,
-                                                      device=self.device).T
+                                                      device=device).T
         for k, v in extras_all.items():
             metrics[f"reward_extra/{k}/mean"] = float(np.mean(v))
         return samples, batch, index, metrics
@@ -147,13 +157,14 @@ class RolloutBatchMixin:
             self.engine.release_memory()
         return out
 
-    def _score(self, prompts, out, tool_rewards: bool = True):
-        """Reward-function scores (+ multi-turn tool step rewards unless `tool_rewards=False`, as in validation)."""
+    def _score(self, prompts, out, tool_rewards: bool = True, timer=None):
+        """Reward-function scores (+ multi-turn tool step rewards unless `tool_rewards=False`, as in validation); a
+        reward model's parts are timed on `timer` (default the trainer's)."""
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         samples = [(prompts[pi].data_source, text, prompts[pi].ground_truth, prompts[pi].extra_info)
                    for pi, text in zip(out.prompt_index, texts)]
         if hasattr(self.reward, "pop_metrics"):  # a reward model reads the chat prompt (rewards/model_reward.py)
-            scores, extras = self.reward.score(samples, response_lengths=out.lengths, timer=self.timer,
+            scores, extras = self.reward.score(samples, response_lengths=out.lengths, timer=timer or self.timer,
                                                chats=[prompts[pi].raw_prompt for pi in out.prompt_index],
                                                response_ids=out.token_ids)
         else:
@@ -167,14 +178,16 @@ class RolloutBatchMixin:
             extras = {**extras, "tool_reward": list(tool)}
         return scores, extras, texts  # the decoded responses, for logging and majority votes
 
-    def _dump_generations(self, folder: str, prompts, out, responses, scores) -> None:
-        """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score."""
+    def _dump_generations(self, folder: str, prompts, out, responses, scores, step: int | None = None) -> None:
+        """One jsonl file per step (verl's rollout_data_dir / validation_data_dir): prompt, response, score; `step`
+        is the one that trains on them (default the current one)."""
+        step = self.global_step + 1 if step is None else step
         Path(folder).mkdir(parents=True, exist_ok=True)
         rank = f"_rank{self.dist.rank}" if self.dist.is_distributed else ""
-        with open(Path(folder) / f"{self.global_step + 1}{rank}.jsonl", "a") as f:
+        with open(Path(folder) / f"{step}{rank}.jsonl", "a") as f:
             for pi, resp, score in zip(out.prompt_index, responses, scores):
                 prompt = self.tokenizer.decode(prompts[pi].prompt_ids, skip_special_tokens=True)
-                f.write(json.dumps({"step": self.global_step + 1, "input": prompt, "output": resp, "score": score})
+                f.write(json.dumps({"step": step, "input": prompt, "output": resp, "score": score})
                         + "\n")
 
 

@@ -31,8 +31,11 @@ def _sync() -> None:
 class StepTimer:
     """Collects `timing_s/<stage>` for the current step; `pop()` returns and clears them."""
 
-    def __init__(self, hooks: list[StageHooks] | None = None):
+    def __init__(self, hooks: list[StageHooks] | None = None, sync: bool = True):
+        """`sync=False`: never synchronize, for a thread that queues no GPU work of its own (the off-policy pipeline's
+        scoring thread), which would otherwise wait for the work another thread queued on the same stream."""
         self.hooks = list(hooks or [])
+        self.sync = sync
         self._timings: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -42,13 +45,15 @@ class StepTimer:
         nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
         if nvtx:
             torch.cuda.nvtx.range_push(name)
-        _sync()
+        if self.sync:
+            _sync()
         t0 = time.perf_counter()
         try:
             with torch.profiler.record_function(name):
                 yield
         finally:
-            _sync()
+            if self.sync:
+                _sync()
             dt = time.perf_counter() - t0
             if nvtx:
                 torch.cuda.nvtx.range_pop()
