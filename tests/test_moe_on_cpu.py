@@ -301,3 +301,13 @@ def test_auto_offload_on_gpus_that_cannot_hold_the_state(monkeypatch, tmp_path):
     cpu = build_config(PPOConfig(), [f"actor_rollout_ref.model.path={model}"])
     memory.resolve_optimizer_offload(cpu, world_size=2, device=torch.device("cpu"))
     assert cpu.actor_rollout_ref.actor.fsdp_config.offload_policy is False
+
+
+def test_training_routes_grouped_mm_through_autocast():
+    """HF's grouped_mm experts under the actor's bf16 autocast: bf16 GEMMs on CUDA once MoERouting is set up (torch
+    leaves `_grouped_mm` off autocast's list, so fp32 master weights ran fp32 GEMMs). Checked at the dispatcher."""
+    from polyrl.models import moe
+
+    moe.grouped_mm_under_autocast()
+    moe.grouped_mm_under_autocast()  # once per process: a second call is a no-op, not a duplicate registration
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "AutocastCUDA")

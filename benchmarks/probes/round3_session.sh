@@ -12,12 +12,12 @@ moe_smoke)  # the host-load path (multi-GPU native runs keep the loaded policy o
   run moe_smoke 170 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 4 --prompts 8 \
       --samples-per-prompt 8 --mini-prompts 4 --mean-len 512 --max-len 1024 --steps 1 --warmup 0 --work /tmp/ms_smoke ;;
 moe12)  # the 30B-A3B shape cut to 12 layers: 2 GPUs hold its full fine-tuning state (24 layers: 245 GB of it)
-  run moe_step12 420 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 12 --prompts 16 \
+  run moe_step12 350 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 12 --prompts 16 \
       --samples-per-prompt 16 --mini-prompts 4 --steps 2 --warmup 1 --rows-out $L/rows.jsonl --json-out $L/moe12.json ;;
 tp2|tp1fp8)  # Qwen3-32B cut to 16 layers, LoRA GRPO on 2 GPUs: one TP-2 replica, or two FP8 replicas
   keys="actor_rollout_ref.rollout.tensor_model_parallel_size=2"
   [ $part = tp1fp8 ] && keys="actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.quantization=fp8"
-  run $part 270 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
+  run $part 230 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
       --layers 16 --lengths 3200 --prompts 16 --samples-per-prompt 8 --steps 2 --work /tmp/$part \
       --rows-out $L/rows.jsonl --json-out $L/$part.json --extra actor_rollout_ref.model.lora_rank=64 $keys ;;
 rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)

@@ -334,6 +334,8 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv) every
     rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
+    from polyrl.trainer.checks import gpus_per_node
+
     world_size = dist.world_size if dist is not None else 1
     resolve_switches(cfg)
     roles, data = cfg.actor_rollout_ref, cfg.data
@@ -446,7 +448,7 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
             _, total = device_memory(device)
             if next(model.parameters()).is_cuda:
                 free += shape.num_params * shape.param_bytes
-            per_node = min(world_size, cfg.trainer.n_gpus_per_node)
+            per_node = min(world_size, gpus_per_node(cfg))
             trainer = trainer_state_bytes(cfg, shape, world_size)
             made = choose_tp_size(shape, num_heads=heads, num_kv_heads=kv_heads, gpus_per_node=per_node,
                                   room=int(free - HEADROOM * total - trainer), rows_per_rank=rows,

@@ -35,6 +35,14 @@ def world_size(cfg) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
+def gpus_per_node(cfg) -> int:
+    """One node's GPUs: the processes torchrun started on it (`LOCAL_WORLD_SIZE`) when it launched the job, else
+    `trainer.n_gpus_per_node` (a raw `torchrun --nproc_per_node=2` run with the default 1 has 2)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or cfg.trainer.n_gpus_per_node
+
+
 NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel", "fp8_lm_head",
                         "prefill_kernel", "fp8_splitk"}
 NATIVE_ENGINE_SWITCHES = ("fp8_lm_head", "prefill_kernel", "fp8_splitk")  # True or False
@@ -136,7 +144,7 @@ def check_tensor_parallel(cfg) -> None:
     if r.name != "native":
         raise ConfigError(f"{key}: tensor parallelism is in the native engine only; use rollout.name=native or 1.")
     ngpu = _gpus_available()
-    per_node = cfg.trainer.n_gpus_per_node if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
+    per_node = gpus_per_node(cfg) if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
         cfg.trainer.n_gpus_per_node
     what = "GPUs of a node (trainer.n_gpus_per_node)" if ngpu else "processes"
     if tp > per_node or per_node % tp:
