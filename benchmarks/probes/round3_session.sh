@@ -20,6 +20,10 @@ tp2|tp1fp8)  # Qwen3-32B cut to 16 layers, LoRA GRPO on 2 GPUs: one TP-2 replica
   run $part 230 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
       --layers 16 --lengths 3200 --prompts 16 --samples-per-prompt 8 --steps 2 --work /tmp/$part \
       --rows-out $L/rows.jsonl --json-out $L/$part.json --extra actor_rollout_ref.model.lora_rank=64 $keys ;;
+tp_smoke)  # TP 2 training on a 4-layer cut, short rows: does the host-load TP path step at all
+  run tp_smoke 90 torchrun --standalone --nproc_per_node=2 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
+      --layers 4 --lengths 256 --prompts 4 --samples-per-prompt 4 --steps 1 --work /tmp/tp_smoke \
+      --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.rollout.tensor_model_parallel_size=2 ;;
 rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)
   OUT=$L/rm RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
 esac; done

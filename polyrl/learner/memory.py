@@ -334,8 +334,6 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     Returns the choices made (empty when the user set every key). With several processes (`dist`, a DistEnv) every
     rank plans from the least free memory of any rank, so all make the same choices (FSDP2's collectives
     must pair up: a rank that checkpoints re-gathers its blocks in backward)."""
-    from polyrl.trainer.checks import gpus_per_node
-
     world_size = dist.world_size if dist is not None else 1
     resolve_switches(cfg)
     roles, data = cfg.actor_rollout_ref, cfg.data
@@ -436,6 +434,7 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
     None for a full replica). A set size is kept; one the model's heads do not divide is refused here. `free`: the
     least free bytes of any rank, measured as `plan_memory` does (a policy still on the GPU leaves it)."""
     from polyrl.rollout.native.tensor_parallel import check_divides
+    from polyrl.trainer.checks import gpus_per_node
 
     r, c = cfg.actor_rollout_ref.rollout, model.config
     heads = c.num_attention_heads
