@@ -28,9 +28,8 @@ commands:
 def _train(argv: list[str]) -> int:
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
-    from polyrl.trainer.ppo import PPOTrainer
 
-    cfg = build_config(PPOConfig(), argv)
+    cfg = build_config(PPOConfig(), argv)  # a mistyped key is refused before the trainer's imports (seconds)
     from polyrl.distributed.launch import under_torchrun
     from polyrl.trainer.job import maybe_launch, processes_wanted
     from polyrl.utils.profiler import maybe_relaunch_under_nsys
@@ -49,6 +48,8 @@ def _train(argv: list[str]) -> int:
         if trainer is None:
             return 0
     else:
+        from polyrl.trainer.ppo import PPOTrainer
+
         trainer = PPOTrainer(cfg)
         trainer.fit()
         trainer.dist.finish()

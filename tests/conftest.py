@@ -6,6 +6,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# run reports build their figures but skip drawing them (a third of a short training test's CPU time; inherited by the
+# tests' subprocesses); tests/test_report_on_cpu.py draws them
+os.environ.setdefault("POLYRL_REPORT_BLANK_PLOTS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

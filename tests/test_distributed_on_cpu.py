@@ -20,6 +20,10 @@ from polyrl.distributed.launch import torchrun_command
 from polyrl.trainer.job import maybe_launch
 from polyrl.rollout.base import Generation
 
+# torch on one thread here: the 2-process jobs run beside this process's own run, and a second OpenMP thread only
+# spin-waits for a core (the MoE and head-gradient tests: 91 -> 64 CPU-s)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # ------------------------------------------------------------------------------------------------ pure functions
 
 

@@ -24,6 +24,8 @@ from polyrl.models.diffusion import tiny
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the 2-process job runs beside these tests (conftest.one_thread)
+
 TOL = dict(rtol=1e-4, atol=1e-6)  # float summation order (reduce-scatter vs local accumulation) and nothing else
 WEIGHT_TOL = dict(rtol=0.0, atol=2e-6)  # measured: 1.2e-7; one Adam step at lr 1e-3 moves a weight ~1e-3
 

@@ -19,6 +19,15 @@ PLOT_IDS = ["reward", "validation", "timing", "throughput", "mfu", "response_len
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def drawn_plots():
+    """The report's figures drawn (conftest.py has the rest of the suite skip drawing them)."""
+    blank = os.environ.pop("POLYRL_REPORT_BLANK_PLOTS", None)
+    yield
+    if blank is not None:
+        os.environ["POLYRL_REPORT_BLANK_PLOTS"] = blank
+
+
 class _Page(HTMLParser):
     """Collects, per element id starting with plot-, the images inside it; and every external reference."""
 

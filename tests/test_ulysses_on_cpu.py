@@ -196,7 +196,10 @@ def jobs(tmp_path_factory):
     outs = {w: tmp_path_factory.mktemp(f"ulysses{w}") for w in WORLDS}
     procs = {w: subprocess.Popen(torchrun_command(w, [__file__, str(outs[w])]), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for w in WORLDS}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 6 ranks run beside this process (conftest.one_thread)
     one = compute_all()
+    torch.set_num_threads(threads)
     for w, job in procs.items():
         log, _ = job.communicate(timeout=300)
         assert job.returncode == 0, log[-3000:]
@@ -249,7 +252,7 @@ def test_sp2_actor_update_equals_one_process(jobs, name, world):
 # ------------------------------------------------------------------------------------------------ the trainer
 
 
-def test_trainer_with_sp2_matches_one_process(tiny_model_dir, synth_data_dir, tmp_path):
+def test_trainer_with_sp2_matches_one_process(tiny_model_dir, synth_data_dir, tmp_path, one_thread):
     """2 GRPO steps of PPOTrainer with sp=2 on 2 processes (one data shard) == 1 process (the tiny Llama has 2 query
     heads and 1 KV head, repeated)."""
     import inspect

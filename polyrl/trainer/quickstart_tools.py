@@ -98,7 +98,7 @@ def warm_up(base: Path, rows: list[dict], s: ToolsSettings) -> Path:
     torch.manual_seed(s.seed)
     train_sft(model, samples, pad_id=tok.pad_token_id, batch_size=s.sft_batch, micro_batch_size=s.sft_batch,
               lr=s.sft_lr, steps=s.sft_steps, device=torch.device(s.device), warmup_steps=s.sft_steps // 10,
-              scheduler="cosine", seed=s.seed)
+              scheduler="cosine", seed=s.seed, by_length=True)  # tool calls are 3x longer than direct answers
     return save_hf_atomic(model, tok, out)
 
 

@@ -119,10 +119,32 @@ def sft_loss_sum(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return (nll * mask).sum(), mask.sum()
 
 
+def length_groups(batch: list[SFTSample], micro_batch_size: int, row_cost: int = 256) -> list[list[SFTSample]]:
+    """The batch sorted by length and cut into micro-batches where the padding a cut saves is worth another
+    forward/backward (`row_cost` padded tokens): the same update as one padded batch, fewer padded tokens. A batch
+    that mixes 35- and 107-token samples (the tools quickstart's) runs in half the tokens."""
+    rows = sorted(batch, key=lambda s: len(s.input_ids))
+    lens = [len(s.input_ids) for s in rows]
+    best = [0] + [None] * len(rows)  # best[j]: the cheapest cut of rows[:j]; cost = padded tokens + row_cost a cut
+    cut = [0] * (len(rows) + 1)
+    for j in range(1, len(rows) + 1):
+        for i in range(max(0, j - micro_batch_size), j):
+            cost = best[i] + (j - i) * lens[j - 1] + row_cost
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(rows)
+    while j:
+        groups.append(rows[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def train_sft(model, samples: list[SFTSample], *, pad_id: int, batch_size: int, micro_batch_size: int,
               lr: float, steps: int, device, weight_decay: float = 0.01, betas=(0.9, 0.95), clip_grad: float = 1.0,
-              warmup_steps: int = 0, scheduler: str = "cosine", seed: int = 1, log=None, progress=None) -> list[float]:
-    """Plain SFT loop; returns the per-step losses. `log(metrics, step)` and `progress.update(1)` are optional."""
+              warmup_steps: int = 0, scheduler: str = "cosine", seed: int = 1, log=None, progress=None,
+              by_length: bool = False) -> list[float]:
+    """Plain SFT loop; returns the per-step losses. `log(metrics, step)` and `progress.update(1)` are optional.
+    `by_length`: micro-batches from `length_groups` (the same update up to float rounding; less padding)."""
     rng = random.Random(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
@@ -143,8 +165,10 @@ def train_sft(model, samples: list[SFTSample], *, pad_id: int, batch_size: int, 
             opt.zero_grad(set_to_none=True)
             num_tokens = sum(sum(s.loss_mask[1:]) for s in batch) or 1
             total = 0.0
-            for i in range(0, len(batch), micro_batch_size):
-                mb = collate(batch[i:i + micro_batch_size], pad_id, device)
+            micro = (length_groups(batch, micro_batch_size) if by_length else
+                     [batch[i:i + micro_batch_size] for i in range(0, len(batch), micro_batch_size)])
+            for group in micro:
+                mb = collate(group, pad_id, device)
                 loss_sum, _ = sft_loss_sum(model, mb)
                 (loss_sum / num_tokens).backward()
                 total += float(loss_sum.detach())
