@@ -38,8 +38,8 @@ def _job(argv: list[str]) -> list[subprocess.Popen]:
 
 
 def test_off_policy_r3_carries_the_rollouts_routes_to_the_trainer(moe_dir, synth_data_dir, tmp_path):
-    """3 steps one step off-policy: batch 0 fresh, batches 1 and 2 generated with weights one step older than the
-    trained ones. Every step's update compares the routes it received with its own router's choice
+    """2 steps one step off-policy: batch 0 fresh, batch 1 generated with weights one step older than the trained
+    ones. Every step's update compares the routes it received with its own router's choice
     (`actor/router_agreement`, logged only when the batch holds `routed_experts`), then replays them."""
     argv = [f"data.train_files={synth_data_dir / 'train.parquet'}", "data.train_batch_size=4",
             "data.max_prompt_length=32", "data.max_response_length=6", f"actor_rollout_ref.model.path={moe_dir}",
@@ -49,13 +49,13 @@ def test_off_policy_r3_carries_the_rollouts_routes_to_the_trainer(moe_dir, synth
             "actor_rollout_ref.actor.router_replay.mode=R3",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "trainer.device=cpu",
             f"trainer.run_dir={tmp_path / 'run'}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-            "trainer.total_training_steps=3", "trainer.progress_bar=False", "trainer.logger=[file]"]
+            "trainer.total_training_steps=2", "trainer.progress_bar=False", "trainer.logger=[file]"]
     procs = _job(argv)
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
-    assert [r["async/staleness/max"] for r in steps] == [0.0, 1.0, 1.0]  # off-policy from the second batch on
+    assert [r["async/staleness/max"] for r in steps] == [0.0, 1.0]  # the second batch is off-policy
     for r in steps:
         # the engine's routes reached the update; on CPU the fp32 engine routes as the trainer's forward does, and a
         # one-step-old router (lr 1e-3) still mostly agrees
@@ -103,3 +103,21 @@ def test_partial_rollouts_keep_each_rows_routes_across_calls(moe_dir, one_thread
     same = (batch["routed_experts"].sort(-1).values == own.sort(-1).values).all(-1)
     assert int(have.sum()) == sum(len(p) + len(t) - 1 for p, t in zip(prompts, out.token_ids)) * 2
     assert same[have].float().mean() > 0.99
+
+
+def test_r2_is_refused_where_the_pipeline_skips_the_old_log_prob_pass():
+    """R2 replays the trainer's old-log-prob pass, which stale batches skip unless decoupled correction recomputes
+    it: refused there with one sentence, accepted where the pass runs."""
+    from polyrl.config import build_config
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.async_config import check_async
+    from polyrl.trainer.config import PPOConfig
+
+    r2 = ["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.actor.router_replay.mode=R2"]
+    with pytest.raises(ConfigError, match="use R3"):
+        check_async(build_config(PPOConfig(), r2))
+    with pytest.raises(ConfigError, match="use R3"):
+        check_async(build_config(PPOConfig(), [*r2, "algorithm.rollout_correction.rollout_is=token",
+                                               "algorithm.rollout_correction.bypass_mode=True"]))
+    check_async(build_config(PPOConfig(), [*r2, "algorithm.rollout_correction.rollout_is=token"]))
+    check_async(build_config(PPOConfig(), [*r2, "async_training.max_trajectory_age_steps=0"]))
