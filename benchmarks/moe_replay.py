@@ -137,7 +137,10 @@ def run(model_dir: Path, data_dir: Path, source: str, mode: str, steps: int, s) 
     for _ in range(steps):
         m = trainer.step()
         rows.append({**trainer.tap, "kl": m["rollout_corr/kl"], "score": m["critic/score/mean"]})
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        print(f"  [{source} {mode}] step {len(rows)}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()),
+              flush=True)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return {**mean, **{f"first_{k}": v for k, v in rows[0].items()}}
 
 
 def main() -> int:
@@ -185,28 +188,33 @@ def main() -> int:
         for mode in args.modes.split(","):
             results[source, mode] = r = run(sft, data_dir, source, mode, args.steps, s)
             print(f"[{source} {mode}] " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()), flush=True)
-    print(f"\nGRPO, {s.prompts_per_step} prompts x {s.n} samples, {args.steps} steps each, means over steps")
-    print("| rollout | replay | agreement (experts used) | agreement (trainer's router) | rollout_corr/kl | k3 KL |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nGRPO, {s.prompts_per_step} prompts x {s.n} samples, {args.steps} steps each. Step 1: every mode sees the "
+          "same rollout from the same weights (a paired comparison); mean: over the steps (runs diverge after step 1)")
+    print("| rollout | replay | agreement (experts used) | agreement (trainer's router) | rollout_corr/kl step 1 | "
+          "k3 KL step 1 | rollout_corr/kl mean | k3 KL mean |")
+    print("|---|---|---|---|---|---|---|---|")
     for (source, mode), r in results.items():
-        print(f"| {source} | {mode} | {r['agree_used']:.4f} | {r['agree_router']:.4f} | {r['kl']:.2e} | "
-              f"{r['k3']:.2e} |")
+        print(f"| {source} | {mode} | {r['agree_used']:.4f} | {r['agree_router']:.4f} | {r['first_kl']:.2e} | "
+              f"{r['first_k3']:.2e} | {r['kl']:.2e} | {r['k3']:.2e} |")
     if not args.no_record:  # one row per rollout source: its modes side by side
         from _record import append_row
 
         sft_m = margins["SFT'd"]
         for source in dict.fromkeys(src for src, _ in results):
             by_mode = {mode: r for (src, mode), r in results.items() if src == source}
-            cells = ", ".join(f"{'none' if mode == 'disabled' else mode} {r['agree_used']:.4f} / {r['kl']:.1e}"
+            cells = ", ".join(f"{'none' if mode == 'disabled' else mode} {r['agree_used']:.4f} / {r['first_kl']:.1e}"
                               for mode, r in by_mode.items())
+            router = ", ".join(f"{m} {r['agree_router']:.4f}" for m, r in by_mode.items())
+            k3 = ", ".join(f"{m} {r['first_k3']:.1e}" for m, r in by_mode.items())
+            kl_mean = ", ".join(f"{m} {r['kl']:.1e}" for m, r in by_mode.items())
             print("appended:", append_row(
                 device, f"moe_replay.py {source} rollout",
                 f"tiny qwen3_moe (the MoE quickstart's, SFT'd {s.sft_steps} steps: router top-1 {sft_m['top1']:.2f}, "
                 f"median p2-p3 {sft_m['gap_median']:.3f}); rollout: native engine {source}, trainer HF fp32; GRPO "
                 f"{s.prompts_per_step}x{s.n}, 2 mini-batches, {args.steps} steps; agreement = share of (token, layer) "
-                f"expert sets the trainer's pi_old forward used equal to the rollout's (router's own: "
-                + ", ".join(f"{m} {r['agree_router']:.4f}" for m, r in by_mode.items()) + "); KL = rollout_corr/kl "
-                "(k3: " + ", ".join(f"{m} {r['k3']:.1e}" for m, r in by_mode.items()) + ")",
+                f"expert sets the trainer's pi_old forward used equal to the rollout's, mean over the steps (router's "
+                f"own: {router}); KL = rollout_corr/kl at step 1 (same rollout and weights in every mode; k3: {k3}; "
+                f"means over the steps, KL: {kl_mean})",
                 f"agreement / KL: {cells}", limit="agreement 1, KL 0", path=args.rows_out))
     return 0
 
