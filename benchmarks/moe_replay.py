@@ -1,7 +1,7 @@
 """MoE routing replay on a trained-like tiny Qwen3-MoE, on CPU (issue 47): no replay, R2 and R3 against a real
 rollout/trainer difference, each measured as routing agreement and mismatch KL.
 
-    PYTHONPATH=. python benchmarks/moe_replay.py [--steps 6] [--sources bf16,fp8,fp32] [--no-record]
+    PYTHONPATH=. python benchmarks/moe_replay.py [--steps 3] [--sources bf16,fp8,fp32] [--rows-out FILE | --no-record]
 
 The model: `polyrl quickstart --arch qwen3_moe`'s (8 experts, 2 a token, 2 layers of width 128) after its SFT
 warm-up, 300 steps on the reverse task, which trains the routers with everything else. A random router spreads a token
@@ -28,6 +28,9 @@ rollout:
 - **agreement (router)**: the same with the trainer router's own top-k, unreplayed (how often it would agree).
 - **rollout_corr/kl**: the mismatch KL E[log p_rollout - log p_train] over response tokens (verl's k1, the metric
   the trainer logs), and k3 (E[r - 1 - log r], r = p_train / p_rollout: nonnegative, lower variance).
+Step 1 is a paired comparison (every mode: the same rollout from the same weights); the runs train apart after it.
+Cost: about 18 minutes on 2 busy CPU cores for the 9 runs of 3 steps, plus the SFT warm-up the first time (cached
+under POLYRL_CACHE, shared with `polyrl quickstart --arch qwen3_moe`).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def run(model_dir: Path, data_dir: Path, source: str, mode: str, steps: int, s) 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="GRPO steps per (source, mode)")
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps per (source, mode)")
     p.add_argument("--sources", default=",".join(SOURCES))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-up steps (default: the quickstart's 300)")
