@@ -33,6 +33,7 @@ BENCHMARK_NAMES = [
     (r"^examples/grpo_smollm2_addition\.sh", "grpo_smollm2_addition.sh"),
     (r"^reward_model\.py (scoring|judge)", r"reward_model \1"),
     (r"^moe_decode\.py \(engine, decode only\) (\S+)", r"moe_decode \1"),
+    (r"^moe_replay\.py (\S+) rollout", r"moe_replay \1"),
     (r"^tp_decode\.py (\S+) (TP \d+( FP8)?)", r"tp_decode \1 \2"),
     # probes: one engineering question each (benchmarks/probes/); kept in the history, left out of the summary
     (r"^seed_workloads\.py --gemms", "probes/seed_workloads --gemms"),

@@ -53,6 +53,14 @@ def check_async(cfg) -> None:
     if cfg.actor_rollout_ref.model.lora_rank > 0:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False does not stream LoRA adapters yet; set "
                           "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
+    rc = cfg.algorithm.rollout_correction
+    engine_behaviour = a.max_trajectory_age_steps > 0 and (rc.bypass_mode or not rc.enabled)  # async_ppo.py
+    if cfg.actor_rollout_ref.actor.router_replay.mode == "R2" and engine_behaviour:
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode=R2 replays the routes of the trainer's "
+                          "old-log-prob pass, which the off-policy pipeline skips for stale batches (their pi_old is "
+                          "the engine's log-probs); use R3 with actor_rollout_ref.rollout."
+                          "enable_rollout_routing_replay=True, or algorithm.rollout_correction.rollout_is to "
+                          "recompute pi_old.")
 
 
 def partial_rollout_cap(cfg) -> int:

@@ -14,6 +14,11 @@ recompute preemption. Every token keeps the log-prob the engine sampled it with,
 so the batch's pi_old is the engine's, token by token, across both weight versions (async_ppo.py's default); each
 row is tagged with the first and last weight version that generated it, and its staleness counts from the first.
 
+MoE routing replay (R3): every call returns a continued row's routes over its whole sequence (prompt, the tokens so
+far, the new ones), so a row keeps its latest call's. On a kept cache the earlier positions' routes are the ones
+recorded when their K/V was computed, under the weights that sampled them; a recomputed prefix gets the re-prefill's
+routes under the current weights, as its K/V does.
+
 Data position: a batch carries the sampler state before the oldest draw still in flight, so a resumed run draws
 those prompts again. Groups of that draw that had already shipped are then trained once more; none is lost.
 """
@@ -37,6 +42,7 @@ class Row:
     first_version: int | None = None
     last_version: int | None = None
     handle: object = None  # the engine's kept KV cache of this row (native engine), None: recompute it
+    routes: object = None  # R3: int16 [len(prompt) + len(tokens), moe layers, k] from the latest call (module doc)
 
 
 @dataclass(eq=False)
@@ -79,6 +85,7 @@ class PartialRollouts:
             row.first_version = version if row.first_version is None else row.first_version
             row.last_version = version
             row.handle = out.handles[i] if out.handles is not None else None
+            row.routes = out.routed_experts[i] if out.routed_experts is not None else None
             # in flight only when this call stopped it at the cap (not at a stop token, its own end, or the limit)
             row.done = reason == "stop" or len(toks) < cap or len(row.tokens) >= self.max_len
 
@@ -100,8 +107,10 @@ class PartialRollouts:
 def as_part(groups: list[Group]) -> tuple[list, Generation]:
     """The finished groups as one part for `RolloutBatchMixin._assemble_batch`: prompts and prompt-major rows."""
     rows = [(i, r) for i, g in enumerate(groups) for r in g.rows]
+    routes = [r.routes for _, r in rows]
     out = Generation(prompt_index=[i for i, _ in rows], token_ids=[r.tokens for _, r in rows],
-                     logprobs=[r.logprobs for _, r in rows], finish_reason=[r.finish_reason for _, r in rows])
+                     logprobs=[r.logprobs for _, r in rows], finish_reason=[r.finish_reason for _, r in rows],
+                     routed_experts=routes if all(x is not None for x in routes) else None)
     return [g.sample for g in groups], out
 
 
