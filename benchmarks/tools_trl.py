@@ -22,7 +22,7 @@ hermes text (prompts and tool turns render as before); and TRL knows no response
 `<tool_call>` JSON) is set on the tokenizer.
 
 Printed: seconds per step (median, and each step), the share of the step spent in tool calls, tool calls and reward
-per step. `--record-with FILE` takes polyrl's JSON line (tools_smollm2.py's last line) and appends one row with the
+per step. `--record-with FILE` takes tools_smollm2.py's stdout (its JSON result line) and appends one row with the
 speed ratio. Runs without network (HF_HUB_OFFLINE); on the GPU machine TRL comes as wheels (trl, datasets, dill,
 multiprocess).
 """
@@ -87,7 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--shots", type=int, default=1, choices=[0, 1, 2], help="worked tool-call examples in the prompt")
     p.add_argument("--response-length", type=int, default=256, help="all turns' tokens, tool turns included")
     p.add_argument("--max-assistant-turns", type=int, default=3)
     p.add_argument("--micro", type=int, default=64, help="sequences per forward/backward")
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    train = rows(4 * args.batch * args.steps, 1, "train")
+    train = rows(4 * args.batch * args.steps, 1, "train", args.shots)
     ds = Dataset.from_list([{"prompt": r["prompt"], "answer": r["reward_model"]["ground_truth"]} for r in train])
     scope: dict = {}
     exec(REWARD, scope)  # the very reward function polyrl's run loads from its file
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         num_generations=args.n, max_completion_length=args.response_length,
         max_tool_calling_iterations=args.max_assistant_turns - 1, learning_rate=args.lr, weight_decay=0.0,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, gradient_checkpointing=False, beta=0.0,
-        epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0,
+        epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=args.temperature, top_p=1.0,
         use_vllm=False, bf16=on_gpu, use_cpu=not on_gpu, max_steps=args.steps, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=args.seed, data_seed=args.seed)
     device = torch.device(args.device)
@@ -191,11 +193,13 @@ def main(argv=None) -> int:
     if args.record_with:
         from _record import append_row
 
-        poly = json.loads(Path(args.record_with).read_text().strip().splitlines()[-1])
+        poly = [json.loads(line) for line in Path(args.record_with).read_text().splitlines()
+                if line.startswith('{"before"')][-1]  # tools_smollm2.py's result line
         ratio = step_s / poly["step_s"]
         print(f"polyrl {poly['step_s']:.2f} s/step vs TRL {step_s:.2f} s/step: {ratio:.2f}x (goal 5x)")
         shape = (f"SmolLM2-135M-Instruct, 3-digit a*b, code_interpreter tool, {args.batch} prompts x n={args.n}, resp "
-                 f"{args.response_length}, {args.max_assistant_turns} turns, lr {args.lr:g}, {args.steps} steps"
+                 f"{args.response_length}, {args.max_assistant_turns} turns, lr {args.lr:g}, T {args.temperature:g}, "
+                 f"{args.shots}-shot prompt, {args.steps} steps"
                  f"{', ' + args.note if args.note else ''}")
         print("appended:", append_row(dev, "tools_trl.py multi-turn tool GRPO s/step", shape,
                                       f"{poly['step_s']:.2f} s/step (median), tools_smollm2.py",
