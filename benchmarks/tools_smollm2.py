@@ -176,10 +176,12 @@ def main(argv=None) -> int:
     summary = (f"held-out {100 * before:.1f}% -> {100 * after:.1f}%, {step_s:.2f} s/step (median), "
                f"prefill saved {saved:.0f} of {saved + prefilled:.0f} tokens, turns "
                f"{statistics.mean(m.get('num_turns/mean', 2) for m in steps):.2f}, tool calls/trajectory "
-               f"{statistics.mean(m.get('tool_calls/mean', 0) for m in steps):.2f}, engine idle {100 * idle_share:.1f}% "
-               f"of the rollout, tool time (summed over calls) {100 * tool_share:.1f}% of the step")
-    print(f"\n{device}: {summary}; rollout {gen_s:.1f} s in total; peer: TRL not run (see docstring)")
-    print(json.dumps({"before": before, "after": after, "step_s": step_s, "steps_s": [m["timing_s/step"] for m in steps],
+               f"{statistics.mean(m.get('tool_calls/mean', 0) for m in steps):.2f}, engine idle "
+               f"{100 * idle_share:.1f}% of the rollout, tool time (summed over calls) {100 * tool_share:.1f}% of "
+               "the step")
+    print(f"\n{device}: {summary}; rollout {gen_s:.1f} s in total; peer: tools_trl.py")
+    print(json.dumps({"before": before, "after": after, "step_s": step_s,
+                      "steps_s": [m["timing_s/step"] for m in steps],
                       "engine_idle_share": idle_share, "tool_share": tool_share, "prefill_saved": saved,
                       "prefill_tokens": prefilled, "tools": not args.no_tools}))
     if not args.no_record:
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
 
         shape = (f"SmolLM2-135M-Instruct, 3-digit a*b, {'code_interpreter tool' if not args.no_tools else 'no tool'}, "
                  f"{args.batch} prompts x n={args.n}, resp {args.response_length}, {args.steps} steps, held-out "
-                 f"{args.val} greedy, lr {args.lr:g}, T {args.temperature:g}, {args.shots}-shot prompt{', ' + args.note if args.note else ''}")
+                 f"{args.val} greedy, lr {args.lr:g}, T {args.temperature:g}, {args.shots}-shot prompt"
+                 f"{', ' + args.note if args.note else ''}")
         print("appended:", append_row(device, "tools_smollm2.py multi-turn GRPO", shape, summary,
                                       peer="TRL 1.16 tool GRPO: tools_trl.py's row").strip())
     return 0
