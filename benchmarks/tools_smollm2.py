@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--response-length", type=int, default=256)
     p.add_argument("--no-tools", action="store_true", help="the control: single-turn, no tool")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--rows-out", default=None, help="record the row here (a JSON-lines file) instead of the history")
     p.add_argument("--note", default="", help="appended to the row's shape (e.g. machine load)")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--key", action="append", default=[], help="extra polyrl train override")
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
                  f"{args.val} greedy, lr {args.lr:g}, T {args.temperature:g}, {args.shots}-shot prompt"
                  f"{', ' + args.note if args.note else ''}")
         print("appended:", append_row(device, "tools_smollm2.py multi-turn GRPO", shape, summary,
-                                      peer="TRL 1.16 tool GRPO: tools_trl.py's row").strip())
+                                      peer="TRL 1.16 tool GRPO: tools_trl.py's row", path=args.rows_out).strip())
     return 0
 
 

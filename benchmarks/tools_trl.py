@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record-with", default=None,
                    help="polyrl's JSON line (file) from tools_smollm2.py with the same flags: append a row with both")
+    p.add_argument("--rows-out", default=None, help="record the row here (a JSON-lines file) instead of the history")
     p.add_argument("--note", default="", help="appended to the row's shape (e.g. machine load)")
     args = p.parse_args(argv)
     if args.threads:
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
         print("appended:", append_row(dev, "tools_trl.py multi-turn tool GRPO s/step", shape,
                                       f"{poly['step_s']:.2f} s/step (median), tools_smollm2.py",
                                       peer=f"TRL 1.16 GRPOTrainer(tools=) no vLLM: {summary}",
-                                      ratio_peer=f"{ratio:.2f}x").strip())
+                                      ratio_peer=f"{ratio:.2f}x", path=args.rows_out).strip())
     return 0
 
 
