@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     timer = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok,
                           tools=[tool], callbacks=[timer])
-    print(f"TRL chat template prefix-preserving fix applied: {trainer.chat_template is not None}; sandbox "
+    print(f"TRL swapped in its training chat template: {trainer.chat_template is not None}; sandbox "
           f"{isolation()}", flush=True)
     trainer.train()
     step_s = statistics.median(timer.times)
