@@ -170,6 +170,8 @@ def main(argv=None) -> int:
               f"{m.get('tool_calls/mean', 0):.2f}, tool s {m.get('timing_s/tool_calls', 0):.2f}, prefill saved "
               f"{m.get('rollout/prefill_tokens_saved', 0):.0f}/{m.get('rollout/prefill_tokens', 0):.0f}, engine idle "
               f"{m.get('rollout/engine_idle_s', 0):.2f} s", flush=True)
+        print("  stages (s): " + ", ".join(f"{k[9:]} {v:.2f}" for k, v in m.items()
+                                           if k.startswith("timing_s/") and k != "timing_s/step"), flush=True)
     after = trainer.validate()[key]
     step_s = statistics.median(m["timing_s/step"] for m in steps)
     gen_s = sum(m["timing_s/gen"] for m in steps)
