@@ -86,9 +86,8 @@ def lora_policy(name: str, experts: bool = True):
                            target_modules="all-linear" if experts else list(ATTENTION),
                            target_parameters=None if experts else [])
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable_bytes = sum(p.element_size() for p in model.parameters() if p.requires_grad) // max(
-        1, sum(1 for p in model.parameters() if p.requires_grad))
-    return ModelShape.of(model), loaded, trainable_bytes, config
+    adapter_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()  # peft: fp32 adapters
+    return ModelShape.of(model), loaded, adapter_bytes, config
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,7 @@ def table(results: list[dict]) -> str:
             "(planner / fp32) | engine weights | KV | activations | rollout / update peak of usable (GiB) | verdict |")
     rows = [head, "|" + "---|" * 13]
     for r in results:
-        common = (f"| {r['case']} | {r['tp']} | ")
+        common = f"| {r['case']} | {r['tp']} | "
         bytes_ = (f"{gib(r['trainer_weights'])} | {gib(r['lora_state'])} / {gib(r['lora_state_fp32'])} | "
                   f"{gib(r['engine_weights'])} | ")
         if r["verdict"] == "refused":
