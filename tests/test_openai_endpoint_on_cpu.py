@@ -4,11 +4,13 @@ trainer gets holds exactly the sampled ids and the engine's log-probs (checked a
 conversation), the tool turn's template tokens with mask 0, and the client saw the decoded text; malformed requests
 get 400s with OpenAI-shaped JSON errors."""
 
+import http.client
 import json
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -43,6 +45,13 @@ def post(url, body, headers=None):
         return e.code, json.loads(e.read())
 
 
+def keep_alive(conn, path, body):
+    conn.request("POST", path, body if isinstance(body, bytes) else json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
 SEEN: dict = {}  # what each session's client saw, by base url
 
 
@@ -56,12 +65,16 @@ class TwoTurnClient(OpenAIAgentLoop):
         msgs += [r1["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
         st, r2 = post(url, {"messages": msgs, "tools": TOOLS, "max_tokens": 5, "temperature": 0.0})
         assert st == 200, r2
-        errors = [post(url, b"{not json"),  # malformed JSON
-                  post(url, {"messages": "hi"}),  # messages not a list
-                  post(url, {"messages": msgs[:1] + [{"role": "user", "content": "edited"}]}),  # not an extension
-                  post(url, {"messages": msgs, "temperature": 0.7}),  # not the rollout's sampling
-                  post(base_url.rsplit("/s/", 1)[0] + "/v1/chat/completions", {"messages": msgs}),  # no session
+        # the bad requests share one kept-alive connection (as the OpenAI client's): each answer leaves it usable
+        conn = http.client.HTTPConnection(urlparse(url).netloc, timeout=60)
+        path = urlparse(url).path
+        errors = [keep_alive(conn, path, b"{not json"),  # malformed JSON
+                  keep_alive(conn, path, {"messages": "hi"}),  # messages not a list
+                  keep_alive(conn, path, {"messages": msgs[:1] + [{"role": "user", "content": "edited"}]}),  # edited
+                  keep_alive(conn, path, {"messages": msgs, "temperature": 0.7}),  # not the rollout's sampling
+                  keep_alive(conn, "/v1/chat/completions", {"messages": msgs}),  # no session
                   ]
+        conn.close()
         SEEN[base_url] = (r1, r2, errors)
         return 1.0
 

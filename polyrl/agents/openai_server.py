@@ -130,10 +130,14 @@ class OpenAIEndpoint:
                 lines = head.decode("latin-1").split("\r\n")
                 method, path, _ = (lines[0].split(" ", 2) + ["", ""])[:3]
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-                body = await reader.readexactly(int(headers.get("content-length") or 0))
-                status, payload = await self.handle(method, path, headers, body)
-                data = json.dumps(payload).encode()
                 close = headers.get("connection", "").lower() == "close"
+                if "chunked" in headers.get("transfer-encoding", "").lower():  # the body's end is unknown: close
+                    status, payload, close = 411, _error("send the body with a Content-Length (not chunked).",
+                                                         "invalid_request_error"), True
+                else:
+                    body = await reader.readexactly(int(headers.get("content-length") or 0))
+                    status, payload = await self.handle(method, path, headers, body)
+                data = json.dumps(payload).encode()
                 writer.write(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: "
                              f"application/json\r\nContent-Length: {len(data)}\r\n"
                              f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n".encode() + data)
@@ -150,10 +154,10 @@ class OpenAIEndpoint:
             return 200, await self._route(method, path, headers, body)
         except RequestError as e:
             self.stats["num_errors"] += 1
-            return e.status, {"error": {"message": str(e), "type": "invalid_request_error", "code": None}}
+            return e.status, _error(str(e), "invalid_request_error")
         except Exception as e:  # an engine failure: the client sees it as a 500, the trajectory fails with it
             self.stats["num_errors"] += 1
-            return 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": None}}
+            return 500, _error(f"{type(e).__name__}: {e}", "server_error")
         finally:
             self.stats["handler_s"] += time.perf_counter() - t0
 
@@ -274,6 +278,10 @@ class OpenAIEndpoint:
                 "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
                           "total_tokens": n_prompt + len(ids)}}
+
+
+def _error(message: str, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "code": None}}
 
 
 def _text(content: Any) -> str:
