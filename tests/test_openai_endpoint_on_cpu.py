@@ -7,6 +7,7 @@ get 400s with OpenAI-shaped JSON errors."""
 import http.client
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -149,3 +150,27 @@ def test_hermes_tool_calls_become_openai_tool_calls():
     bad = 'x <tool_call>{"name": oops}</tool_call>'
     assert tool_calls_of(bad) == (bad, [])  # an unparsable call stays in the content, as the model wrote it
     assert tool_calls_of("plain answer") == ("plain answer", [])
+
+
+@register("test_openai_hangs")
+class HangingClient(OpenAIAgentLoop):
+    async def client(self, base_url, sample):
+        st, r = post(base_url + "/chat/completions", {"messages": sample.raw_prompt, "max_tokens": 3})
+        assert st == 200, r
+        time.sleep(5)  # a client that hangs (blocking, in its own thread) past the trajectory's timeout
+        return 1.0
+
+
+def test_a_client_past_its_timeout_ends_with_what_its_session_recorded():
+    tok, mk = _setup()
+    r = RolloutConfig(multi_turn=MultiTurnConfig(enable=True, trajectory_timeout_s=1.5),
+                      agent=AgentConfig(default_agent_loop="test_openai_hangs"))
+    runner = AgentRunner(r, tok, response_length=16)
+    sample = RLSample(prompt_ids=[], raw_prompt=[{"role": "user", "content": "hi"}], data_source="x",
+                      ground_truth="", extra_info={}, index=0)
+    t0 = time.perf_counter()
+    out = runner.generate(mk(), [sample], SamplingParams(n=1, temperature=0.0, max_new_tokens=16,
+                                                         stop_token_ids=(tok.eos_token_id,)))
+    assert time.perf_counter() - t0 < 4.5  # the rollout did not wait for the client
+    assert len(out.token_ids[0]) == 3 and out.response_masks[0] == [1, 1, 1] and out.reward_scores == [None]
+    assert out.metrics["agent/client_timeouts"] == 1

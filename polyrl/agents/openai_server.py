@@ -16,7 +16,9 @@ sampled tokens. hermes `<tool_call>` blocks become OpenAI `tool_calls`.
 
 The HTTP server is asyncio's streams (no dependency), one per rollout on 127.0.0.1, with a session per trajectory
 (its id in the URL, `/s/<id>/v1`, or in the `X-Session-Id` header or the request's `user`). The user's `client` runs
-on an event loop of its own in a thread, so a blocking client (urllib, the sync OpenAI client) stalls only itself.
+on an event loop of its own in a thread, so a blocking client (urllib, the sync OpenAI client) stalls only itself;
+past `multi_turn.trajectory_timeout_s` the trajectory ends with what its session recorded (metric
+`agent/client_timeouts`).
 Sampling is the rollout's: a request's `temperature`/`top_p` must be absent or equal to it (the trainer's log-probs
 assume them), else it gets a 400, as does any other malformed request, with an OpenAI-shaped JSON error.
 """
@@ -27,7 +29,7 @@ import asyncio
 import json
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,8 +91,8 @@ class OpenAIEndpoint:
         self.temperature, self.top_p = temperature, top_p
         self.sessions: dict[str, Session] = {}
         self.stats = {"num_requests": 0, "num_errors": 0, "handler_s": 0.0, "engine_wait_s": 0.0}
-        self.client_pool = ThreadPoolExecutor(256, thread_name_prefix="polyrl-openai-client")
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed by stop()
         self._renderers: dict[str, ToolTurnRenderer] = {}
         self.port = 0
 
@@ -109,9 +111,10 @@ class OpenAIEndpoint:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+            for w in list(self._writers):  # a kept-alive client connection would hold wait_closed (Python >= 3.12)
+                w.close()
+            await asyncio.wait_for(self._server.wait_closed(), 5.0)
             self._server = None
-        self.client_pool.shutdown(wait=False, cancel_futures=True)
 
     def open(self, sid: str, response_length: int) -> None:
         self.sessions[sid] = Session(response_length)
@@ -121,6 +124,7 @@ class OpenAIEndpoint:
 
     # HTTP/1.1, keep-alive, Content-Length bodies only (what the OpenAI clients and urllib send)
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -145,6 +149,7 @@ class OpenAIEndpoint:
                 if close:
                     return
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def handle(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, dict]:
@@ -293,6 +298,30 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+def _in_thread(coro) -> asyncio.Future:
+    """Run `coro` on an event loop of its own in a daemon thread (a client that hangs cannot hold the process at
+    exit, as a pool's worker would)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, exc):
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+    def target():
+        try:
+            result, exc = asyncio.run(coro), None
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting loop)
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the rollout's loop is gone (the client outlived its timeout)
+            pass
+
+    threading.Thread(target=target, daemon=True, name="polyrl-openai-client").start()
+    return fut
+
+
 _ENDPOINTS: "weakref.WeakKeyDictionary[Any, tuple[OpenAIEndpoint, list[int]]]" = weakref.WeakKeyDictionary()
 
 
@@ -329,9 +358,11 @@ class OpenAIAgentLoop(AgentLoopBase):
         rid, sample = kwargs["request_id"], kwargs.get("sample")
         ep = await _endpoint(self)
         ep.open(rid, self.response_length)
+        timeout, timed_out, reward = self.config.trajectory_timeout_s, False, None
         try:
-            reward = await asyncio.get_running_loop().run_in_executor(
-                ep.client_pool, asyncio.run, self.client(ep.session_url(rid), sample))
+            reward = await asyncio.wait_for(_in_thread(self.client(ep.session_url(rid), sample)), timeout)
+        except asyncio.TimeoutError:  # the client's thread is left to end on its own; its session is closed
+            timed_out = True
         finally:
             s = ep.close(rid)
             await _release(self, ep)
@@ -342,5 +373,5 @@ class OpenAIAgentLoop(AgentLoopBase):
                                response_logprobs=s.response_logprobs,
                                num_turns=s.num_assistant_turns + s.num_user_turns + 1,
                                reward_score=None if reward is None else float(reward),
-                               weight_versions=s.weight_versions,
+                               weight_versions=s.weight_versions, metrics={"client_timeouts": int(timed_out)},
                                messages=s.messages + [s.last_answer] if kwargs.get("keep_messages") else None)
