@@ -46,9 +46,9 @@ def post(url, body, headers=None):
         return e.code, json.loads(e.read())
 
 
-def keep_alive(conn, path, body):
+def keep_alive(conn, path, body, headers=None):
     conn.request("POST", path, body if isinstance(body, bytes) else json.dumps(body),
-                 {"Content-Type": "application/json"})
+                 {"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     return r.status, json.loads(r.read())
 
@@ -74,6 +74,9 @@ class TwoTurnClient(OpenAIAgentLoop):
                   keep_alive(conn, path, {"messages": msgs[:1] + [{"role": "user", "content": "edited"}]}),  # edited
                   keep_alive(conn, path, {"messages": msgs, "temperature": 0.7}),  # not the rollout's sampling
                   keep_alive(conn, "/v1/chat/completions", {"messages": msgs}),  # no session
+                  # the session named by the header instead of the URL: reaches it (the messages error, not "unknown")
+                  keep_alive(conn, "/v1/chat/completions", {"messages": []},
+                             {"X-Session-Id": base_url.split("/s/")[1].split("/")[0]}),
                   ]
         conn.close()
         SEEN[base_url] = (r1, r2, errors)
@@ -137,6 +140,7 @@ def test_two_sessions_record_exactly_what_was_sampled_and_bad_requests_get_400()
         assert "not valid JSON" in errors[0][1]["error"]["message"]
         assert "temperature=0.7" in errors[3][1]["error"]["message"]
         assert "unknown session" in errors[4][1]["error"]["message"]
+        assert "non-empty list" in errors[5][1]["error"]["message"]
     eng.release_kept([])
     assert eng.kept == [] and eng.blocks.all_free()  # the sessions' kept KV was let go when they ended
 
