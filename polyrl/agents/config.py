@@ -30,7 +30,8 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0
     """(polyrl) Wall-clock limit of one tool call; past it the model gets an error message as the tool response."""
     trajectory_timeout_s: float = 600.0
-    """(polyrl) Wall-clock limit of one trajectory's tool time in total; past it the trajectory ends where it is."""
+    """(polyrl) Wall-clock limit of one trajectory's tool time in total (openai_agent: of its client's whole run); past
+    it the trajectory ends where it is."""
 
 
 @dataclass

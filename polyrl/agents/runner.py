@@ -133,6 +133,7 @@ class AgentRunner:
             "tool_calls/total": float(calls), "tool_calls/mean": calls / len(outs),
             "tool_calls/errors": float(sum(o.metrics.get("tool_errors", 0) for o in outs)),
             "timing_s/tool_calls": float(sum(o.metrics.get("tool_s", 0.0) for o in outs)),
+            "agent/client_timeouts": float(sum(o.metrics.get("client_timeouts", 0) for o in outs)),  # openai_agent
             "rollout/prefill_tokens_saved": float(server.stats["prefill_tokens_saved"]),
             "rollout/prefill_tokens": float(server.stats["prefill_tokens"]),
             "rollout/num_generate_calls": float(server.stats["num_generate_calls"]),
