@@ -44,6 +44,12 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def gpus_per_node(configured: int) -> int:
+    """One node's GPUs: the processes torchrun started on it (`LOCAL_WORLD_SIZE`) when it launched the job, else the
+    configured `trainer.n_gpus_per_node` (a raw `torchrun --nproc_per_node=2` run with the default 1 has 2)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or configured
+
+
 def torchrun_command(nproc_per_node: int, target: list[str], *, nnodes: int = 1, node_rank: int = 0,
                      master_addr: str | None = None, master_port: int | None = None) -> list[str]:
     """argv of `torch.distributed.run` for `target` (`["-m", "polyrl.train", ...]` or `["script.py", ...]`)."""

@@ -434,7 +434,7 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
     None for a full replica). A set size is kept; one the model's heads do not divide is refused here. `free`: the
     least free bytes of any rank, measured as `plan_memory` does (a policy still on the GPU leaves it)."""
     from polyrl.rollout.native.tensor_parallel import check_divides
-    from polyrl.trainer.checks import gpus_per_node
+    from polyrl.distributed.launch import gpus_per_node
 
     r, c = cfg.actor_rollout_ref.rollout, model.config
     heads = c.num_attention_heads
@@ -447,7 +447,7 @@ def _tensor_parallel(cfg, model, shape: ModelShape, device, world_size: int, rol
             _, total = device_memory(device)
             if next(model.parameters()).is_cuda:
                 free += shape.num_params * shape.param_bytes
-            per_node = min(world_size, gpus_per_node(cfg))
+            per_node = min(world_size, gpus_per_node(cfg.trainer.n_gpus_per_node))
             trainer = trainer_state_bytes(cfg, shape, world_size)
             made = choose_tp_size(shape, num_heads=heads, num_kv_heads=kv_heads, gpus_per_node=per_node,
                                   room=int(free - HEADROOM * total - trainer), rows_per_rank=rows,

@@ -35,14 +35,6 @@ def world_size(cfg) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - rollout_pool_size(cfg))
 
 
-def gpus_per_node(cfg) -> int:
-    """One node's GPUs: the processes torchrun started on it (`LOCAL_WORLD_SIZE`) when it launched the job, else
-    `trainer.n_gpus_per_node` (a raw `torchrun --nproc_per_node=2` run with the default 1 has 2)."""
-    import os
-
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or cfg.trainer.n_gpus_per_node
-
-
 NATIVE_ENGINE_KWARGS = {"block_size", "num_kv_tokens", "fp8_min_elements", "decode_kernel", "fp8_lm_head",
                         "prefill_kernel", "fp8_splitk"}
 NATIVE_ENGINE_SWITCHES = ("fp8_lm_head", "prefill_kernel", "fp8_splitk")  # True or False
@@ -134,6 +126,8 @@ def check_tensor_parallel(cfg) -> None:
     checked where the model is known (`tensor_parallel.check_divides`)."""
     import os
 
+    from polyrl.distributed.launch import gpus_per_node
+
     r = cfg.actor_rollout_ref.rollout
     tp = r.tensor_model_parallel_size
     key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"
@@ -144,7 +138,7 @@ def check_tensor_parallel(cfg) -> None:
     if r.name != "native":
         raise ConfigError(f"{key}: tensor parallelism is in the native engine only; use rollout.name=native or 1.")
     ngpu = _gpus_available()
-    per_node = gpus_per_node(cfg) if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
+    per_node = gpus_per_node(cfg.trainer.n_gpus_per_node) if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
         cfg.trainer.n_gpus_per_node
     what = "GPUs of a node (trainer.n_gpus_per_node)" if ngpu else "processes"
     if tp > per_node or per_node % tp:
