@@ -137,6 +137,26 @@ def receiver_spec(named, cut=None) -> list[tuple[str, torch.Size, torch.dtype]]:
     return [(n, cut(n, torch.empty(shape, dtype=dt, device="meta")).shape, dt) for n, shape, dt in spec]
 
 
+def weight_sender(model, place: Placement, trainer_rank: int, link: Link, bucket_bytes: int) -> WeightSender:
+    """Trainer rank `trainer_rank`'s stream: every replica it owns (`Placement.owner`), each rank of it getting its
+    TP slice, in buckets of a decoder layer at most. A one-process trainer feeding one replica lets a whole version
+    travel while it trains on (a copy of its model); otherwise at most two buckets per receiver wait, so no trainer
+    rank ever holds a copy of the model."""
+    cuts = tensor_parallel_cuts(model, place.tp) if place.tp > 1 else [None]
+    dests = [(r, cuts[(r - place.num_trainers) % place.tp]) for r in place.served_by(trainer_rank)]
+    plan = bucket_plan(receiver_spec(merged_state_dict(model).items(), cuts[0]), bucket_bytes, split=layer_key)
+    whole = place.num_trainers == 1 and len(dests) == 1
+    return WeightSender(link.weights, dests, plan, None if whole else 2 * bucket_bytes * len(dests))
+
+
+def weight_receiver(model, place: Placement, rank: int, link: Link, bucket_bytes: int, cut=None,
+                    device: torch.device = torch.device("cpu")) -> WeightReceiver:
+    """Rollout rank `rank`'s end of its owner's stream: the same plan from `model`'s names (full shapes, or `cut`'s
+    slices for a TP rank)."""
+    plan = bucket_plan(receiver_spec(merged_state_dict(model).items(), cut), bucket_bytes, split=layer_key)
+    return WeightReceiver(link.weights, place.owner(place.replica_of(rank)), plan, device)
+
+
 def tensor_parallel_cuts(model, tp: int) -> list:
     """For each rank of a TP-`tp` replica: (name, full HF tensor) -> its slice, as that rank's engine cuts it
     (rollout/native/tensor_parallel.py), computed on the trainer so a replica rank receives only its slice."""
@@ -198,7 +218,7 @@ class AsyncPPOTrainer(PPOTrainer):
             print(f"polyrl: partial rollouts: a row may span up to {spans} generation calls, so trained rows can be "
                   f"older than async_training.max_trajectory_age_steps={self.max_age} (by about {spans - 1} weight "
                   f"version{'s' if spans > 2 else ''}; async/staleness/* logs it)")
-        self.engine.sender = self._weight_sender()
+        self.engine.sender = weight_sender(self.model, place, self.dist.rank, link, _bucket_bytes(cfg))
         self._start()
 
     def _make_engine(self):
@@ -208,18 +228,6 @@ class AsyncPPOTrainer(PPOTrainer):
                           seed=self.cfg.actor_rollout_ref.rollout.seed)
         max_age = self.cfg.async_training.max_trajectory_age_steps
         return RemoteRollout(local, weight_versions_needed(self.total_steps, max_age))
-
-    def _weight_sender(self) -> WeightSender:
-        """This rank's stream: every replica it owns (`Placement.owner`), each rank of it getting its TP slice. A
-        one-process trainer feeding one replica lets a whole version travel while it trains on; otherwise at most
-        two buckets per receiver wait, so no trainer rank ever holds a copy of the model."""
-        place, bucket_bytes = self.place, _bucket_bytes(self.cfg)
-        cuts = tensor_parallel_cuts(self.model, place.tp) if place.tp > 1 else [None]
-        dests = [(r, cuts[(r - place.num_trainers) % place.tp]) for r in place.served_by(self.dist.rank)]
-        plan = bucket_plan(receiver_spec(merged_state_dict(self.model).items(), cuts[0]), bucket_bytes,
-                           split=layer_key)
-        whole = place.num_trainers == 1 and len(dests) == 1
-        return WeightSender(self.link.weights, dests, plan, None if whole else 2 * bucket_bytes * len(dests))
 
     def _weights_for_rollout(self):
         """Full tensors a decoder layer at a time (one all-gather per layer over the trainer ranks)."""
@@ -392,9 +400,7 @@ class RolloutWorker:
         self.timer = StepTimer()
         self.sliced = place.tp > 1  # receives its TP slices straight into the engine
         cut = self.roll.engine.shards.local_tensor if self.sliced else None
-        plan = bucket_plan(receiver_spec(merged_state_dict(self.roll.model).items(), cut), _bucket_bytes(cfg),
-                           split=layer_key)
-        self.receiver = WeightReceiver(link.weights, place.owner(self.replica), plan, self.roll.device)
+        self.receiver = weight_receiver(self.roll.model, place, rank, link, _bucket_bytes(cfg), cut, self.roll.device)
         self.version = 0
         r = cfg.actor_rollout_ref.rollout
         self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg)) \
@@ -514,39 +520,46 @@ class RolloutWorker:
 
 # ------------------------------------------------------------------------------------------------ the job
 def join_job(cfg) -> tuple[int, DistEnv, Link, Placement]:
-    """Join the job torchrun (or a test) started: this process's job rank, the `DistEnv` of its role (the trainer's
-    FSDP world; a one-process view for a rollout process, whose replica's TP group lives in the rollout world), the
-    job-wide `Link`, and the placement. Each role's world is a process group of its own on the job's rendezvous
-    store (trainer/rollout_pool.py)."""
+    """Join the job torchrun (or a test) started as `cfg` places it; see `join`."""
     place = Placement.of(cfg)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world != place.world_size:
         raise UserError(f"actor_rollout_ref.hybrid_engine=False runs as {place.world_size} processes "
                         f"({place.num_trainers} trainer, {place.num_rollout} rollout) but this job has {world}; start "
                         f"it with `polyrl train` (it launches them) or torchrun --nproc_per_node={place.world_size}.")
+    # a wait here can last a whole step (and a validation): at least an hour
+    timeout_s = max(cfg.actor_rollout_ref.nccl_timeout, PIPELINE_MIN_TIMEOUT_S)
+    env, link = join(place, rank, device=cfg.trainer.device,
+                     fsdp_size=cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size, timeout_s=timeout_s)
+    return rank, env, link, place
+
+
+def join(place: Placement, rank: int, *, device: str, fsdp_size: int, timeout_s: float) -> tuple[DistEnv, Link]:
+    """This process's `DistEnv` (the trainer's FSDP world; a one-process view for a rollout process, whose
+    replica's TP group lives in the rollout world) and the job-wide `Link`. Each role's world is a process group of
+    its own on the job's rendezvous store (env://: torchrun's, or MASTER_ADDR/MASTER_PORT)."""
+    world = place.world_size
     local = int(os.environ.get("LOCAL_RANK", rank))
-    want = cfg.trainer.device
-    cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         use_expandable_segments()
-        torch.cuda.set_device(device)
-    # a wait here can last a whole step (and a validation): at least an hour
-    timeout = datetime.timedelta(seconds=max(cfg.actor_rollout_ref.nccl_timeout, PIPELINE_MIN_TIMEOUT_S))
+        torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
     trains = place.is_trainer(rank)
     role_rank, role_world = (rank, place.num_trainers) if trains else (rank - place.num_trainers, place.num_rollout)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                             store=dist.PrefixStore("polyrl/train/" if trains else "polyrl/rollout/", store),
                             rank=role_rank, world_size=role_world, timeout=timeout,
-                            device_id=device if cuda else None)
+                            device_id=dev if cuda else None)
     link = Link(store, rank, world, timeout, cuda)
     if trains and role_world > 1:  # FSDP2 over the trainer's world, as the on-policy trainer's DistEnv.setup
-        env = DistEnv(rank=rank, world_size=role_world, local_rank=local, device=device,
-                      mesh=build_mesh(device.type, role_world, cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size))
+        env = DistEnv(rank=rank, world_size=role_world, local_rank=local, device=dev,
+                      mesh=build_mesh(dev.type, role_world, fsdp_size))
     else:  # rank 0 of a world of its own: seeds, samples and reduces as one on-policy process would
-        env = DistEnv(rank=0, world_size=1, local_rank=local, device=device)
-    return rank, env, link, place
+        env = DistEnv(rank=0, world_size=1, local_rank=local, device=dev)
+    return env, link
 
 
 def train_async(cfg) -> AsyncPPOTrainer | None:
