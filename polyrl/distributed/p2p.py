@@ -113,6 +113,7 @@ class WeightSender:
                  max_in_flight_bytes: int | None = None):
         self.group, self.dests, self.plan, self.max_in_flight = group, dests, plan, max_in_flight_bytes
         self._pending: list = []  # (work, the buffer it reads), oldest first
+        self.error: RuntimeError | None = None  # a failed send: kept (see `check`), the stream still consumed
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Post every bucket; returns the bytes sent. The previous version is waited for first."""
@@ -120,7 +121,7 @@ class WeightSender:
         buckets, sent = iter(self.plan), 0
         bucket, have = next(buckets, None), [[] for _ in self.dests]
         for name, full in named:
-            if not self.dests:
+            if not self.dests or self.error is not None:
                 continue
             assert bucket is not None and name == bucket.names[len(have[0])], (name, bucket)
             for pieces, (_, cut) in zip(have, self.dests):
@@ -129,24 +130,39 @@ class WeightSender:
             if len(have[0]) == len(bucket.names):
                 for pieces, (rank, _) in zip(have, self.dests):
                     flat = torch.cat(pieces)
-                    self._pending.append((self.group.send([flat], rank, WEIGHT_TAG), flat))
+                    self._guard(lambda: self._pending.append((self.group.send([flat], rank, WEIGHT_TAG), flat)))
                     sent += flat.numel() * flat.element_size()
                     self._bound()
                 bucket, have = next(buckets, None), [[] for _ in self.dests]
-        assert not self.dests or bucket is None, "the weights stream ended before the plan"
+        assert not self.dests or self.error is not None or bucket is None, "the weights stream ended before the plan"
         return sent
 
     def _bound(self) -> None:
         if self.max_in_flight is None:
             return
-        while sum(b.numel() * b.element_size() for _, b in self._pending) > self.max_in_flight:
+        while self._pending and sum(b.numel() * b.element_size() for _, b in self._pending) > self.max_in_flight:
             work, _ = self._pending.pop(0)
-            work.wait()
+            self._guard(work.wait)
+
+    def _guard(self, fn) -> None:
+        """A peer that died fails the send: keep the error for `check` and send no more, so the caller (one of
+        several trainer ranks, all inside the stream's collectives) reaches the point where they stop together."""
+        if self.error is not None:
+            return
+        try:
+            fn()
+        except RuntimeError as e:
+            self.error, self._pending = e, []
 
     def wait(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            self._guard(work.wait)
         self._pending = []
+
+    def check(self) -> None:
+        """Raise the error of a send that failed (a RuntimeError, as a failed receive's)."""
+        if self.error is not None:
+            raise RuntimeError(f"a weights send failed: {self.error}")
 
 
 class WeightReceiver:

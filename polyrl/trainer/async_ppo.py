@@ -268,6 +268,7 @@ class AsyncPPOTrainer(PPOTrainer):
         place, want = self.place, self.cfg.data.train_batch_size
 
         def receive():
+            self.engine.sender.check()  # a weights send that failed since: the same stop, agreed here
             msgs = []
             for j in range(place.num_replicas):
                 try:
@@ -321,7 +322,11 @@ class AsyncPPOTrainer(PPOTrainer):
         """Wait for the last weights sent to arrive. No barrier with the rollout processes: they leave once their
         last batch is taken, and the final checkpoint / validation may take longer than any timeout they could wait
         with."""
-        self._agreed("after the last step", self.engine.sender.wait)
+        def last():
+            self.engine.sender.wait()
+            self.engine.sender.check()
+
+        self._agreed("after the last step", last)
 
     def _agreed(self, when: str, fn):
         """`fn()`, where a rollout process that stopped (a RuntimeError from the link) or failed (its own sentence)
@@ -443,9 +448,12 @@ class RolloutWorker:
             parts, metrics = roll._collect_parts(self.timer)
             for p in parts:
                 p["versions"] = [self.version] * len(p["out"].prompt_index)
+        if not self.leader:  # its rows are the leader's
+            self.timer.pop()
+            return [], {}
         versions = [v for p in parts for v in p["versions"]]
-        behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=bool(versions) and min(versions) < k)
-        if behaviour == "recomputed" and self.leader:  # the generating weights' log-probs at the trainer's precision
+        behaviour = behaviour_source(roll.cfg.algorithm.rollout_correction, stale=min(versions) < k)
+        if behaviour == "recomputed":  # the generating weights' log-probs at the trainer's precision
             with self.timer.stage("behaviour_log_prob"):
                 self._behaviour_log_probs(parts, want)
         timings = self.timer.pop()
