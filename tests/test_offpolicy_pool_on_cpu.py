@@ -9,7 +9,6 @@ tokenizer instead of the char one (polyrl/models/tiny.py). The native engine run
 import os
 import re
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,7 +146,8 @@ def test_every_rollout_process_receives_the_trainers_weights_or_its_tp_slice(pla
             want = cuts[(rank - place.num_trainers) % place.tp](name, full[name]) if cuts else full[name]
             assert torch.equal(t, want), (rank, name)
         if cuts:  # a TP rank holds half of a sharded projection
-            assert got["model.layers.0.mlp.up_proj.weight"].shape[0] == full["model.layers.0.mlp.up_proj.weight"].shape[0] // 2
+            up = "model.layers.0.mlp.up_proj.weight"
+            assert got[up].shape[0] == full[up].shape[0] // 2
 
 
 # ------------------------------------------------------------------------------------------------ jobs
@@ -199,6 +199,11 @@ def test_two_trainers_and_two_replicas_train_each_batch_on_the_weights_that_gene
     assert (tmp_path / "ckpt" / "global_step_2" / "dcp").is_dir()  # the trainer's sharded checkpoint
 
 
+SLOW = pytest.mark.skipif(not os.environ.get("POLYRL_SLOW_TESTS"), reason="POLYRL_SLOW_TESTS=1: two 4-process jobs")
+
+
+@pytest.mark.slow
+@SLOW
 def test_two_trainers_two_replicas_run_one_step_off_and_resume_after_a_replica_dies(kv2_model_dir, synth_data_dir,
                                                                                    tmp_path):
     reward = tmp_path / "reward.py"
@@ -227,7 +232,7 @@ def test_two_trainers_two_replicas_run_one_step_off_and_resume_after_a_replica_d
     assert [r["async/weight_version/max"] for r in rows[2:]] == [2, 2]  # batch 2 again, from step 2's weights
 
 
-@pytest.mark.parametrize("trainers", [1, 2])
+@pytest.mark.parametrize("trainers", [pytest.param(1, marks=[pytest.mark.slow, SLOW]), 2])
 def test_a_tensor_parallel_replica_serves_the_trainer_ranks(kv2_model_dir, synth_data_dir, tmp_path, trainers):
     """One TP-2 replica (2 rollout processes, each holding half of every projection and receiving only that half)
     with 1 or 2 trainer ranks, age 0: the replica's log-probs are the trainer's forward within TP's summation

@@ -1,20 +1,24 @@
 """One-step off-policy GRPO/PPO: generation and training overlap on separate GPUs (verl's `one_step_off_policy`,
 NeMo RL's async GRPO). Switched on by `actor_rollout_ref.hybrid_engine=False`; the default stays on-policy colocated.
 
-One torch.distributed job of two processes (gloo on CPU; on GPUs `cpu:gloo,cuda:nccl`): rank 0 trains, rank 1
-generates, on one host or on two (Ray places one process per node where this host lacks a second GPU: job.py).
-Batch k (trained at step k+1) is generated with the weights of step `v >= k - max_trajectory_age_steps`, so with the
+One torch.distributed job: ranks [0, T) train (FSDP2 over them), ranks [T, T + R) generate, as data-parallel
+replicas of `tensor_model_parallel_size` processes (trainer/rollout_pool.py; by default T = R = 1), on one host or
+placed by Ray (job.py). Each role runs in a process group world of its own (`join`), so the trainer ranks are the
+on-policy trainer's FSDP world and a replica's TP group the on-policy engine's; a job-wide `p2p.Link` carries batches
+(gloo) and weights (NCCL on GPUs) between them. Batch k (trained at step k+1) is generated with the weights of step `v >= k - max_trajectory_age_steps`, so with the
 default age 1, batch k+1 is decoded while step k trains:
 
     rollout:  gen b0 (v0) | gen b1 (v0)        | recv v1, gen b2 (v1) | recv v2, gen b3 (v2) ...
     trainer:              | train b0 -> v1     | train b1 -> v2       | train b2 -> v3 ...
 
-Both roles are `PPOTrainer`s built from the same config, each with a one-process `DistEnv` of its own: the rollout
-process runs the trainer's own `_collect_batch` (gen, reward, DAPO filtering) and sends the finished batch; the
-trainer process runs the unchanged `PPOTrainer.step()` with `_collect_batch` receiving that batch and the engine
-replaced by `RemoteRollout`, whose `update_weights` streams the new weights rollout-ward in buckets (p2p.py) under
-`timing_s/update_weights`, posted with isend so the trainer moves on at once. Age 0 is the synchronous schedule,
-and then the trainer computes exactly what the on-policy trainer computes (tests/test_async_ppo_on_cpu.py).
+Both roles are `PPOTrainer`s built from the same config: a rollout process (a one-process `DistEnv`) runs the
+trainer's own `_collect_parts` (gen, reward, DAPO filtering) on its replica's share of the prompts and sends each
+trainer rank the scored rows it trains; a trainer rank runs the unchanged `PPOTrainer.step()` with
+`_collect_batch` assembling its batch from the replicas' pieces and the engine replaced by `RemoteRollout`, whose
+`update_weights` streams the new weights rollout-ward a decoder layer at a time, each TP rank getting its slice
+(p2p.py), under `timing_s/update_weights`, posted with isend so the trainer moves on. Age 0 is the synchronous
+schedule, and then one trainer and one replica compute exactly what the on-policy trainer computes
+(tests/test_async_ppo_on_cpu.py; pools: tests/test_offpolicy_pool_on_cpu.py).
 
 Objective. The clipped PPO/GRPO loss takes as its "old" log-probs the *behaviour* policy's, the weights version
 that generated the batch, so `pi_theta / pi_behaviour` is the true importance ratio of the sampled tokens and PPO's
@@ -49,9 +53,10 @@ Metrics (besides the on-policy ones; docs/async_ppo.md):
   `async/staleness/frac_<age>`: how many optimizer steps older than the trained weights each sample's weights were.
 - `perf/throughput` counts the GPUs of both roles.
 
-Checkpoints are the trainer's (the rollout process has no state of its own): every batch carries the rollout's data
-position (sampler, engine RNG), mirrored into the trainer, so a checkpoint at step k resumes generating batch k. A
-rollout process that dies makes the trainer stop with one sentence saying so; rerunning resumes from the checkpoint.
+Checkpoints are the trainer's (the rollout processes have no state of their own): every batch carries the
+replicas' data position (sampler, each engine's RNG), mirrored into the trainer, so a checkpoint at step k resumes
+generating batch k. A rollout process that dies makes the trainer ranks stop together, rank 0 with one sentence
+saying so; rerunning resumes from the checkpoint.
 """
 
 from __future__ import annotations
