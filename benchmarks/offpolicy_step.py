@@ -227,6 +227,8 @@ def main(argv=None) -> None:
     while not ready.exists():
         time.sleep(0.5)
     args.rollout = rollout_name() if args.device == "cuda" else "hf"
+    named = [e.split("=", 1)[1] for e in args.extra if e.startswith("actor_rollout_ref.rollout.name=")]
+    args.rollout = named[-1] if named else args.rollout  # --extra's wins (as in the config)
     cfg = build_config(PPOConfig(), overrides(args, work, work / "model", work / "tokenizer"))
     steps = run(args, cfg)
     if steps is None:
