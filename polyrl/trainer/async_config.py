@@ -28,7 +28,8 @@ class AsyncTrainingConfig:
     partial_rollout_max_new_tokens: int | None = None
     """With partial_rollout: new tokens per row per generation call; None: half of rollout.response_length."""
     weight_bucket_mb: int = 512
-    """Off-policy pipeline: weights stream to the rollout process in buckets of at most this many MiB."""
+    """Off-policy pipeline: weights stream to the rollout processes in buckets of at most this many MiB (and of one
+    decoder layer at most)."""
 
 
 def check_async(cfg) -> None:
