@@ -3,6 +3,7 @@
     PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py                   # 4 GPUs, on-policy
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 24       # the 2-GPU cut
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --mode offpolicy --layers 24
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --mode offpolicy --trainers 2  # 2+2
     PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --prompts 8 --n 16 --mini-prompts 4
     PYTHONPATH=. python benchmarks/moe_step.py --shape tiny --device cpu --prompts 2 --n 2 --mean-len 24 \\
         --max-len 32 --steps 1 --warmup 0 --rollout hf                                             # CPU smoke test
@@ -136,11 +137,12 @@ def decode_limit_s(lengths: list[int], *, prompt: int, rows_per_gpu: int, weight
 
 
 def main(argv=None) -> None:
+    from offpolicy_step import add_placement_args, run
     from offpolicy_step import overrides as run_keys
-    from offpolicy_step import run
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["colocated", "offpolicy"], default="colocated")
+    add_placement_args(ap)
     ap.add_argument("--shape", choices=["30b-a3b", "tiny"], default="30b-a3b")
     ap.add_argument("--layers", type=int, default=48, help="keep the first N of Qwen3-30B-A3B's 48 layers")
     ap.add_argument("--prompts", type=int, default=64, help="prompts per step, whole job (NeMo RL: 64)")
@@ -190,8 +192,8 @@ def main(argv=None) -> None:
     cfg = AutoConfig.from_pretrained(work / "model")
     trunk, head = matmul_params(cfg)
     total_params = sum(np.prod(s) for s in _param_shapes(cfg))
-    gen_gpus = 1 if args.mode == "offpolicy" else world
-    train_gpus = 1 if args.mode == "offpolicy" else world
+    gen_gpus = world - args.trainers if args.mode == "offpolicy" else world
+    train_gpus = args.trainers if args.mode == "offpolicy" else world
     bw = bandwidth(args.device)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     draws = NemoLengths.drawn[-len(timed):] if NemoLengths.drawn else []

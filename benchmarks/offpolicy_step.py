@@ -1,9 +1,16 @@
-"""One-step off-policy vs on-policy colocated: the whole GRPO step on 2 GPUs, in tokens/s/GPU (issue 17).
+"""One-step off-policy vs on-policy colocated: the whole GRPO step on N GPUs, in tokens/s/GPU (issues 17, 48).
 
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode colocated
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/offpolicy_step.py --mode offpolicy
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/offpolicy_step.py --mode colocated
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/offpolicy_step.py --mode offpolicy --trainers 2
+    PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/offpolicy_step.py --mode offpolicy --trainers 2 \
+        --rollout-tp 2
     (add --shape 7b for the Qwen2.5-7B shape; --rows-out history appends a row; --shape tiny --device cpu is
     a smoke test of the same path over gloo)
+
+Off-policy placement (trainer/rollout_pool.py): `--trainers T` processes train (FSDP2 over them; default 1), the
+other `nproc_per_node - T` generate, as data-parallel replicas of `--rollout-tp` processes each (default 1).
 
 With `--extra async_training.partial_rollout=True` a row decoded past the cap keeps its drawn length in the next call.
 Both modes train the same global batch (`--prompts` x n=8, prompt 128 tokens) from the same random-init checkpoint
@@ -11,9 +18,10 @@ Both modes train the same global batch (`--prompts` x n=8, prompt 128 tokens) fr
 long-tailed lognormal like NeMo RL's (mean ~`--mean-len`, clipped to [16, `--max-len`], a new draw per batch), so
 the decode tail is what it would be in a real run while the random weights never stop early.
 - colocated: today's trainer, data-parallel over both GPUs (FSDP2; each GPU generates and trains half the batch).
-- offpolicy: `actor_rollout_ref.hybrid_engine=False`: GPU 1 generates batch k+1 while
-  GPU 0 trains on batch k; weights stream GPU 0 -> GPU 1 over NCCL after each update.
-Throughput = (prompt + response tokens of the step's batch) / (step wall time x 2 GPUs), averaged over the steps after
+- offpolicy: `actor_rollout_ref.hybrid_engine=False`: the rollout GPUs generate batch k+1 while the trainer GPUs
+  train on batch k; weights stream trainer -> rollout over NCCL after each update, a decoder layer at a time, each
+  TP rank receiving only its slice.
+Throughput = (prompt + response tokens of the step's batch) / (step wall time x all GPUs), averaged over the steps after
 the first `--warmup` (the off-policy pipeline's first step cannot overlap: nothing was generated ahead yet). The
 script prints each step's stages, the exposed generation time and the rollout's idle time, then one summary line.
 """
@@ -112,7 +120,11 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path, prompt_len: int 
         "trainer.progress_bar=False",
     ]
     if args.mode == "offpolicy":
-        out += ["actor_rollout_ref.hybrid_engine=False", f"async_training.max_trajectory_age_steps={args.max_age}"]
+        world = int(os.environ.get("WORLD_SIZE", "2"))
+        trainers, tp = getattr(args, "trainers", 1), getattr(args, "rollout_tp", 1)
+        out += ["actor_rollout_ref.hybrid_engine=False", f"async_training.max_trajectory_age_steps={args.max_age}",
+                f"trainer.n_gpus_per_node={trainers}", f"rollout.n_gpus_per_node={world - trainers}",
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"]
     else:
         out += [f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '2'))}"]
     return out + hand_keys(args) + list(args.extra)
@@ -124,19 +136,21 @@ def run(args, cfg, lengths: type = None) -> list[dict] | None:
     from polyrl.trainer.ppo import PPOTrainer
 
     make_engine, wrap = PPOTrainer._make_engine, lengths or ForcedLengths
+    # a stream per data shard / rollout replica (rollout.seed is offset by either)
     PPOTrainer._make_engine = lambda self: wrap(make_engine(self), args.mean_len, args.max_len,
-                                                seed=1000 * self.dist.rank)
+                                                seed=1000 * self.cfg.actor_rollout_ref.rollout.seed)
     if args.mode == "offpolicy":
-        from polyrl.trainer.async_ppo import AsyncPPOTrainer, RolloutWorker, TRAINER_RANK, join_job
+        from polyrl.trainer.async_ppo import AsyncPPOTrainer, RolloutWorker, join_job
 
-        rank, env = join_job(cfg)
-        if rank != TRAINER_RANK:
-            RolloutWorker(cfg, env).serve()
+        rank, env, link, place = join_job(cfg)
+        if not place.is_trainer(rank):
+            RolloutWorker(cfg, env, link, place, rank).serve()
             return None
-        trainer = AsyncPPOTrainer(cfg, env)
+        trainer = AsyncPPOTrainer(cfg, env, link, place)
         steps = [_timed_step(trainer) for _ in range(args.steps)]
         trainer.finish()
-        return steps
+        env.barrier()
+        return steps if env.is_rank0 else None
     trainer = PPOTrainer(cfg)
     steps = [_timed_step(trainer) for _ in range(args.steps)]
     trainer.dist.close()
@@ -158,6 +172,20 @@ def _timed_step(trainer) -> dict:
     return m
 
 
+def add_placement_args(ap) -> None:
+    ap.add_argument("--trainers", type=int, default=1, help="offpolicy: trainer processes (the rest generate)")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="offpolicy: processes per rollout replica (TP)")
+
+
+def placement_words(args, world: int) -> str:
+    if args.mode != "offpolicy":
+        return f"colocated, {world}-GPU data parallel"
+    rollout = world - args.trainers
+    return (f"{rollout} rollout GPU{'s' if rollout > 1 else ''} ({rollout // args.rollout_tp} replica"
+            f"{'s' if rollout // args.rollout_tp > 1 else ''} of TP {args.rollout_tp}) + {args.trainers} train GPU"
+            f"{'s' if args.trainers > 1 else ''}, max age {args.max_age}")
+
+
 def main(argv=None) -> None:
     from grpo_step import rollout_name, setup
 
@@ -171,6 +199,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the average")
     ap.add_argument("--max-age", type=int, default=1, help="async_training.max_trajectory_age_steps (offpolicy)")
+    add_placement_args(ap)
     # memory keys: the product's defaults (auto: learner/memory.py) unless set here (the 2026-11-25 first run used
     # --grad-ckpt on --max-token-len 32768 --gpu-mem-colocated 0.3 --gpu-mem-rollout 0.6, compile off)
     ap.add_argument("--max-token-len", type=int, default=None, help="ppo/log_prob_max_token_len_per_gpu (auto)")
@@ -187,7 +216,7 @@ def main(argv=None) -> None:
     from polyrl.trainer.config import PPOConfig
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    assert world == 2, "run under torchrun --nproc_per_node=2 (both modes use 2 GPUs)"
+    assert world >= 2, "run under torchrun --nproc_per_node=N, N >= 2 (off-policy: a trainer and a rollout GPU)"
     work = Path(args.work) / args.shape
     work.mkdir(parents=True, exist_ok=True)
     ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
@@ -198,6 +227,8 @@ def main(argv=None) -> None:
     while not ready.exists():
         time.sleep(0.5)
     args.rollout = rollout_name() if args.device == "cuda" else "hf"
+    named = [e.split("=", 1)[1] for e in args.extra if e.startswith("actor_rollout_ref.rollout.name=")]
+    args.rollout = named[-1] if named else args.rollout  # --extra's wins (as in the config)
     cfg = build_config(PPOConfig(), overrides(args, work, work / "model", work / "tokenizer"))
     steps = run(args, cfg)
     if steps is None:
@@ -205,10 +236,11 @@ def main(argv=None) -> None:
     timed = steps[args.warmup:]
     tokens = sum(m["perf/total_num_tokens"] for m in timed)
     wall = sum(m["timing_s/step"] for m in timed)
-    tps_gpu = tokens / (wall * 2)
-    per_step = [m["perf/total_num_tokens"] / (m["timing_s/step"] * 2) for m in timed]
+    tps_gpu = tokens / (wall * world)
+    per_step = [m["perf/total_num_tokens"] / (m["timing_s/step"] * world) for m in timed]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    summary = {"mode": args.mode, "shape": args.shape, "device": f"2x {device}", "tokens_per_s_per_gpu": tps_gpu,
+    summary = {"mode": args.mode, "shape": args.shape, "device": f"{world}x {device}", "tokens_per_s_per_gpu": tps_gpu,
+               "split": placement_words(args, world),
                "step_s": wall / len(timed), "tokens_per_step": tokens / len(timed),
                "exposed_generation_s": float(np.mean([m.get("timing_s/exposed_generation", 0) for m in timed])),
                "gen_s": float(np.mean([m.get("timing_s/gen", 0) for m in timed])),
@@ -226,7 +258,7 @@ def main(argv=None) -> None:
         from _record import append_row
 
         model = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B", "tiny": "tiny 2-layer"}[args.shape]
-        split = "1 rollout + 1 train GPU, max age 1" if args.mode == "offpolicy" else "colocated, 2-GPU data parallel"
+        split = placement_words(args, world)
         memory = " ".join(hand_keys(args)) or "memory keys auto (defaults)"
         extra = f"; {' '.join(args.extra)}" if args.extra else ""
         shape = (f"GRPO whole step, {model} shape, {args.prompts}x{args.n}, prompt 128, lognormal resp mean "

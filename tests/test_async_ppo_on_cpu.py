@@ -112,13 +112,15 @@ def _stream_weights(rank: int, port: int, model_dir: str, out: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        sender = WeightSender(1, bucket_bytes=1024)
+        plan = bucket_plan(tensor_spec(model.state_dict().items()), bucket_bytes=1024)
+        sender = WeightSender(dist.group.WORLD, [(1, None)], plan)
         sender.send(model.state_dict().items())
         sender.wait()
         torch.save(model.state_dict(), out)
     else:  # the rollout: starts from the checkpoint, receives in place
         params = model.state_dict()
-        receiver = WeightReceiver(0, tensor_spec(params.items()), bucket_bytes=1024, device=torch.device("cpu"))
+        receiver = WeightReceiver(dist.group.WORLD, 0, bucket_plan(tensor_spec(params.items()), bucket_bytes=1024),
+                                  device=torch.device("cpu"))
         assert len(receiver.plan) > 3
         with torch.no_grad():
             for name, t in receiver.receive():
@@ -342,7 +344,8 @@ def test_pipeline_keys_are_refused_when_they_cannot_apply():
                         (["actor_rollout_ref.hybrid_engine=False", "async_training.partial_rollout=True",
                           "data.max_response_length=64", "async_training.partial_rollout_max_new_tokens=65"],
                          "partial_rollout_max_new_tokens=65"),
-                        (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2"], "1 rollout"),
+                        (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2",
+                          "async_training.partial_rollout=True"], "one one-process replica"),
                         (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
                          "lora_rank=0")]:
         with pytest.raises(ConfigError, match=words):

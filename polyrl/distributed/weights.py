@@ -31,7 +31,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: full_tensor(v.detach()).clone() for k, v in model.state_dict().items()}
 
 
-def _layer_key(name: str) -> str:
+def layer_key(name: str) -> str:
     """Tensors of one decoder layer share a key (their bucket); every other tensor is a bucket of its own."""
     m = re.search(r"\.layers\.(\d+)\.", name)
     return m.group(0) if m else name
@@ -46,7 +46,7 @@ def full_tensors_by_layer(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator
     bucket: list[tuple[str, torch.Tensor]] = []
     key = None
     for name, t in named:
-        k = _layer_key(name)
+        k = layer_key(name)
         if bucket and k != key:
             yield from _gather_bucket(bucket)
             bucket = []

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 @dataclass
 class RolloutPoolConfig:
     nnodes: int = 1
-    """Nodes of the rollout pool when actor_rollout_ref.hybrid_engine=False (only 1 for now)."""
+    """Nodes of the rollout pool when actor_rollout_ref.hybrid_engine=False."""
     n_gpus_per_node: int = 1
-    """Rollout processes (GPUs) per node when actor_rollout_ref.hybrid_engine=False (only 1 for now); the trainer
-    keeps trainer.n_gpus_per_node."""
+    """Rollout processes (GPUs) per node when actor_rollout_ref.hybrid_engine=False, in replicas of
+    actor_rollout_ref.rollout.tensor_model_parallel_size; the trainer keeps trainer.nnodes x trainer.n_gpus_per_node
+    (trainer/rollout_pool.py)."""
 
 
 @dataclass
@@ -27,14 +28,15 @@ class AsyncTrainingConfig:
     partial_rollout_max_new_tokens: int | None = None
     """With partial_rollout: new tokens per row per generation call; None: half of rollout.response_length."""
     weight_bucket_mb: int = 512
-    """Off-policy pipeline: weights stream to the rollout process in buckets of at most this many MiB."""
+    """Off-policy pipeline: weights stream to the rollout processes in buckets of at most this many MiB (and of one
+    decoder layer at most)."""
 
 
 def check_async(cfg) -> None:
     """Refuse pipeline settings that cannot be honoured, and pipeline keys set while the pipeline is off."""
     from polyrl.errors import ConfigError
 
-    a, pool, t = cfg.async_training, cfg.rollout, cfg.trainer
+    a, pool = cfg.async_training, cfg.rollout
     if cfg.actor_rollout_ref.hybrid_engine:
         if (a, pool) != (AsyncTrainingConfig(), RolloutPoolConfig()):
             raise ConfigError("rollout.* and async_training.* configure the off-policy pipeline, which is off; set "
@@ -47,9 +49,7 @@ def check_async(cfg) -> None:
                           "or more (1 overlaps generation with training).")
     if a.weight_bucket_mb < 1:
         raise ConfigError(f"async_training.weight_bucket_mb={a.weight_bucket_mb}; use at least 1.")
-    if (pool.nnodes, pool.n_gpus_per_node, t.nnodes, t.n_gpus_per_node) != (1, 1, 1, 1):
-        raise ConfigError("actor_rollout_ref.hybrid_engine=False runs 1 trainer and 1 rollout process for now; set "
-                          "trainer.nnodes, trainer.n_gpus_per_node, rollout.nnodes and rollout.n_gpus_per_node to 1.")
+    check_placement(cfg)
     if cfg.actor_rollout_ref.model.lora_rank > 0:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False does not stream LoRA adapters yet; set "
                           "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
@@ -88,3 +88,56 @@ def check_partial_rollout(cfg) -> None:
     if alg.filter_groups.enable or alg.adv_estimator == "remax":
         raise ConfigError("async_training.partial_rollout=True does not combine with algorithm.filter_groups or the "
                           "remax estimator yet; turn one of them off.")
+
+
+def check_placement(cfg) -> None:
+    """The trainer and rollout pools (trainer/rollout_pool.py): whole replicas, and what a pool of more than one
+    process does not do yet."""
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.rollout_pool import Placement
+
+    pool, t, roles = cfg.rollout, cfg.trainer, cfg.actor_rollout_ref
+    for key, n in (("rollout.nnodes", pool.nnodes), ("rollout.n_gpus_per_node", pool.n_gpus_per_node),
+                   ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
+        if n < 1:
+            raise ConfigError(f"{key}={n} must be at least 1.")
+    place = Placement.of(cfg)
+    tp = place.tp
+    if tp > 1 and place.num_rollout % tp:  # check_tensor_parallel names the per-node divisor
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the "
+                          f"{place.num_rollout} rollout processes; use a divisor.")
+    if tp > 1 and cfg.algorithm.filter_groups.enable:
+        raise ConfigError("algorithm.filter_groups.enable=True (DAPO dynamic sampling) is not supported by "
+                          "tensor-parallel replicas in the off-policy pipeline yet; set "
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size=1 or disable it.")
+    if place.num_trainers == place.num_replicas == 1:
+        return
+    what = (f"the off-policy pipeline with {place.num_trainers} trainer process(es) and {place.num_replicas} "
+            f"rollout replica(s)")
+    if cfg.async_training.partial_rollout and (place.num_replicas > 1 or tp > 1):
+        raise ConfigError(f"async_training.partial_rollout=True keeps rows in flight in one replica's engine; run "
+                          f"{what} with one one-process replica (rollout.n_gpus_per_node=1) or turn it off.")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"algorithm.filter_groups.enable=True (DAPO dynamic sampling) is not supported by {what} "
+                          "yet; use 1 trainer and 1 rollout process, or disable it.")
+    if roles.actor.ulysses_sequence_parallel_size > 1:
+        raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1 is not supported by {what} "
+                          "yet; set it to 1.")
+    if place.num_trainers > 1 and cfg.data.val_files:
+        raise ConfigError(f"data.val_files: validation is not supported yet by {what} (the trainer ranks hold "
+                          "shards, not a model to generate with); remove data.val_files or use 1 trainer process.")
+    per_trainer = cfg.data.train_batch_size // place.num_trainers
+    if per_trainer < place.num_replicas:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} gives each of the {place.num_trainers} "
+                          f"trainer processes {per_trainer} prompts, fewer than the {place.num_replicas} rollout "
+                          "replicas that generate them; raise it or use fewer replicas.")
+    if tp > 1:
+        rc = cfg.algorithm.rollout_correction
+        if (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
+            raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout "
+                              "process, which a tensor-parallel replica does not hold; set "
+                              "algorithm.rollout_correction.bypass_mode=True or "
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
+        if roles.rollout.multi_turn.enable:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
+                              "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")

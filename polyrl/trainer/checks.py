@@ -137,6 +137,12 @@ def check_tensor_parallel(cfg) -> None:
         raise ConfigError(f"{key} must be at least 1 (or null: auto).")
     if r.name != "native":
         raise ConfigError(f"{key}: tensor parallelism is in the native engine only; use rollout.name=native or 1.")
+    if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy rollout pool: replicas within one of its nodes
+        per_node = cfg.rollout.n_gpus_per_node
+        if tp > per_node or per_node % tp:
+            raise ConfigError(f"{key} does not divide the rollout pool's rollout.n_gpus_per_node={per_node}; use a "
+                              f"divisor of {per_node}.")
+        return
     ngpu = _gpus_available()
     per_node = gpus_per_node(cfg.trainer.n_gpus_per_node) if ngpu else int(os.environ.get("WORLD_SIZE", "0")) or \
         cfg.trainer.n_gpus_per_node
@@ -146,9 +152,6 @@ def check_tensor_parallel(cfg) -> None:
     if cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1:
         raise ConfigError(f"{key} with actor.ulysses_sequence_parallel_size > 1 is not supported yet (both group "
                           "consecutive ranks); use one of them.")
-    if not cfg.actor_rollout_ref.hybrid_engine:
-        raise ConfigError(f"{key}: the off-policy pipeline (hybrid_engine=False) runs one-process rollout replicas; "
-                          "set it to 1 there.")
 
 
 def check_sequence_parallel(cfg) -> None:

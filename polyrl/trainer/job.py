@@ -20,8 +20,9 @@ def rollout_pool_size(cfg) -> int:
 
 def launch_job(cfg) -> launch.Job:
     """The processes `cfg.trainer` (and the rollout pool) ask for. The off-policy pipeline runs on this host when it
-    has a GPU for every process; otherwise across hosts through Ray, one process per node (the trainer on the first,
-    the rollout on the second), as verl places its two resource pools."""
+    has a GPU for every process; otherwise across hosts through Ray, as verl places its two resource pools: the
+    trainer's nodes first, then the rollout pool's, `n_gpus_per_node` processes each when both pools have the same
+    (else one process per node). Job ranks are then trainer ranks first (trainer/rollout_pool.py)."""
     trainer = cfg.trainer
     if trainer.n_gpus_per_node < 1 or trainer.nnodes < 1:
         raise ConfigError(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} and trainer.nnodes={trainer.nnodes} "
@@ -29,7 +30,11 @@ def launch_job(cfg) -> launch.Job:
     timeout = getattr(trainer, "ray_wait_register_center_timeout", launch.Job.placement_timeout_s)  # not in flow's
     pool = rollout_pool_size(cfg)
     processes = trainer.n_gpus_per_node * trainer.nnodes + pool
-    if pool and local_gpus(trainer.device) < processes:
+    if pool and (local_gpus(trainer.device) < processes or trainer.nnodes > 1 or cfg.rollout.nnodes > 1):
+        per_node = trainer.n_gpus_per_node
+        if per_node == cfg.rollout.n_gpus_per_node and local_gpus(trainer.device) >= per_node:
+            return launch.Job(nproc_per_node=per_node, nnodes=trainer.nnodes + cfg.rollout.nnodes,
+                              device=trainer.device, placement_timeout_s=timeout)
         return launch.Job(nproc_per_node=1, nnodes=processes, device=trainer.device, placement_timeout_s=timeout)
     return launch.Job(nproc_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes, extra_processes=pool,
                       device=trainer.device, placement_timeout_s=timeout)

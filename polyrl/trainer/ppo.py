@@ -139,8 +139,9 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         # several processes keep the full policy off the GPUs (FSDP2 moves each rank's shards there; the native
         # engine copies its bf16 weights from the host replica): a full fp32 replica per GPU would crowd out the
         # engine (memory.copies_bytes counts the shard only). The hf engine generates with the replica itself.
-        host = self.dist.is_distributed and (roles.rollout.name == "native"
-                                             or (roles.rollout.tensor_model_parallel_size or 1) > 1)
+        # A tensor-parallel engine (an off-policy pool's replicas too) streams its slices from that host copy.
+        host = (self.dist.is_distributed and roles.rollout.name == "native") \
+            or ((roles.rollout.tensor_model_parallel_size or 1) > 1 and self.ROLE != "train")
         model = load_policy(roles.model, device=torch.device("cpu") if host else self.device)
         check_router_replay(roles.actor.router_replay.mode, roles.rollout.enable_rollout_routing_replay,
                             bool(find_routers(model)), roles.actor.ulysses_sequence_parallel_size)

@@ -26,6 +26,20 @@ class RolloutBatchMixin:
 
     def _collect_batch(self, timer):
         """gen + reward (+ DAPO dynamic sampling): the batch of sequences this step trains on."""
+        parts, metrics = self._collect_parts(timer)
+        return self._assemble_batch(parts, self.cfg.data.train_batch_size, metrics)
+
+    def _prompt_share(self, prompts: list) -> list:
+        """The prompts of a drawn batch this process generates for: its data shard's whole prompt groups
+        (polyrl.distributed.data; the off-policy rollout replicas deal their own, trainer/rollout_pool.py)."""
+        if not self.dist.data.is_distributed:
+            return prompts
+        keep = dp_data.shard_prompts(len(prompts), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
+                                     self.dist.data.rank, self.dist.data.world_size)
+        return [prompts[i] for i in keep]
+
+    def _collect_parts(self, timer) -> tuple[list[dict], dict]:
+        """gen + reward (+ DAPO dynamic sampling): scored generation parts for `_assemble_batch`, and their metrics."""
         cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
         fg = cfg.algorithm.filter_groups
         want = cfg.data.train_batch_size
@@ -61,15 +75,11 @@ class RolloutBatchMixin:
                     f"Dynamic sampling kept {num_kept} of the {want} prompts needed after {num_gen} generation "
                     "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
                     "too many groups get identical rewards.")
-        return self._assemble_batch(parts, want, metrics)
+        return parts, metrics
 
     def _generate_batch(self, timer):
-        """This data shard's next prompts and their generation (`timing_s/gen`)."""
-        prompts = self.sampler.next_batch()
-        if self.dist.data.is_distributed:  # this data shard's whole prompt groups (polyrl.distributed.data)
-            keep = dp_data.shard_prompts(len(prompts), self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
-                                         self.dist.data.rank, self.dist.data.world_size)
-            prompts = [prompts[i] for i in keep]
+        """This process's share of the next prompts (`_prompt_share`) and their generation (`timing_s/gen`)."""
+        prompts = self._prompt_share(self.sampler.next_batch())
         with timer.stage("gen"):
             sampling = self._sampling_params()
             out = self.oom.run("gen", lambda: self._rollout(prompts, sampling), ctx=StageContext(engine=self.engine))
@@ -204,10 +214,11 @@ def routes_batch(routes: list[torch.Tensor], prompt_lens: list[int], batch, devi
 
 
 def kept_rows(parts: list[dict], num_groups: int) -> list[tuple[int, int]]:
-    """(generation batch, row) pairs to train on: every row of a plain step; under DAPO dynamic sampling the rows of
-    the first `num_groups` kept prompt groups (whole groups only, in generation order)."""
+    """(generation batch, row) pairs to train on: every row of every part (a plain step has one; the off-policy
+    trainer gets one from each rollout replica); under DAPO dynamic sampling the rows of the first `num_groups` kept
+    prompt groups (whole groups only, in generation order)."""
     if "keep" not in parts[0]:
-        return [(0, j) for j in range(len(parts[0]["out"].prompt_index))]
+        return [(i, j) for i, p in enumerate(parts) for j in range(len(p["out"].prompt_index))]
     groups = [(i, pi) for i, p in enumerate(parts) for pi in dict.fromkeys(p["out"].prompt_index) if pi in p["keep"]]
     chosen = set(groups[:num_groups])
     return [(i, j) for i, p in enumerate(parts) for j, pi in enumerate(p["out"].prompt_index) if (i, pi) in chosen]

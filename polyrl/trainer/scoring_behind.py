@@ -12,10 +12,11 @@ limit lets it:
 With the default age of one step, batch k+1 needs the weights trained on batch k-1, which left one scoring earlier,
 so generation waits for neither the scoring nor the step it feeds; with age 0 it waits for both (no overlap).
 
-The thread queues no GPU work (the batch is assembled on the CPU, the scorer is elsewhere) and times without
-synchronizing, so it never waits behind the generation's kernels. Only the thread sends batches, so they leave in
-order; their objects travel on a gloo group of their own (p2p.object_link), apart from the weights the main thread
-receives meanwhile.
+The thread queues no GPU work (it ships the scored rows; the trainer assembles the batch, the scorer is elsewhere)
+and times without synchronizing, so it never waits behind the generation's kernels. Only the thread sends batches,
+so they leave in order; their objects travel on the job-wide link's gloo group (`p2p.Link.objects`), apart from the
+NCCL group of the weights the main thread receives meanwhile (on CPU both are the one gloo group; their tags differ).
+One trainer and one rollout process only, for now (async_ppo.RolloutWorker refuses a pool with such a reward).
 
 Metrics of each batch, besides the serial pipeline's: `timing_s/reward` is its scoring as the thread saw it (the
 worker's `timing_s/reward_model` and `timing_s/reward_fn`, plus the round trip), and `timing_s/reward_overlap` the
@@ -27,8 +28,6 @@ from __future__ import annotations
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
 
 from polyrl.utils.timing import StepTimer
 
@@ -46,11 +45,11 @@ def overlap_s(start: float, end: float, span: list[float] | None) -> float:
 
 
 class ScoringBehind:
-    """Scores, assembles and sends each generated batch on one thread (module docstring). `message(k, samples,
-    batch, index, metrics, timings, versions, position)` builds the trainer's message; `send(msg)` sends it."""
+    """Scores each generated batch and sends it on one thread (module docstring). `deliver(k, parts, metrics,
+    timings, position)` sends batch k's scored parts to the trainer; `fail(k, error)` tells it that batch k failed."""
 
-    def __init__(self, roll, message, send):
-        self.roll, self.message, self.send = roll, message, send
+    def __init__(self, roll, deliver, fail):
+        self.roll, self.deliver, self.fail = roll, deliver, fail
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-scoring")
         self.timer = StepTimer(sync=False)
         self.gen_spans: dict[int, list] = {}  # batch index -> [start, end] of its generation (end None: running)
@@ -69,19 +68,17 @@ class ScoringBehind:
 
     def _finish(self, k, prompts, out, timings, version, position) -> None:
         try:
-            roll = self.roll
             metrics = dict(getattr(out, "metrics", {}))
             t0 = time.perf_counter()
-            part = roll._scored_part(prompts, out, self.timer, metrics, step=k + 1)
+            part = self.roll._scored_part(prompts, out, self.timer, metrics, step=k + 1)
             t1 = time.perf_counter()
-            samples, batch, index, metrics = roll._assemble_batch([part], roll.cfg.data.train_batch_size, metrics,
-                                                                  device=torch.device("cpu"))
+            part["versions"] = [version] * len(out.prompt_index)
             timings = {**timings, **self.timer.pop(),
                        "timing_s/reward_overlap": overlap_s(t0, t1, self.gen_spans.get(k + 1))}
             self.gen_spans.pop(k, None)
-            self.send(self.message(k, samples, batch, index, metrics, timings, [version] * len(samples), position))
+            self.deliver(k, [part], metrics, timings, position)
         except Exception as e:
-            self.send({"batch_index": k, "error": f"{type(e).__name__}: {e}"})
+            self.fail(k, f"{type(e).__name__}: {e}")
             raise ScoringFailed(f"scoring batch {k} failed: {type(e).__name__}: {e}") from e
 
     def raise_failure(self) -> None:

@@ -308,10 +308,11 @@ class NativeEngine:
         self.released = False
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused layout in place (graphs stay valid); time in `last_update_weights_s`."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, sliced: bool = False) -> None:
+        """Copy HF-named tensors into the fused layout in place (graphs stay valid); time in `last_update_weights_s`.
+        `sliced`: the tensors already are this tensor-parallel rank's slices (the off-policy pipeline sends them so)."""
         t0 = time.perf_counter()
-        if self.shards is not None:  # this rank's slice of each full tensor
+        if self.shards is not None and not sliced:  # this rank's slice of each full tensor
             named_tensors = self.shards.local_tensors(named_tensors)
         load_hf_weights(self.model, named_tensors)  # FP8 weights are quantised row by row as they arrive
         if self.cuda:
