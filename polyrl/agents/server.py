@@ -101,7 +101,7 @@ class EngineServer:
 
     def _generate(self, batch: list[_Request]) -> list[TokenOutput]:
         dev = getattr(self.engine, "device", None)
-        if isinstance(dev, torch.device) and dev.type == "cuda":  # the current device is per thread
+        if isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is not None:  # per thread
             torch.cuda.set_device(dev)
         self._release()
         n = _group_size(batch, self.handles)
