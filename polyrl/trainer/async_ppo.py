@@ -86,7 +86,7 @@ from polyrl.trainer.oom import StageContext
 from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
 from polyrl.trainer.rollout_batch import kept_rows
-from polyrl.trainer.rollout_pool import Placement, deal_prompts, select_prompts
+from polyrl.trainer.rollout_pool import Placement, deal_prompts, row_versions, select_prompts
 from polyrl.trainer.scoring_behind import ScoringBehind, ScoringFailed
 from polyrl.utils.timing import StepTimer
 
@@ -103,13 +103,20 @@ def weight_versions_needed(total_steps: int, max_age: int) -> int:
     return max(0, total_steps - 1 - max_age)
 
 
-def staleness_metrics(versions: list[int], trained_version: int, max_age: int) -> dict[str, float]:
+def staleness_metrics(versions: list[int], trained_version: int, max_age: int,
+                      turn_versions: list[list[int]] | None = None) -> dict[str, float]:
+    """Each sample's age from its version (a multi-turn sample's oldest turn's); with `turn_versions` (per sample, per
+    assistant turn) also the spread of versions within a sample."""
     ages = [trained_version - v for v in versions]
     out = {"async/staleness/mean": sum(ages) / len(ages), "async/staleness/max": float(max(ages)),
            "async/staleness/min": float(min(ages)), "async/weight_version/min": float(min(versions)),
            "async/weight_version/max": float(max(versions))}
     for age in range(max_age + 1):
         out[f"async/staleness/frac_{age}"] = ages.count(age) / len(ages)
+    if turn_versions:
+        spans = [max(t) - min(t) if t else 0 for t in turn_versions]
+        out["async/weight_version/turn_span/mean"] = sum(spans) / len(spans)
+        out["async/weight_version/turn_span/max"] = float(max(spans))
     return out
 
 
@@ -324,7 +331,9 @@ class AsyncPPOTrainer(PPOTrainer):
                 old[k, :len(lp)] = torch.tensor(lp, dtype=old.dtype)
             batch["old_log_probs"] = old.to(self.device)
         versions = [parts[i]["versions"][j] for i, j in rows]
-        metrics.update(staleness_metrics(versions, self.global_step, self.max_age))
+        turns = [parts[i]["out"].weight_versions[j] for i, j in rows] \
+            if hasattr(parts[0]["out"], "weight_versions") else None  # multi-turn: each turn's own
+        metrics.update(staleness_metrics(versions, self.global_step, self.max_age, turns))
         return samples, batch, index, metrics
 
     def _make_reward(self):
@@ -391,9 +400,13 @@ class _RolloutRole(PPOTrainer):
 
     ROLE = "rollout"
     share: list[int] | None = None
+    version = 0  # the weights version its engine holds (RolloutWorker._load_weights)
 
     def _prompt_share(self, prompts: list) -> list:
         return prompts if self.share is None else [prompts[i] for i in self.share]
+
+    def _generating_version(self) -> int:
+        return self.version
 
 
 def scores_behind(cfg, reward) -> bool:
@@ -506,7 +519,7 @@ class RolloutWorker:
         else:
             parts, metrics = roll._collect_parts(self.timer)
             for p in parts:
-                p["versions"] = [self.version] * len(p["out"].prompt_index)
+                p["versions"] = row_versions(p["out"], self.version)
         position = {"sampler": (self.partial and self.partial.resume_state()) or roll.sampler.state_dict(),
                     "engine": roll._engine_generator_state()}
         return parts, metrics, self.timer.pop(), position
@@ -597,7 +610,7 @@ class RolloutWorker:
                 for name, t in self.receiver.receive():
                     params[name].copy_(t)
                 self.roll.engine.update_weights(self.roll._weights_for_rollout())
-        self.version = version
+        self.version = self.roll.version = version
 
 
 # ------------------------------------------------------------------------------------------------ the job

@@ -1,0 +1,213 @@
+"""multi_turn.enable=True in the one-step off-policy pipeline (polyrl/trainer/async_ppo.py) on CPU: 2 processes over
+gloo, 1 trainer + 1 rollout. The rollout process runs the agent loops; what the trainer trains on is what the engine
+sampled there (tool tokens with response_mask 0, the engine's log-probs), each row's turns tagged with the weights
+that sampled them, its staleness counted from its oldest turn, and the multi-turn metrics logged.
+
+Both processes import a `sitecustomize` from the test's folder that records, in files, every turn the rollout's
+engine sampled (`EngineServer._generate`) and every batch the trainer assembled (`_assemble_batch`)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.data.dataset import read_parquet_rows, write_parquet
+from polyrl.trainer.async_ppo import staleness_metrics
+
+LOOP = '''
+from polyrl.agents import AgentLoopOutput
+from polyrl.agents.loops import ToolAgentLoop
+
+
+class OneToolTurn(ToolAgentLoop):
+    """Samples a turn, 'calls' the calculator with 6*7, then samples the last turn."""
+
+    async def run(self, messages, sampling_params, **kw):
+        rid, prompt = kw["request_id"], list(kw["prompt_ids"])
+        a = await self.server_manager.generate(request_id=rid, prompt_ids=prompt, max_new_tokens=3)
+        text, reward, _ = await self._call(_Call(), kw.get("tools_kwargs") or {}, 5.0)
+        tool = self.renderer.tool_turn_ids([{"role": "tool", "content": text}], a.finish_reason == "stop")
+        b = await self.server_manager.generate(request_id=rid, prompt_ids=prompt + a.token_ids + tool,
+                                               max_new_tokens=3)
+        ids = a.token_ids + tool + b.token_ids
+        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids,
+                               response_mask=[1] * len(a.token_ids) + [0] * len(tool) + [1] * len(b.token_ids),
+                               response_logprobs=a.log_probs + [0.0] * len(tool) + b.log_probs, num_turns=4,
+                               tool_rewards=[reward], metrics={"tool_calls": 1, "tool_errors": 0, "tool_s": 0.0},
+                               weight_versions=[a.weight_version, b.weight_version])
+
+
+class _Call:
+    name, arguments = "reward_calc", {"expression": "6*7"}
+'''
+TOOL = '''
+from polyrl.tools.calculator import CalculatorTool
+
+
+class RewardCalc(CalculatorTool):
+    async def execute(self, instance_id, parameters, **kw):
+        resp, _, m = await super().execute(instance_id, parameters)
+        return resp, 0.5, m
+'''
+SPY = '''
+import json
+import os
+
+if os.environ.get("SPY_OUT"):
+    import torch
+
+    from polyrl.agents.server import EngineServer
+    from polyrl.trainer.rollout_batch import RolloutBatchMixin
+
+    out = os.environ["SPY_OUT"]
+    generate, assemble = EngineServer._generate, RolloutBatchMixin._assemble_batch
+
+    def _generate(self, batch):
+        turns = generate(self, batch)
+        with open(os.path.join(out, "sampled.jsonl"), "a") as f:
+            for t in turns:
+                if t is not None:
+                    f.write(json.dumps({"ids": t.token_ids, "lps": t.log_probs, "v": t.weight_version}) + "\\n")
+        return turns
+
+    def _assemble_batch(self, parts, want, metrics, device=None):
+        res = assemble(self, parts, want, metrics, device)
+        if self.ROLE == "train":
+            batch = res[1]
+            torch.save({"responses": batch["responses"], "response_mask": batch["response_mask"],
+                        "rollout_log_probs": batch["rollout_log_probs"],
+                        "ids": [i for p in parts for i in p["out"].token_ids],
+                        "masks": [m for p in parts for m in p["out"].response_masks],
+                        "turn_versions": [v for p in parts for v in p["out"].weight_versions],
+                        "versions": [v for p in parts for v in p["versions"]]},
+                       os.path.join(out, f"trained_{self.global_step}.pt"))
+        return res
+
+    EngineServer._generate, RolloutBatchMixin._assemble_batch = _generate, _assemble_batch
+'''
+
+
+def _setup(tmp_path: Path, model_dir: Path, data_dir: Path, steps: int, *extra: str) -> list[str]:
+    (tmp_path / "spy").mkdir()
+    (tmp_path / "spy" / "my_loops.py").write_text(LOOP)
+    (tmp_path / "spy" / "my_tools.py").write_text(TOOL)
+    (tmp_path / "spy" / "sitecustomize.py").write_text(SPY)
+    (tmp_path / "loops.yaml").write_text("- name: one_tool_turn\n  _target_: my_loops.OneToolTurn\n")
+    (tmp_path / "tools.yaml").write_text(
+        "tools:\n  - class_name: my_tools.RewardCalc\n    config: {type: native}\n    tool_schema: {type: function, "
+        "function: {name: reward_calc, parameters: {type: object, properties: {expression: {type: string}}}}}\n")
+    rows = read_parquet_rows(str(data_dir / "train.parquet"))[:16]
+    for r in rows:
+        r["agent_name"] = "one_tool_turn"
+    write_parquet(rows, tmp_path / "train.parquet")
+    (tmp_path / "out").mkdir()
+    return [
+        "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",
+        "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=40",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.ignore_eos=True", "trainer.device=cpu",
+        "actor_rollout_ref.rollout.multi_turn.enable=True",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}",
+        "actor_rollout_ref.hybrid_engine=False",
+        f"trainer.run_dir={tmp_path / 'run'}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        f"trainer.total_training_steps={steps}", "trainer.progress_bar=False", "trainer.logger=[file]",
+        "trainer.save_freq=-1", *extra,
+    ]
+
+
+def _run(tmp_path: Path, argv: list[str]) -> list[dict]:
+    """`polyrl train argv` as the 2 processes of one gloo job (rank 0 trains, rank 1 generates); its step rows."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPY_OUT": str(tmp_path / "out"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "spy"), str(Path.cwd())]), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [subprocess.Popen([sys.executable, "-m", "polyrl.train", *argv], env={**env, "RANK": r, "LOCAL_RANK": r},
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in ("1", "0")]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+def _segments(ids: list[int], mask: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """Runs of equal mask: (mask value, the ids)."""
+    out = []
+    for i, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(i)
+        else:
+            out.append((m, [i]))
+    return [(m, tuple(s)) for m, s in out]
+
+
+def _trained_as_sampled(tmp_path: Path, steps: int) -> list[dict]:
+    """Each step's trained batch, checked against the rollout's sampled turns: every row's sampled runs (mask 1) are
+    turns the engine sampled, with their log-probs; tool runs (mask 0) sit between them; the batch holds exactly those
+    ids."""
+    sampled = {}
+    for line in (tmp_path / "out" / "sampled.jsonl").read_text().splitlines():
+        t = json.loads(line)
+        sampled[tuple(t["ids"])] = t
+    batches = [torch.load(tmp_path / "out" / f"trained_{k}.pt") for k in range(steps)]
+    for b in batches:
+        for row, (ids, mask) in enumerate(zip(b["ids"], b["masks"])):
+            n = len(ids)
+            assert b["responses"][row, :n].tolist() == ids and b["response_mask"][row, :n].tolist() == mask
+            assert b["response_mask"][row, n:].sum() == 0
+            runs = _segments(ids, mask)
+            assert [m for m, _ in runs] == [1, 0, 1], runs  # turn, tool, turn
+            pos = 0
+            for m, seg in runs:
+                if m:
+                    turn = sampled[seg]  # a KeyError: the trainer got ids the engine never sampled
+                    got = b["rollout_log_probs"][row, pos:pos + len(seg)]
+                    assert torch.allclose(got, torch.tensor(turn["lps"]), atol=1e-6)
+                pos += len(seg)
+            assert len(b["turn_versions"][row]) == 2 and b["versions"][row] == min(b["turn_versions"][row])
+    return batches
+
+
+def test_off_policy_multi_turn_trains_on_the_sampled_ids_with_tool_tokens_masked(tiny_model_dir, synth_data_dir,
+                                                                                  tmp_path):
+    steps = 3
+    rows = _run(tmp_path, _setup(tmp_path, tiny_model_dir, synth_data_dir, steps))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    batches = _trained_as_sampled(tmp_path, steps)
+    # one step off: batches 0 and 1 from the initial weights, batch 2 from step 1's; every turn of a row alike
+    assert [sorted({v for t in b["turn_versions"] for v in t}) for b in batches] == [[0], [0], [1]]
+    assert [r["async/staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/weight_version/min"] for r in rows] == [0.0, 0.0, 1.0]
+    assert all(r["async/weight_version/turn_span/max"] == 0.0 for r in rows)
+    for r in rows:
+        assert r["num_turns/mean"] == 4 and r["tool_calls/total"] == 4 and r["tool_calls/errors"] == 0
+        assert r["reward_extra/tool_reward/mean"] == 0.5 and "timing_s/tool_calls" in r
+        assert r["rollout/prefill_tokens_saved"] > 0  # the native engine kept each trajectory's cache between turns
+
+
+def test_staleness_counts_a_multi_turn_sample_from_its_oldest_turn():
+    m = staleness_metrics([1, 2], trained_version=3, max_age=2, turn_versions=[[1, 2, 3], [2, 2]])
+    assert m["async/staleness/max"] == 2.0 and m["async/weight_version/turn_span/max"] == 2.0
+    assert m["async/weight_version/turn_span/mean"] == 1.0
+    assert "async/weight_version/turn_span/max" not in staleness_metrics([1], 1, 1)
+
+
+def test_partial_rollouts_with_multi_turn_are_refused_for_now():
+    from polyrl.config import build_config
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.checks import check_multi_turn
+    from polyrl.trainer.config import PPOConfig
+
+    on = ["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.hybrid_engine=False"]
+    check_multi_turn(build_config(PPOConfig(), on))
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        check_multi_turn(build_config(PPOConfig(), on + ["async_training.partial_rollout=True"]))
