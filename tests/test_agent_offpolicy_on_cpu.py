@@ -201,13 +201,23 @@ def test_staleness_counts_a_multi_turn_sample_from_its_oldest_turn():
     assert "async/weight_version/turn_span/max" not in staleness_metrics([1], 1, 1)
 
 
-def test_partial_rollouts_with_multi_turn_are_refused_for_now():
-    from polyrl.config import build_config
-    from polyrl.errors import ConfigError
-    from polyrl.trainer.checks import check_multi_turn
-    from polyrl.trainer.config import PPOConfig
-
-    on = ["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.hybrid_engine=False"]
-    check_multi_turn(build_config(PPOConfig(), on))
-    with pytest.raises(ConfigError, match="partial_rollout"):
-        check_multi_turn(build_config(PPOConfig(), on + ["async_training.partial_rollout=True"]))
+def test_partial_rollouts_continue_trajectories_across_weight_versions(tiny_model_dir, synth_data_dir, tmp_path):
+    """A cap of 2 tokens per call: each trajectory (3 sampled, the tool's, 3 sampled) spans 3 calls, a turn stopped at
+    the cap continues on its kept cache in the next one, and a trajectory in flight when new weights arrive has turns
+    of two versions; it is trained exactly as sampled and ages from its oldest turn."""
+    steps = 4
+    rows = _run(tmp_path, _setup(tmp_path, tiny_model_dir, synth_data_dir, steps, "async_training.partial_rollout=True",
+                                 "async_training.partial_rollout_max_new_tokens=2"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    batches = _trained_as_sampled(tmp_path, steps)
+    assert rows[0]["async/partial_rollout/gen_calls"] == 3  # the first trajectories' 6 tokens, 2 a call
+    assert all(r["async/partial_rollout/turns_continued"] > 0 for r in rows)
+    mixed = [k for k, b in enumerate(batches) if any(len(set(t)) == 2 for t in b["turn_versions"])]
+    assert mixed, [b["turn_versions"] for b in batches]  # a trajectory whose turns two weight versions sampled
+    for k, (b, r) in enumerate(zip(batches, rows)):
+        spans = [max(t) - min(t) for t in b["turn_versions"]]
+        assert r["async/weight_version/turn_span/max"] == max(spans)
+        assert r["async/staleness/max"] == k - min(b["versions"])  # step k+1 trains with version k
+        assert r["async/partial_rollout/version_span_max"] >= max(spans)
+        assert r["num_turns/mean"] == 4 and r["tool_calls/total"] == 4 and "rollout/prefill_tokens_saved" in r
+    assert all(rows[k]["async/weight_version/turn_span/max"] >= 1 for k in mixed)

@@ -83,7 +83,7 @@ from polyrl.errors import ConfigError, UserError
 from polyrl.models.loader import merged_state_dict
 from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
-from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
+from polyrl.trainer.partial_rollout import AgentPartialRollouts, PartialRollouts, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
 from polyrl.trainer.rollout_batch import kept_rows
 from polyrl.trainer.rollout_pool import Placement, deal_prompts, row_versions, select_prompts
@@ -468,8 +468,12 @@ class RolloutWorker:
         self.receiver = weight_receiver(self.roll.model, place, rank, link, _bucket_bytes(cfg), cut, self.roll.device)
         self.version = 0
         r = cfg.actor_rollout_ref.rollout
-        self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg)) \
-            if cfg.async_training.partial_rollout else None
+        self.partial = None
+        if cfg.async_training.partial_rollout and self.roll.agents is not None:  # multi-turn: trajectories in flight
+            self.partial = AgentPartialRollouts(self.roll.agents.start(self.roll.engine, self.roll._sampling_params(),
+                                                                       partial_rollout_cap(cfg)))
+        elif cfg.async_training.partial_rollout:
+            self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg))
         self.behind = None
         if scores_behind(cfg, self.roll.reward):
             if (place.num_trainers, place.num_rollout) != (1, 1):
@@ -507,6 +511,8 @@ class RolloutWorker:
                 raise
         if self.behind is not None:
             self.behind.close()
+        if self.partial is not None:
+            self.partial.close()
         self._wait_sent()  # the trainer has taken the last batch: nothing more to do here
 
     def _collect(self) -> tuple[list[dict], dict, dict, dict]:
@@ -578,21 +584,29 @@ class RolloutWorker:
         the cap, and repeat until enough groups have finished; ship the oldest finished ones."""
         roll, pool, timer = self.roll, self.partial, self.timer
         want, sampling = roll.cfg.data.train_batch_size, roll._sampling_params()
+        agents = isinstance(pool, AgentPartialRollouts)
         calls = on_cache = 0
         while not calls or pool.num_done() < want:
             state = copy.deepcopy(roll.sampler.state_dict())
             pool.add(roll.sampler.next_batch(), state)
-            prompts, rows, caps = pool.requests()
-            with timer.stage("gen"):
-                out = roll.oom.run("gen", lambda: roll._generate(prompts, continuation_sampling(sampling, rows, caps)),
-                                   ctx=StageContext(engine=roll.engine))
-            pool.absorb(out, rows, caps, self.version)
+            if agents:  # the trajectories' turns up to the cap, tools between them (no OOM retry: not repeatable)
+                with timer.stage("gen"):
+                    roll.engine.resume()
+                    on_cache += pool.run(self.version)
+            else:
+                prompts, rows, caps = pool.requests()
+                with timer.stage("gen"):
+                    out = roll.oom.run("gen", lambda: roll._generate(prompts,
+                                                                     continuation_sampling(sampling, rows, caps)),
+                                       ctx=StageContext(engine=roll.engine))
+                pool.absorb(out, rows, caps, self.version)
+                on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
             calls += 1
-            on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
         groups = pool.take(want)
-        prompts, out = as_part(groups)
-        metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
-                   "async/partial_rollout/rows_continued_on_kept_cache": float(on_cache),
+        prompts, out = pool.part(groups)
+        continued = "turns_continued" if agents else "rows_continued_on_kept_cache"
+        metrics = {**getattr(out, "metrics", {}), **row_metrics(groups),
+                   "async/partial_rollout/gen_calls": float(calls), f"async/partial_rollout/{continued}": float(on_cache),
                    "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
         part = roll._scored_part(prompts, out, timer, metrics)
         part["versions"] = [r.first_version for g in groups for r in g.rows]

@@ -370,9 +370,6 @@ def check_multi_turn(cfg) -> None:
         return
     if r.name not in ("native", "hf"):
         raise ConfigError(f"{key}.enable=True runs on rollout.name=native or hf, not {r.name!r}.")
-    if not cfg.actor_rollout_ref.hybrid_engine and cfg.async_training.partial_rollout:
-        raise ConfigError(f"{key}.enable=True does not combine with async_training.partial_rollout=True yet; turn "
-                          "partial rollouts off (the off-policy pipeline runs multi-turn without them).")
     if cfg.algorithm.adv_estimator == "remax":
         raise ConfigError(f"{key}.enable=True with algorithm.adv_estimator=remax: the greedy baseline is a single-turn "
                           "rollout; use grpo, rloo or gae.")
