@@ -221,3 +221,21 @@ def test_partial_rollouts_continue_trajectories_across_weight_versions(tiny_mode
         assert r["async/partial_rollout/version_span_max"] >= max(spans)
         assert r["num_turns/mean"] == 4 and r["tool_calls/total"] == 4 and "rollout/prefill_tokens_saved" in r
     assert all(rows[k]["async/weight_version/turn_span/max"] >= 1 for k in mixed)
+
+
+def test_multi_turn_is_accepted_off_policy_and_refused_on_tensor_parallel_replicas():
+    from polyrl.config import build_config
+    from polyrl.errors import ConfigError
+    from polyrl.trainer.async_config import check_async
+    from polyrl.trainer.checks import check_multi_turn
+    from polyrl.trainer.config import PPOConfig
+
+    on = ["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.hybrid_engine=False"]
+    for extra in ([], ["async_training.partial_rollout=True"]):
+        cfg = build_config(PPOConfig(), on + extra)
+        check_multi_turn(cfg)
+        check_async(cfg)
+    tp = build_config(PPOConfig(), on + ["rollout.n_gpus_per_node=2",
+                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        check_async(tp)

@@ -46,6 +46,12 @@ a row decodes per generation call and continues unfinished rows in the next call
 their rows span weight versions, so pi_old is the engine's token by token and each sample is tagged with the first
 version that generated it.
 
+Multi-turn (`rollout.multi_turn.enable`): the rollout process's `_collect_parts` runs the agent loops
+(polyrl/agents), as the on-policy trainer does, so the trainer's `_assemble_batch` gets the same generation (masks,
+tool rewards, metrics); each assistant turn is tagged with the rollout's weights version (`_generating_version`) and
+a row's version is its oldest turn's. With partial rollouts the trajectories live across calls (partial_rollout.py's
+`AgentPartialRollouts`), so one trajectory's turns may carry several versions.
+
 Metrics (besides the on-policy ones; docs/async_ppo.md):
 - `timing_s/exposed_generation`: the trainer blocked waiting for the next batch (generation the overlap did not hide,
   the trainer's idle time waiting for data). `timing_s/rollout_idle`: the rollout process blocked waiting for weights.
@@ -53,7 +59,8 @@ Metrics (besides the on-policy ones; docs/async_ppo.md):
   overlap the step, so they are not part of `timing_s/step`.
 - `timing_s/update_weights` (trainer: pack and post), `timing_s/rollout_update_weights` (rollout: receive and load).
 - `async/weight_version/{min,max}` of the batch's samples and `async/staleness/{mean,max,min}` and
-  `async/staleness/frac_<age>`: how many optimizer steps older than the trained weights each sample's weights were.
+  `async/staleness/frac_<age>`: how many optimizer steps older than the trained weights each sample's weights were;
+  multi-turn: `async/weight_version/turn_span/{mean,max}`, the spread of versions among a sample's turns.
 - `perf/throughput` counts the GPUs of both roles.
 
 Checkpoints are the trainer's (the rollout processes have no state of their own): every batch carries the
