@@ -205,10 +205,11 @@ def test_partial_rollouts_continue_trajectories_across_weight_versions(tiny_mode
     """A cap of 2 tokens per call: each trajectory (3 sampled, the tool's, 3 sampled) spans 3 calls, a turn stopped at
     the cap continues on its kept cache in the next one, and a trajectory in flight when new weights arrive has turns
     of two versions; it is trained exactly as sampled and ages from its oldest turn."""
-    steps = 4
+    steps = 3  # age 0: new weights before every batch, so batch 2 holds trajectories begun under version 0
     rows = _run(tmp_path, _setup(tmp_path, tiny_model_dir, synth_data_dir, steps, "async_training.partial_rollout=True",
-                                 "async_training.partial_rollout_max_new_tokens=2"))
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+                                 "async_training.partial_rollout_max_new_tokens=2",
+                                 "async_training.max_trajectory_age_steps=0"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
     batches = _trained_as_sampled(tmp_path, steps)
     assert rows[0]["async/partial_rollout/gen_calls"] == 3  # the first trajectories' 6 tokens, 2 a call
     assert all(r["async/partial_rollout/turns_continued"] > 0 for r in rows)
