@@ -240,3 +240,42 @@ def test_multi_turn_is_accepted_off_policy_and_refused_on_tensor_parallel_replic
                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="tensor-parallel"):
         check_async(tp)
+
+
+def test_a_turn_stopped_at_the_budget_continues_in_the_next_call_and_keeps_its_first_version(tiny_model_dir):
+    """Partial rollouts' agent pool on a scripted engine: a 5-token turn at 2 tokens a call spans 3 calls (weights
+    versions 0, 1, 2), each call continuing the tokens so far, and ends as one turn tagged with version 0."""
+    from polyrl.agents.config import AgentConfig, MultiTurnConfig
+    from polyrl.agents.runner import AgentRunner
+    from polyrl.data.dataset import RLSample
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.rollout.base import Generation, SamplingParams
+    from polyrl.rollout.config import RolloutConfig
+    from polyrl.trainer.partial_rollout import AgentPartialRollouts, row_metrics
+
+    class Positions:  # samples each row's next positions: a continued row gets what one long call would give
+        calls: list = []
+
+        def generate(self, prompts, sp):
+            rows = [p for p in prompts for _ in range(sp.n)]
+            self.calls.append([(len(p), m) for p, m in zip(rows, sp.max_new_tokens_per_row)])
+            toks = [list(range(len(p), len(p) + m)) for p, m in zip(rows, sp.max_new_tokens_per_row)]
+            return Generation(prompt_index=[i // sp.n for i in range(len(rows))], token_ids=toks,
+                              logprobs=[[-0.5] * len(t) for t in toks], finish_reason=["length"] * len(rows))
+
+    rollout = RolloutConfig(multi_turn=MultiTurnConfig(enable=True),
+                            agent=AgentConfig(default_agent_loop="single_turn_agent"))
+    runner = AgentRunner(rollout, load_tokenizer(str(tiny_model_dir)), response_length=5)
+    engine = Positions()
+    pool = AgentPartialRollouts(runner.start(engine, SamplingParams(n=2, max_new_tokens=5), budget=2))
+    pool.add([RLSample(prompt_ids=[7, 8, 9], raw_prompt=[], data_source="x", ground_truth="")], {"draw": 0})
+    continued = [pool.run(version) for version in (0, 1, 2)]
+    assert engine.calls == [[(3, 2)] * 2, [(5, 2)] * 2, [(7, 1)] * 2]  # the prompt, then the tokens so far
+    assert continued == [0, 2, 2] and pool.num_done() == 1
+    groups = pool.take(1)
+    _, out = pool.part(groups)
+    assert out.token_ids == [[3, 4, 5, 6, 7]] * 2 and out.weight_versions == [[0], [0]]
+    assert out.finish_reason == ["length"] * 2 and out.metrics["rollout/num_generate_calls"] == 3
+    assert row_metrics(groups)["async/partial_rollout/version_span_max"] == 0  # one turn: its first token's version
+    assert [(r.start, r.end) for r in groups[0].rows] == [(0, 2)] * 2
+    pool.close()

@@ -206,9 +206,12 @@ class InFlightAgents:
 
     def close(self) -> None:
         """Stop the trajectories still in flight and let their caches go."""
-        for t in self.tasks:
-            t.cancel()
-        self.loop.run_until_complete(asyncio.gather(*self.tasks, return_exceptions=True))
+        async def cancel(tasks):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.loop.run_until_complete(cancel(self.tasks))
         self.server.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.loop.close()
