@@ -279,3 +279,32 @@ def test_a_turn_stopped_at_the_budget_continues_in_the_next_call_and_keeps_its_f
     assert row_metrics(groups)["async/partial_rollout/version_span_max"] == 0  # one turn: its first token's version
     assert [(r.start, r.end) for r in groups[0].rows] == [(0, 2)] * 2
     pool.close()
+
+
+def test_rows_that_keep_their_cache_give_it_up_when_a_waiting_prompt_needs_the_blocks():
+    """keep_cache with more rows in one call than the KV cache holds at once (partial rollouts bring a new batch
+    beside the trajectories in flight): finished rows let their kept blocks go for the waiting ones instead of the
+    engine stalling; the tokens are a plain call's, and the rows that kept a cache still hold it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (30,), generator=g).tolist() for _ in range(4)]  # 38 tokens: 3 blocks each
+
+    def engine():
+        return NativeEngine.from_hf(m, dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=64,
+                                    num_kv_tokens=160, block_size=16)  # 10 blocks: 3 rows' worth
+
+    eng = engine()
+    out = eng.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8, keep_cache=True))
+    want = engine().generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    assert out.token_ids == want.token_ids
+    kept = [h for h in out.handles if h is not None]
+    assert 0 < len(kept) < 4 and len(eng.kept) == len(kept)
+    eng.release_kept(out.handles)
+    assert eng.blocks.all_free()
