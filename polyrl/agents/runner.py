@@ -113,7 +113,7 @@ class AgentRunner:
             server.close()
             pool.shutdown(wait=False, cancel_futures=True)
         server.stats["wall_s"] = time.perf_counter() - t0
-        return self._collect(outs, n, server)
+        return self.collect(outs, n, server.stats)
 
     async def _one(self, server: EngineServer, loop, rid: str, sample, ids) -> AgentLoopOutput:
         try:
@@ -124,7 +124,13 @@ class AgentRunner:
             server.num_live -= 1
             server.finish(rid)
 
-    def _collect(self, outs: list[AgentLoopOutput], n: int, server: EngineServer) -> AgentGeneration:
+    def start(self, engine, sampling: SamplingParams, budget: int) -> "InFlightAgents":
+        """Trajectories that outlive a generation call (partial rollouts): see `InFlightAgents`."""
+        return InFlightAgents(self, engine, sampling, budget)
+
+    def collect(self, outs: list[AgentLoopOutput], n: int, stats: dict) -> AgentGeneration:
+        """The loops' outputs (n per sample, prompt-major) as a generation, with the metrics of the server `stats`
+        that produced them."""
         turns = [o.num_turns for o in outs]
         calls = sum(o.metrics.get("tool_calls", 0) for o in outs)
         metrics = {
@@ -134,11 +140,11 @@ class AgentRunner:
             "tool_calls/errors": float(sum(o.metrics.get("tool_errors", 0) for o in outs)),
             "timing_s/tool_calls": float(sum(o.metrics.get("tool_s", 0.0) for o in outs)),
             "agent/client_timeouts": float(sum(o.metrics.get("client_timeouts", 0) for o in outs)),  # openai_agent
-            "rollout/prefill_tokens_saved": float(server.stats["prefill_tokens_saved"]),
-            "rollout/prefill_tokens": float(server.stats["prefill_tokens"]),
-            "rollout/num_generate_calls": float(server.stats["num_generate_calls"]),
+            "rollout/prefill_tokens_saved": float(stats["prefill_tokens_saved"]),
+            "rollout/prefill_tokens": float(stats["prefill_tokens"]),
+            "rollout/num_generate_calls": float(stats["num_generate_calls"]),
             # the engine idle while trajectories were live (waiting on tools, or on the batching of their turns)
-            "rollout/engine_idle_s": max(0.0, server.stats["wall_s"] - server.stats["engine_s"]),
+            "rollout/engine_idle_s": max(0.0, stats["wall_s"] - stats["engine_s"]),
         }
         return AgentGeneration(
             prompt_index=[i // n for i in range(len(outs))], token_ids=[o.response_ids for o in outs],
@@ -148,6 +154,67 @@ class AgentRunner:
             tool_rewards=[float(sum(o.tool_rewards)) for o in outs], reward_scores=[o.reward_score for o in outs],
             num_turns=turns, weight_versions=[o.weight_versions for o in outs], messages=[o.messages for o in outs],
             metrics=metrics, prompt_ids=[o.prompt_ids for o in outs])
+
+
+class InFlightAgents:
+    """Agent trajectories that live across generation calls, for partial rollouts (trainer/partial_rollout.py): one
+    event loop, server and tool pool kept between calls. `add` starts each sample's n loops; `run(version)` is one
+    call, in which every live trajectory samples up to `budget` tokens (its tools run between its turns) under
+    weights `version`, and then waits, parked on its kept cache, for the next call (server.py); `collect` turns
+    finished trajectories into a generation whose metrics count the server's work since the last `collect`."""
+
+    def __init__(self, runner: AgentRunner, engine, sampling: SamplingParams, budget: int):
+        self.runner, self.n = runner, sampling.n
+        self.loop = asyncio.new_event_loop()
+        self.server = EngineServer(engine, replace_n(sampling), budget=budget)
+        self.pool = ThreadPoolExecutor(runner.num_workers, thread_name_prefix="polyrl-tool")
+        self.tasks: list[asyncio.Task] = []
+        self.num_started = 0
+        self.since = {**self.server.stats, "wall_s": 0.0}  # the stats at the last `collect`
+        self.wall_s = 0.0
+
+    def add(self, sample) -> list[asyncio.Task]:
+        """Start `sample`'s n trajectories (they run in the next `run`)."""
+        r, ids, tasks = self.runner, self.runner.prompt_ids(sample), []
+        for j in range(self.n):
+            loop_cls = AGENT_LOOPS[getattr(sample, "agent_name", None) or r.default_loop]
+            loop = loop_cls(server_manager=self.server, tokenizer=r.tokenizer, tools=r.tools, config=r.cfg,
+                            renderer=r.renderer, response_length=r.response_length, tool_pool=self.pool)
+            rid = f"{self.num_started}-{j}"
+            tasks.append(self.loop.create_task(r._one(self.server, loop, rid, sample, ids)))
+        self.num_started += 1
+        self.server.num_live += self.n
+        self.tasks += tasks
+        return tasks
+
+    def run(self, version: int) -> None:
+        """One generation call under weights `version`; raises the first trajectory's failure, if any."""
+        t0 = time.perf_counter()
+        self.server.new_phase(version)
+        self.loop.run_until_complete(self.server.pump())
+        self.wall_s += time.perf_counter() - t0
+        self.tasks = [t for t in self.tasks if not t.done() or t.exception() is not None]
+        for t in self.tasks:
+            if t.done():
+                raise t.exception()
+
+    def collect(self, outs: list[AgentLoopOutput]) -> AgentGeneration:
+        stats = {**self.server.stats, "wall_s": self.wall_s}
+        delta = {k: v - self.since[k] for k, v in stats.items()}
+        self.since = stats
+        return self.runner.collect(outs, self.n, delta)
+
+    def close(self) -> None:
+        """Stop the trajectories still in flight and let their caches go."""
+        async def cancel(tasks):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.loop.run_until_complete(cancel(self.tasks))
+        self.server.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
 
 
 def replace_n(sampling: SamplingParams) -> SamplingParams:

@@ -9,6 +9,12 @@ native engine's `KeptRow`), so a turn prefills only the tokens that are new sinc
 the last sampled token whose K/V was not written yet. `stats['prefill_tokens_saved']` counts the rest. Fresh requests
 that share a prompt (the GRPO group of the first turn) go in as one prompt with n samples, so the prompt is prefilled
 once. Backends without kept caches (hf) re-prefill every turn; the tokens are the same.
+
+Partial rollouts (`budget`, trainer/partial_rollout.py): a pump is one generation call of the off-policy rollout,
+in which each trajectory samples at most `budget` tokens. A turn that reaches the budget is parked unanswered, on its
+kept cache, and its pump ends once every live trajectory is parked; `new_phase(version)` gives every trajectory a
+fresh budget under the weights version loaded meanwhile, and the parked turns continue where they stopped. A turn
+is tagged with the version that sampled its first token.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,16 +36,24 @@ class _Request:
     prompt_ids: list[int]
     max_new: int
     future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)  # sampled so far (a turn parked at the budget continues)
+    logprobs: list[float] = field(default_factory=list)
+    version: int | None = None  # the weights version that sampled its first token
 
 
 class EngineServer:
-    def __init__(self, engine, sampling: SamplingParams, weight_version: int = 0, coalesce_s: float = 0.02):
+    def __init__(self, engine, sampling: SamplingParams, weight_version: int = 0, coalesce_s: float = 0.02,
+                 budget: int | None = None):
         self.engine, self.sampling, self.weight_version, self.coalesce_s = engine, sampling, weight_version, coalesce_s
+        self.budget = budget  # partial rollouts: tokens a trajectory samples per pump (module docstring)
+        self.used: dict[str, int] = {}  # request id -> tokens sampled in this pump
+        self.parked: list[_Request] = []  # turns waiting for the next phase
         self.pending: list[_Request] = []
         self.handles: dict[str, object] = {}  # request id -> the engine's kept cache of its last turn
         self.released: list = []
         self.num_live = 0  # trajectories still running (set by the runner)
-        self.stats = {"prefill_tokens_saved": 0, "prefill_tokens": 0, "num_generate_calls": 0, "engine_s": 0.0}
+        self.stats = {"prefill_tokens_saved": 0, "prefill_tokens": 0, "num_generate_calls": 0, "engine_s": 0.0,
+                      "turns_continued": 0}
         self._wake: asyncio.Event | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="polyrl-engine")
 
@@ -61,17 +75,25 @@ class EngineServer:
         if self._wake is not None:
             self._wake.set()
 
+    def new_phase(self, version: int) -> None:
+        """Partial rollouts: the next pump samples under weights `version`, each trajectory `budget` tokens more; the
+        parked turns go first."""
+        self.weight_version = version
+        self.used.clear()
+        self.stats["turns_continued"] += len(self.parked)
+        self.pending, self.parked = self.parked + self.pending, []
+
     async def pump(self) -> None:
-        """Serve requests until no trajectory is live."""
+        """Serve requests until no trajectory is live (or, with a budget, every live one is parked)."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        while self.num_live > 0 or self.pending:
+        while self.num_live > len(self.parked) or self.pending:
             if not self.pending:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             deadline = loop.time() + self.coalesce_s
-            while len(self.pending) < self.num_live and loop.time() < deadline:
+            while len(self.pending) < self.num_live - len(self.parked) and loop.time() < deadline:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
@@ -85,7 +107,10 @@ class EngineServer:
                     r.future.set_exception(e)
                 continue
             for r, o in zip(batch, outs):
-                r.future.set_result(o)
+                if o is None:  # stopped at the budget: continues in the next phase
+                    self.parked.append(r)
+                else:
+                    r.future.set_result(o)
 
     def close(self) -> None:
         """Let every kept cache go (the rollout is over)."""
@@ -99,16 +124,29 @@ class EngineServer:
             self.engine.release_kept(self.released)
         self.released = []
 
-    def _generate(self, batch: list[_Request]) -> list[TokenOutput]:
+    def _limit(self, r: _Request) -> int:
+        """New tokens `r` may sample in this call: what its turn has left, within its trajectory's budget."""
+        left = r.max_new - len(r.tokens)
+        return left if self.budget is None else min(left, self.budget - self.used.get(r.request_id, 0))
+
+    def _generate(self, requests: list[_Request]) -> list[TokenOutput | None]:
+        """Sample `requests` in one engine call: each one's turn, or None where it stopped at the budget."""
+        limits = {id(r): self._limit(r) for r in requests}
+        batch = [r for r in requests if limits[id(r)] > 0]  # the others have no budget left in this phase
+        done = self._sample(batch, [limits[id(r)] for r in batch]) if batch else {}
+        return [done.get(id(r)) for r in requests]
+
+    def _sample(self, batch: list[_Request], limits: list[int]) -> dict[int, TokenOutput | None]:
         dev = getattr(self.engine, "device", None)
         if isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is not None:  # per thread
             torch.cuda.set_device(dev)
         self._release()
-        n = _group_size(batch, self.handles)
-        prompts = [r.prompt_ids for r in batch][::n]
-        sp = replace(self.sampling, n=n, max_new_tokens_per_row=[r.max_new for r in batch], keep_cache=True,
+        prompts = [r.prompt_ids + r.tokens for r in batch]
+        n = _group_size(prompts, limits, [self.handles.get(r.request_id) for r in batch])
+        sp = replace(self.sampling, n=n, max_new_tokens_per_row=limits, keep_cache=True,
                      continuations=None if n > 1 else [self.handles.get(r.request_id) for r in batch],
                      seed=None if self.sampling.seed is None else self.sampling.seed + self.stats["num_generate_calls"])
+        prompts = prompts[::n]
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, sp)
         self.stats["engine_s"] += time.perf_counter() - t0
@@ -116,23 +154,30 @@ class EngineServer:
         stats = getattr(self.engine, "stats", {})
         self.stats["prefill_tokens_saved"] += int(stats.get("prefill_tokens_saved", 0))
         self.stats["prefill_tokens"] += int(stats.get("prefill_tokens", 0))
-        for i, r in enumerate(batch):  # each row's new handle replaces its old one (which the call consumed)
+        done = {}
+        for i, (r, limit) in enumerate(zip(batch, limits)):  # each row's new handle replaces the one the call consumed
             self.handles[r.request_id] = out.handles[i] if out.handles else None
-        return [TokenOutput(list(t), list(lp), fr, self.weight_version)
-                for t, lp, fr in zip(out.token_ids, out.logprobs, out.finish_reason)]
+            toks, reason = out.token_ids[i], out.finish_reason[i]
+            r.version = self.weight_version if r.version is None else r.version
+            r.tokens += toks
+            r.logprobs += out.logprobs[i]
+            self.used[r.request_id] = self.used.get(r.request_id, 0) + len(toks)
+            parked = reason == "length" and len(toks) == limit and len(r.tokens) < r.max_new  # the budget stopped it
+            done[id(r)] = None if parked else TokenOutput(list(r.tokens), list(r.logprobs), reason, r.version)
+        return done
 
 
-def _group_size(batch: list[_Request], handles: dict) -> int:
+def _group_size(prompts: list[list[int]], limits: list[int], handles: list) -> int:
     """n when the batch is fresh requests in runs of n identical prompts with one budget (a GRPO group's first
     turn), else 1."""
-    if any(handles.get(r.request_id) is not None for r in batch) or len({r.max_new for r in batch}) != 1:
+    if any(h is not None for h in handles) or len(set(limits)) != 1:
         return 1
     n = 1
-    while n < len(batch) and batch[n].prompt_ids == batch[0].prompt_ids:
+    while n < len(prompts) and prompts[n] == prompts[0]:
         n += 1
-    if n == 1 or len(batch) % n:
+    if n == 1 or len(prompts) % n:
         return 1
-    for s in range(0, len(batch), n):
-        if any(batch[s + j].prompt_ids != batch[s].prompt_ids for j in range(n)):
+    for s in range(0, len(prompts), n):
+        if any(prompts[s + j] != prompts[s] for j in range(n)):
             return 1
     return n

@@ -110,6 +110,9 @@ def check_placement(cfg) -> None:
         raise ConfigError("algorithm.filter_groups.enable=True (DAPO dynamic sampling) is not supported by "
                           "tensor-parallel replicas in the off-policy pipeline yet; set "
                           "actor_rollout_ref.rollout.tensor_model_parallel_size=1 or disable it.")
+    if tp > 1 and roles.rollout.multi_turn.enable:  # a replica's other ranks would have to follow each agent turn
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
+                          "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")
     if place.num_trainers == place.num_replicas == 1:
         return
     what = (f"the off-policy pipeline with {place.num_trainers} trainer process(es) and {place.num_replicas} "
@@ -138,6 +141,3 @@ def check_placement(cfg) -> None:
                               "process, which a tensor-parallel replica does not hold; set "
                               "algorithm.rollout_correction.bypass_mode=True or "
                               "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
-        if roles.rollout.multi_turn.enable:
-            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
-                              "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")

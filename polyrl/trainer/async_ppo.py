@@ -46,6 +46,12 @@ a row decodes per generation call and continues unfinished rows in the next call
 their rows span weight versions, so pi_old is the engine's token by token and each sample is tagged with the first
 version that generated it.
 
+Multi-turn (`rollout.multi_turn.enable`): the rollout process's `_collect_parts` runs the agent loops
+(polyrl/agents), as the on-policy trainer does, so the trainer's `_assemble_batch` gets the same generation (masks,
+tool rewards, metrics); each assistant turn is tagged with the rollout's weights version (`_generating_version`) and
+a row's version is its oldest turn's. With partial rollouts the trajectories live across calls (partial_rollout.py's
+`AgentPartialRollouts`), so one trajectory's turns may carry several versions.
+
 Metrics (besides the on-policy ones; docs/async_ppo.md):
 - `timing_s/exposed_generation`: the trainer blocked waiting for the next batch (generation the overlap did not hide,
   the trainer's idle time waiting for data). `timing_s/rollout_idle`: the rollout process blocked waiting for weights.
@@ -53,7 +59,8 @@ Metrics (besides the on-policy ones; docs/async_ppo.md):
   overlap the step, so they are not part of `timing_s/step`.
 - `timing_s/update_weights` (trainer: pack and post), `timing_s/rollout_update_weights` (rollout: receive and load).
 - `async/weight_version/{min,max}` of the batch's samples and `async/staleness/{mean,max,min}` and
-  `async/staleness/frac_<age>`: how many optimizer steps older than the trained weights each sample's weights were.
+  `async/staleness/frac_<age>`: how many optimizer steps older than the trained weights each sample's weights were;
+  multi-turn: `async/weight_version/turn_span/{mean,max}`, the spread of versions among a sample's turns.
 - `perf/throughput` counts the GPUs of both roles.
 
 Checkpoints are the trainer's (the rollout processes have no state of their own): every batch carries the
@@ -83,10 +90,10 @@ from polyrl.errors import ConfigError, UserError
 from polyrl.models.loader import merged_state_dict
 from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
-from polyrl.trainer.partial_rollout import PartialRollouts, as_part, continuation_sampling, row_metrics
+from polyrl.trainer.partial_rollout import AgentPartialRollouts, PartialRollouts, continuation_sampling, row_metrics
 from polyrl.trainer.ppo import PPOTrainer, resolve_defaults
 from polyrl.trainer.rollout_batch import kept_rows
-from polyrl.trainer.rollout_pool import Placement, deal_prompts, select_prompts
+from polyrl.trainer.rollout_pool import Placement, deal_prompts, row_versions, select_prompts
 from polyrl.trainer.scoring_behind import ScoringBehind, ScoringFailed
 from polyrl.utils.timing import StepTimer
 
@@ -103,13 +110,20 @@ def weight_versions_needed(total_steps: int, max_age: int) -> int:
     return max(0, total_steps - 1 - max_age)
 
 
-def staleness_metrics(versions: list[int], trained_version: int, max_age: int) -> dict[str, float]:
+def staleness_metrics(versions: list[int], trained_version: int, max_age: int,
+                      turn_versions: list[list[int]] | None = None) -> dict[str, float]:
+    """Each sample's age from its version (a multi-turn sample's oldest turn's); with `turn_versions` (per sample, per
+    assistant turn) also the spread of versions within a sample."""
     ages = [trained_version - v for v in versions]
     out = {"async/staleness/mean": sum(ages) / len(ages), "async/staleness/max": float(max(ages)),
            "async/staleness/min": float(min(ages)), "async/weight_version/min": float(min(versions)),
            "async/weight_version/max": float(max(versions))}
     for age in range(max_age + 1):
         out[f"async/staleness/frac_{age}"] = ages.count(age) / len(ages)
+    if turn_versions:
+        spans = [max(t) - min(t) if t else 0 for t in turn_versions]
+        out["async/weight_version/turn_span/mean"] = sum(spans) / len(spans)
+        out["async/weight_version/turn_span/max"] = float(max(spans))
     return out
 
 
@@ -324,7 +338,9 @@ class AsyncPPOTrainer(PPOTrainer):
                 old[k, :len(lp)] = torch.tensor(lp, dtype=old.dtype)
             batch["old_log_probs"] = old.to(self.device)
         versions = [parts[i]["versions"][j] for i, j in rows]
-        metrics.update(staleness_metrics(versions, self.global_step, self.max_age))
+        turns = [parts[i]["out"].weight_versions[j] for i, j in rows] \
+            if hasattr(parts[0]["out"], "weight_versions") else None  # multi-turn: each turn's own
+        metrics.update(staleness_metrics(versions, self.global_step, self.max_age, turns))
         return samples, batch, index, metrics
 
     def _make_reward(self):
@@ -391,9 +407,13 @@ class _RolloutRole(PPOTrainer):
 
     ROLE = "rollout"
     share: list[int] | None = None
+    version = 0  # the weights version its engine holds (RolloutWorker._load_weights)
 
     def _prompt_share(self, prompts: list) -> list:
         return prompts if self.share is None else [prompts[i] for i in self.share]
+
+    def _generating_version(self) -> int:
+        return self.version
 
 
 def scores_behind(cfg, reward) -> bool:
@@ -455,8 +475,12 @@ class RolloutWorker:
         self.receiver = weight_receiver(self.roll.model, place, rank, link, _bucket_bytes(cfg), cut, self.roll.device)
         self.version = 0
         r = cfg.actor_rollout_ref.rollout
-        self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg)) \
-            if cfg.async_training.partial_rollout else None
+        self.partial = None
+        if cfg.async_training.partial_rollout and self.roll.agents is not None:  # multi-turn: trajectories in flight
+            self.partial = AgentPartialRollouts(self.roll.agents.start(self.roll.engine, self.roll._sampling_params(),
+                                                                       partial_rollout_cap(cfg)))
+        elif cfg.async_training.partial_rollout:
+            self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg))
         self.behind = None
         if scores_behind(cfg, self.roll.reward):
             if (place.num_trainers, place.num_rollout) != (1, 1):
@@ -494,6 +518,8 @@ class RolloutWorker:
                 raise
         if self.behind is not None:
             self.behind.close()
+        if self.partial is not None:
+            self.partial.close()
         self._wait_sent()  # the trainer has taken the last batch: nothing more to do here
 
     def _collect(self) -> tuple[list[dict], dict, dict, dict]:
@@ -506,7 +532,7 @@ class RolloutWorker:
         else:
             parts, metrics = roll._collect_parts(self.timer)
             for p in parts:
-                p["versions"] = [self.version] * len(p["out"].prompt_index)
+                p["versions"] = row_versions(p["out"], self.version)
         position = {"sampler": (self.partial and self.partial.resume_state()) or roll.sampler.state_dict(),
                     "engine": roll._engine_generator_state()}
         return parts, metrics, self.timer.pop(), position
@@ -565,21 +591,29 @@ class RolloutWorker:
         the cap, and repeat until enough groups have finished; ship the oldest finished ones."""
         roll, pool, timer = self.roll, self.partial, self.timer
         want, sampling = roll.cfg.data.train_batch_size, roll._sampling_params()
+        agents = isinstance(pool, AgentPartialRollouts)
         calls = on_cache = 0
         while not calls or pool.num_done() < want:
             state = copy.deepcopy(roll.sampler.state_dict())
             pool.add(roll.sampler.next_batch(), state)
-            prompts, rows, caps = pool.requests()
-            with timer.stage("gen"):
-                out = roll.oom.run("gen", lambda: roll._generate(prompts, continuation_sampling(sampling, rows, caps)),
-                                   ctx=StageContext(engine=roll.engine))
-            pool.absorb(out, rows, caps, self.version)
+            if agents:  # the trajectories' turns up to the cap, tools between them (no OOM retry: not repeatable)
+                with timer.stage("gen"):
+                    roll.engine.resume()
+                    on_cache += pool.run(self.version)
+            else:
+                prompts, rows, caps = pool.requests()
+                with timer.stage("gen"):
+                    out = roll.oom.run("gen", lambda: roll._generate(prompts,
+                                                                     continuation_sampling(sampling, rows, caps)),
+                                       ctx=StageContext(engine=roll.engine))
+                pool.absorb(out, rows, caps, self.version)
+                on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
             calls += 1
-            on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
         groups = pool.take(want)
-        prompts, out = as_part(groups)
-        metrics = {**row_metrics(groups), "async/partial_rollout/gen_calls": float(calls),
-                   "async/partial_rollout/rows_continued_on_kept_cache": float(on_cache),
+        prompts, out = pool.part(groups)
+        continued = "turns_continued" if agents else "rows_continued_on_kept_cache"
+        metrics = {**getattr(out, "metrics", {}), **row_metrics(groups),
+                   "async/partial_rollout/gen_calls": float(calls), f"async/partial_rollout/{continued}": float(on_cache),
                    "async/partial_rollout/groups_in_flight": float(len(pool.groups))}
         part = roll._scored_part(prompts, out, timer, metrics)
         part["versions"] = [r.first_version for g in groups for r in g.rows]
@@ -597,7 +631,7 @@ class RolloutWorker:
                 for name, t in self.receiver.receive():
                     params[name].copy_(t)
                 self.roll.engine.update_weights(self.roll._weights_for_rollout())
-        self.version = version
+        self.version = self.roll.version = version
 
 
 # ------------------------------------------------------------------------------------------------ the job

@@ -357,7 +357,8 @@ def check_flow_supported(cfg) -> None:
 
 
 def check_multi_turn(cfg) -> None:
-    """multi_turn.* and agent.* act only with multi_turn.enable; multi-turn runs in the on-policy trainer."""
+    """multi_turn.* and agent.* act only with multi_turn.enable; multi-turn runs on-policy and in the off-policy
+    pipeline."""
     from polyrl.agents.config import AgentConfig, MultiTurnConfig
 
     r = cfg.actor_rollout_ref.rollout
@@ -369,9 +370,6 @@ def check_multi_turn(cfg) -> None:
         return
     if r.name not in ("native", "hf"):
         raise ConfigError(f"{key}.enable=True runs on rollout.name=native or hf, not {r.name!r}.")
-    if not cfg.actor_rollout_ref.hybrid_engine:
-        raise ConfigError(f"{key}.enable=True is not available in the off-policy pipeline (hybrid_engine=False) yet; "
-                          "run it on-policy with actor_rollout_ref.hybrid_engine=True.")
     if cfg.algorithm.adv_estimator == "remax":
         raise ConfigError(f"{key}.enable=True with algorithm.adv_estimator=remax: the greedy baseline is a single-turn "
                           "rollout; use grpo, rloo or gae.")

@@ -19,6 +19,12 @@ far, the new ones), so a row keeps its latest call's. On a kept cache the earlie
 recorded when their K/V was computed, under the weights that sampled them; a recomputed prefix gets the re-prefill's
 routes under the current weights, as its K/V does.
 
+Multi-turn (`rollout.multi_turn.enable`, `AgentPartialRollouts`): a group's rows are agent trajectories that live
+across calls (agents/runner.py's `InFlightAgents`). In each call every trajectory in flight samples up to the cap,
+across its turns, with its tools running between them; a turn stopped at the cap waits on its kept cache and
+continues in the next call. Each turn is tagged with the weights version that sampled its first token, so the turns
+of one trajectory may carry different versions; the row's first and last versions are its oldest and newest turns'.
+
 Data position: a batch carries the sampler state before the oldest draw still in flight, so a resumed run draws
 those prompts again. Groups of that draw that had already shipped are then trained once more; none is lost.
 """
@@ -102,6 +108,64 @@ class PartialRollouts:
     def resume_state(self) -> dict | None:
         """The sampler state a resumed run restarts from: before the oldest draw still held (None: nothing held)."""
         return self.groups[0].draw_state if self.groups else None
+
+    def part(self, groups: list[Group]) -> tuple[list, Generation]:
+        return as_part(groups)
+
+    def close(self) -> None:
+        """Let go of what the engine keeps for the rows in flight (nothing here: their caches go with the engine)."""
+
+
+@dataclass(eq=False)
+class Trajectory:
+    """A multi-turn row: one agent loop in flight (its asyncio task yields an `AgentLoopOutput`). Its versions are its
+    turns' oldest and newest; a loop that tags no turns gets the calls it ran in."""
+
+    task: object
+    start: int | None = None  # the version of the first call it ran in
+    end: int | None = None  # the version of the call it finished in
+
+    @property
+    def done(self) -> bool:
+        return self.task.done()
+
+    @property
+    def first_version(self) -> int:
+        return min(self.task.result().weight_versions or [self.start])
+
+    @property
+    def last_version(self) -> int:
+        return max(self.task.result().weight_versions or [self.end])
+
+
+class AgentPartialRollouts(PartialRollouts):
+    """Partial rollouts of agent trajectories (module docstring, Multi-turn): `add`, then `run(version)` for each
+    generation call, then `take` the finished groups and turn them into a `part`."""
+
+    def __init__(self, agents):
+        super().__init__(agents.n, 0, 0)  # the length and the cap are the agents' (response_length, budget)
+        self.agents = agents
+
+    def add(self, samples: list, draw_state: dict) -> None:
+        self.groups += [Group(s, [Trajectory(t) for t in self.agents.add(s)], draw_state) for s in samples]
+
+    def run(self, version: int) -> int:
+        """One generation call under weights `version`; returns how many parked turns it continued."""
+        rows = [r for g in self.groups for r in g.rows if not r.done]
+        for r in rows:
+            r.start = version if r.start is None else r.start
+        before = self.agents.server.stats["turns_continued"]
+        self.agents.run(version)
+        for r in rows:
+            if r.done:
+                r.end = version
+        return self.agents.server.stats["turns_continued"] - before
+
+    def part(self, groups: list[Group]) -> tuple[list, Generation]:
+        return [g.sample for g in groups], self.agents.collect([r.task.result() for g in groups for r in g.rows])
+
+    def close(self) -> None:
+        self.agents.close()
 
 
 def as_part(groups: list[Group]) -> tuple[list, Generation]:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from polyrl.data.dataset import write_parquet
 from polyrl.data.synthetic import make_rows
-from polyrl.trainer.quickstart import QuickstartSettings, _key, cache_root, grpo_overrides
+from polyrl.trainer.quickstart import QuickstartSettings, _key, _run_as_job, cache_root, grpo_overrides
 
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 TOOL_YAML = """tools:
@@ -130,11 +130,15 @@ def run_tools_quickstart(run_dir: str | None = None, *, tools: bool = True, sett
     write_parquet(make_rows(s.task, s.num_val, seed=s.seed, split="val"), run / "data" / "val.parquet")
     sft_dir = warm_up(build_tools_base_model(s), train_rows, s)
     overrides = [o.replace("MODEL", str(sft_dir)) for o in tools_overrides(run, s, tools)] + list(extra_overrides or [])
-    trainer = PPOTrainer(build_config(PPOConfig(), overrides))
-    before = trainer.validate()
-    trainer.tracker.log(before, step=0)
-    trainer.cfg.trainer.val_before_train = False
-    after = trainer.fit()
+    cfg = build_config(PPOConfig(), overrides)
+    if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
+        before, after, _ = _run_as_job(cfg, overrides, run)
+    else:
+        trainer = PPOTrainer(cfg)
+        before = trainer.validate()
+        trainer.tracker.log(before, step=0)
+        trainer.cfg.trainer.val_before_train = False
+        after = trainer.fit()
     key = next(k for k in before if k.startswith("val-core/") and "/acc/mean@" in k)
     result = {"accuracy_before": before[key], "accuracy_after": after[key], "wall_s": time.perf_counter() - t0,
               "run_dir": str(run), "metric": key, "tools": tools}

@@ -154,10 +154,15 @@ class RolloutBatchMixin:
         if self.agents is None:
             return self._generate([p.prompt_ids for p in prompts], sampling)
         self.engine.resume()
-        out = self.agents.generate(self.engine, prompts, sampling, weight_version=self.global_step)
+        out = self.agents.generate(self.engine, prompts, sampling, weight_version=self._generating_version())
         if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
             self.engine.release_memory()
         return out
+
+    def _generating_version(self) -> int:
+        """The version of the engine's weights (optimizer steps behind them), tagged on each multi-turn turn: on-policy
+        the current step's; an off-policy rollout process's own (async_ppo.py)."""
+        return self.global_step
 
     def _generate(self, prompt_ids, sampling):
         """KV cache in, generate, KV cache out (rollout.free_cache_engine): the unit an OOM retry re-runs."""

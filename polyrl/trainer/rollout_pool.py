@@ -76,6 +76,15 @@ def deal_prompts(num_prompts: int, prompts_per_mini: int, num_trainers: int,
             for j in range(num_replicas)]
 
 
+def row_versions(out, version: int) -> list[int]:
+    """Each row's weights version, for a part's `versions`: a multi-turn row's oldest turn's (its turns carry their
+    own, `AgentGeneration.weight_versions`; partial rollouts may span several), else `version` (the call's)."""
+    turns = getattr(out, "weight_versions", None)
+    if turns is None:
+        return [version] * len(out.prompt_index)
+    return [min(v) if v else version for v in turns]
+
+
 def select_rows(out, rows: list[int]):
     """A `Generation` (or a subclass) of the rows `rows` of `out`: every per-row list field, in that order."""
     n = len(out.prompt_index)

@@ -29,6 +29,7 @@ import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from polyrl.trainer.rollout_pool import row_versions
 from polyrl.utils.timing import StepTimer
 
 
@@ -72,7 +73,7 @@ class ScoringBehind:
             t0 = time.perf_counter()
             part = self.roll._scored_part(prompts, out, self.timer, metrics, step=k + 1)
             t1 = time.perf_counter()
-            part["versions"] = [version] * len(out.prompt_index)
+            part["versions"] = row_versions(out, version)
             timings = {**timings, **self.timer.pop(),
                        "timing_s/reward_overlap": overlap_s(t0, t1, self.gen_spans.get(k + 1))}
             self.gen_spans.pop(k, None)

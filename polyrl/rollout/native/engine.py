@@ -546,6 +546,8 @@ class NativeEngine:
         while sched.has_work() or inflight:
             step = sched.schedule() if sched.has_work() else None
             if step is None:
+                if not inflight and sched.waiting and self._let_kept_go(sched):
+                    continue
                 assert inflight, "scheduler stalled with work left and nothing in flight"
                 drain()
                 continue
@@ -643,6 +645,20 @@ class NativeEngine:
             resumed[p] = seq
             self._saved[p] = cached
         return resumed
+
+    def _let_kept_go(self, sched: Scheduler) -> bool:
+        """Nothing decodes and a waiting prompt lacks the KV blocks that kept caches hold (multi-turn: this call's
+        finished rows parked by keep_cache, then idle rows kept from earlier calls): let one go, its row losing its
+        cache (a later continuation recomputes it). False when none is held."""
+        if sched.parked:
+            seq = min(sched.parked, key=lambda q: q.row)
+            sched.parked.discard(seq)  # `_keep` then hands back no cache for it
+            self.blocks.release(seq.blocks)
+            return True
+        if self.kept:
+            self.blocks.release(self.kept.pop(0).seq.blocks)
+            return True
+        return False
 
     def release_kept(self, handles) -> None:
         """Let kept rows go (multi-turn: their trajectories ended); handles already gone are skipped."""
