@@ -5,7 +5,7 @@
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --mode offpolicy --layers 24
     PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --mode offpolicy --trainers 2  # 2+2
     PYTHONPATH=. torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --prompts 8 --n 16 --mini-prompts 4
-    PYTHONPATH=. python benchmarks/moe_step.py --shape tiny --device cpu --prompts 2 --n 2 --mean-len 24 \\
+    PYTHONPATH=. python benchmarks/moe_step.py --shape tiny --device cpu --prompts 2 --n 2 --mini-prompts 2 --mean-len 24 \\
         --max-len 32 --steps 1 --warmup 0 --rollout hf                                             # CPU smoke test
 
 The model is Qwen3-30B-A3B's real shape (48 layers, hidden 2048, 128 experts of width 768, 8 active,

