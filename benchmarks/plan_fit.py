@@ -17,9 +17,9 @@ with one sentence (ConfigError) where the engine cannot fit beside the trainer.
 
 What the planner cannot represent (said, not invented): an FP8 frozen *training* base does not exist in polyrl (the
 trainer's weights are float32, bfloat16 or float16: `model.dtype`); FP8 exists only in the rollout engine's weights
-(`rollout.quantization=fp8`) and KV cache. The planner also counts the optimizer at 3 x `param_bytes` per trained
-parameter, where `param_bytes` is the first parameter's (the bf16 embedding): peft's adapters are fp32 (gradient and
-two AdamW moments: 12 bytes), so the planner's LoRA state is half of it; the breakdown prints both.
+(`rollout.quantization=fp8`) and KV cache. The LoRA state is what the planner counts: 3 x the trained weights' own
+bytes (peft's fp32 adapters: a gradient and two AdamW moments, 12 bytes each; `ModelShape.state_bytes`). Before
+2026-11-28 the planner took the first parameter's dtype (the bf16 embedding) and counted half of that.
 
 Run: `python benchmarks/plan_fit.py` (CPU, ~15 s: two meta builds). Device totals: what torch reports for an H100
 80GB (79.2 GiB) and an H200 (139.8 GiB, as tests/test_moe_full_finetune_plan_on_cpu.py).
@@ -161,11 +161,11 @@ def plan(case: Case) -> dict:
     engine = shape.num_params * 2 if engine_bytes is None else engine_bytes
     trainer_weights = loaded if world == 1 else copies_bytes(cfg, shape, world)
     on_gpu = not case.offload  # offloaded: FSDP2 keeps the state in host memory (plan_memory: trains=False)
-    lora_state = shape.num_trainable * 3 * shape.param_bytes // world * on_gpu  # as choose() counts it
-    lora_state_fp32 = shape.num_trainable * 3 * adapter_bytes // world * on_gpu  # fp32: grad + 2 AdamW moments
+    lora_state = shape.state_bytes // world * on_gpu  # as choose() counts it: fp32 adapters, grad + 2 AdamW moments
+    assert adapter_bytes == 4 and shape.state_bytes == shape.num_trainable * 3 * adapter_bytes, "peft's fp32 adapters"
     head = 2048 * shape.vocab * 8
-    out.update(tp=tp, tp_reason=tp_reason, trainer_weights=trainer_weights, lora_state=lora_state,
-               lora_state_fp32=lora_state_fp32, engine_weights=engine, head=head, headroom=int(HEADROOM * total),
+    out.update(tp=tp, tp_reason=tp_reason, trainer_weights=trainer_weights, lora_state=lora_state, engine_weights=engine,
+               head=head, headroom=int(HEADROOM * total),
                usable=total - CONTEXT - int(HEADROOM * total))
     try:
         ch = choose(shape, device=torch.device("cuda"), free=free, total=total, max_seq_len=seq,
@@ -200,11 +200,11 @@ def gib(x: int) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| case | TP | engine util | KV rows fit (4k) | update tokens | ckpt | trainer weights | LoRA state "
-            "(planner / fp32) | engine weights | KV | activations | rollout / update peak of usable (GiB) | verdict |")
+            "| engine weights | KV | activations | rollout / update peak of usable (GiB) | verdict |")
     rows = [head, "|" + "---|" * 13]
     for r in results:
         common = f"| {r['case']} | {r['tp']} | "
-        bytes_ = (f"{gib(r['trainer_weights'])} | {gib(r['lora_state'])} / {gib(r['lora_state_fp32'])} | "
+        bytes_ = (f"{gib(r['trainer_weights'])} | {gib(r['lora_state'])} | "
                   f"{gib(r['engine_weights'])} | ")
         if r["verdict"] == "refused":
             rows.append(common + "- | - | - | - | " + bytes_ + "- | - | - | refused |")

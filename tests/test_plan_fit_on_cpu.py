@@ -75,3 +75,24 @@ def test_30b_a3b_lora_with_expert_adapters_is_refused_on_one_h200(pf, results):
     for c, h100 in results.items():
         if c.model == "Qwen3-30B-A3B" and c.gpu == "H100":
             assert h100["verdict"] == "refused"
+
+
+def test_lora_state_is_counted_at_the_adapters_fp32_bytes():
+    """A bf16 frozen base with peft's fp32 adapters: gradients and two AdamW moments take 12 bytes per adapter
+    parameter (the planner once took the first parameter's dtype, the bf16 embedding, and counted 6)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polyrl.learner.memory import ModelShape
+
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    shape = ModelShape.of(model)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.param_bytes == 2 and shape.trainable_bytes == 4
+    assert shape.state_bytes == 12 * trained

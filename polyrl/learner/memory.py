@@ -81,6 +81,14 @@ class ModelShape:
     # for backward: every layer's without checkpointing (a 12-layer 30B-A3B: 13 GiB the per-token activations miss;
     # a dense layer's casts are within the calibrated activation ratios), one layer's with it
     expert_cast_bytes: int = 0
+    # bytes per trained weight, where they differ from `param_bytes` (LoRA: peft's fp32 adapters on a bf16 base); 0:
+    # the same. A trained weight's gradient and AdamW's two moments take its dtype: 3x these bytes (`state_bytes`)
+    trainable_bytes: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Gradients and AdamW's two moments of every trained weight, unsharded."""
+        return self.num_trainable * 3 * (self.trainable_bytes or self.param_bytes)
 
     @classmethod
     def of(cls, model) -> "ModelShape":
@@ -101,12 +109,14 @@ class ModelShape:
             moe_bytes = 2 * (2 * c.num_experts_per_tok * c.hidden_size + c.num_experts) * len(sparse) // L
         total, active = parameter_counts(model)
         trainable = sum(p.numel() for p in params if p.requires_grad)
+        trained_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0
         return cls(hidden=c.hidden_size, intermediate=inter, num_layers=L,
                    vocab=c.vocab_size, kv_bytes_per_token=2 * L * kv_heads * head_dim * 2,
                    num_params=sum(p.numel() for p in params),
                    num_trainable=trainable,
                    param_bytes=params[0].element_size(),
+                   trainable_bytes=trained_bytes // trainable if trainable else 0,
                    moe_intermediate=getattr(c, "moe_intermediate_size", 0) if experts else 0,
                    shared_intermediate=(getattr(c, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
                    moe_bytes_per_token=moe_bytes, num_active=min(trainable, active) if sparse else None,
@@ -188,7 +198,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                                         peak_flops=peak_flops)
         compile_layers = out["compile"].value
     engine = (shape.num_params * 2 if engine_bytes is None else engine_bytes) if engine_on_device else 0
-    optimizer = shape.num_trainable * 3 * shape.param_bytes // max(1, world_size) if trains else 0
+    optimizer = shape.state_bytes // max(1, world_size) if trains else 0
     head = chunk_size * shape.vocab * 8  # fp32 logits + bf16 grads of one chunk, and the matmul's output
     static = optimizer + engine + head + extra_static
     spare = free - HEADROOM * total - static
@@ -423,7 +433,7 @@ def trainer_state_bytes(cfg, shape: ModelShape, world_size: int) -> int:
     """The trainer's bytes on each GPU outside the update's activations: Adam state and gradients (FSDP-sharded over
     `world_size`), the copies `copies_bytes` counts, and the LM head's chunk workspace (as `choose` counts them)."""
     offloaded = cfg.actor_rollout_ref.actor.fsdp_config.cpu_offload  # FSDP2 keeps the state in host memory
-    optimizer = 0 if offloaded else shape.num_trainable * 3 * shape.param_bytes // max(1, world_size)
+    optimizer = 0 if offloaded else shape.state_bytes // max(1, world_size)
     return optimizer + copies_bytes(cfg, shape, world_size) + 2048 * shape.vocab * 8
 
 
