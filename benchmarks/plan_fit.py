@@ -8,10 +8,9 @@ the calls `plan_memory` makes:
 - several GPUs: the policy is in host memory at plan time (ppo.py), so a GPU's free memory is its total less the
   CUDA context (`CONTEXT`); auto TP is `choose_tp_size` with `room` = free - headroom - `trainer_state_bytes`, and a
   TP engine's weights are `engine_weight_bytes(shape, N, fp8=...)` (memory._tensor_parallel);
-- one GPU: the loaded policy (bf16 base + fp32 adapters) is on the GPU, TP is 1 and `plan_memory` passes no engine
-  bytes, so `choose` counts a bf16 replica of every weight even with `rollout.quantization=fp8`. The FP8 row on one
-  GPU is therefore also shown as a what-if with `engine_weight_bytes(shape, 1, fp8=True)` passed to `choose`, which
-  `plan_memory` does not do today (labelled so).
+- one GPU: the loaded policy (bf16 base + fp32 adapters) is on the GPU and TP is 1: `choose` counts a bf16 replica
+  of every weight, or with `rollout.quantization=fp8` `engine_weight_bytes(shape, 1, fp8=True)` (before 2026-11-28
+  `plan_memory` counted a bf16 replica there too).
 Then `choose` gives the engine share, the KV rows that fit, the update's token budget and checkpointing, or refuses
 with one sentence (ConfigError) where the engine cannot fit beside the trainer.
 
@@ -96,15 +95,12 @@ class Case:
     gpu: str
     world: int
     fp8: bool  # rollout.quantization=fp8 (engine weights only)
-    fp8_engine_at_tp1: bool = False  # what-if: choose() told the engine's FP8 bytes on one GPU (plan_memory is not)
     experts: bool = True  # LoRA on the MoE's expert tensors too (the default); False: attention only
     offload: bool = False  # actor.fsdp_config.offload_policy=True: FSDP2 keeps the base shard and LoRA state on the host
 
     @property
     def label(self) -> str:
         what = "FP8 rollout weights" if self.fp8 else "bf16 rollout weights"
-        if self.fp8_engine_at_tp1:
-            what += " (what-if: FP8 bytes passed to choose)"
         lora = "" if self.experts else " attention only"
         if self.offload:
             what += ", offload_policy=True"
@@ -120,10 +116,9 @@ CASES = (
     Case("Qwen3-30B-A3B", "H200", 1, fp8=False),
     Case("Qwen3-30B-A3B", "H100", 1, fp8=False),
     Case("Qwen3-30B-A3B", "H100", 1, fp8=True),
-    Case("Qwen3-30B-A3B", "H100", 1, fp8=True, fp8_engine_at_tp1=True),
     Case("Qwen3-30B-A3B", "H200", 1, fp8=False, experts=False),
-    Case("Qwen3-30B-A3B", "H200", 1, fp8=True, fp8_engine_at_tp1=True, experts=False),
-    Case("Qwen3-30B-A3B", "H100", 1, fp8=True, fp8_engine_at_tp1=True, experts=False),
+    Case("Qwen3-30B-A3B", "H200", 1, fp8=True, experts=False),
+    Case("Qwen3-30B-A3B", "H100", 1, fp8=True, experts=False),
 )
 
 
@@ -146,7 +141,7 @@ def plan(case: Case) -> dict:
     seq = MAX_PROMPT + MAX_RESPONSE
     free = total - CONTEXT - (loaded if world == 1 else 0)  # one GPU: the policy is loaded there at plan time
     out = dict(case=case.label, model=case.model, gpu=case.gpu, world=world, total=total, fp8=case.fp8,
-               what_if=case.fp8_engine_at_tp1, num_params=shape.num_params, num_trainable=shape.num_trainable)
+               num_params=shape.num_params, num_trainable=shape.num_trainable)
     tp, tp_reason, engine_bytes = 1, "one GPU: TP 1 (auto TP runs with several processes only)", None
     if world > 1:
         room = int(free - HEADROOM * total - trainer_state_bytes(cfg, shape, world))
@@ -156,7 +151,7 @@ def plan(case: Case) -> dict:
         tp, tp_reason = c.value, c.reason
         if tp > 1:
             engine_bytes = engine_weight_bytes(shape, tp, fp8=case.fp8, tied=False)
-    elif case.fp8_engine_at_tp1:
+    elif case.fp8:  # one GPU, TP 1: a whole replica in FP8 (plan_memory passes its bytes since 2026-11-28)
         engine_bytes = engine_weight_bytes(shape, 1, fp8=True, tied=False)
     engine = shape.num_params * 2 if engine_bytes is None else engine_bytes
     trainer_weights = loaded if world == 1 else copies_bytes(cfg, shape, world)
@@ -239,8 +234,7 @@ def main() -> None:
                 print(f"  {k}: {why}")
     print("\n" + table(results))
     print("\nNot representable: an FP8 frozen training base (polyrl trains float32/bfloat16/float16 weights); FP8 is "
-          "the rollout engine's weights only. On one GPU plan_memory counts a bf16 engine replica even with "
-          "rollout.quantization=fp8 (the what-if row passes the FP8 bytes instead).")
+          "the rollout engine's weights only.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -351,3 +351,29 @@ def test_auto_seats_decode_every_row_of_a_call_at_once_where_the_cache_holds_the
     assert _choose(74, num_rollout_rows=4096)["seats"].value == 1024
     squeezed = _choose(74, num_rollout_rows=1024, max_seq_len=32768)["seats"].value
     assert 256 <= squeezed < 1024
+
+
+def test_one_gpu_fp8_rollout_is_planned_at_its_fp8_weight_bytes(tiny_model_dir, monkeypatch):
+    """TP 1 with rollout.quantization=fp8: the engine holds e4m3 layer weights, not a bf16 replica (the planner once
+    counted the bf16 replica there)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(shape, **kw):
+        seen.append((shape, kw["engine_bytes"]))
+        raise Stop
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (4 * GiB, 8 * GiB))
+    monkeypatch.setattr(memory, "choose", spy)
+    model = load_causal_lm(str(tiny_model_dir))
+    for quant in (None, "fp8"):
+        cfg = _cfg()
+        cfg.actor_rollout_ref.rollout.quantization = quant
+        with pytest.raises(Stop):
+            memory.plan_memory(cfg, model, torch.device("cpu"), log=lambda s: None)
+    (shape, bf16), (_, fp8) = seen
+    tied = bool(model.config.tie_word_embeddings)
+    assert bf16 is None  # choose() counts a bf16 replica
+    assert fp8 == memory.engine_weight_bytes(shape, 1, fp8=True, tied=tied) < shape.num_params * 2

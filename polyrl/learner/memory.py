@@ -361,6 +361,9 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     tp_choice, engine_bytes = _tensor_parallel(cfg, model, shape, device, world_size, role, rows, max_seq_len, free)
     if engine_bytes is not None and device.type == "cuda" and next(model.parameters()).is_cuda:
         free += shape.num_params * shape.param_bytes  # the loaded policy leaves the GPU (ppo.py): no replica there
+    if engine_bytes is None and r.quantization == "fp8":  # a whole replica, its layer GEMMs in e4m3
+        engine_bytes = engine_weight_bytes(shape, 1, fp8=True,
+                                           tied=bool(getattr(model.config, "tie_word_embeddings", False)))
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",
