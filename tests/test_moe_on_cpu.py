@@ -311,3 +311,22 @@ def test_training_routes_grouped_mm_through_autocast():
     moe.grouped_mm_under_autocast()
     moe.grouped_mm_under_autocast()  # once per process: a second call is a no-op, not a duplicate registration
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "AutocastCUDA")
+
+
+def test_lora_target_parameters_list_is_kept_under_all_linear():
+    """peft's all-linear adapts an MoE's expert tensors by itself: `target_parameters=[]` must still mean no experts
+    (routers and attention keep their adapters), and the explicit default list must equal leaving it unset."""
+    from polyrl.models.loader import apply_lora
+    from polyrl.models.moe import expert_parameter_targets
+
+    def trained(params):
+        model = _moe()
+        wanted = expert_parameter_targets(model) if params == "default" else params
+        lora = apply_lora(model, rank=4, alpha=8, target_modules="all-linear", target_parameters=wanted)
+        return sorted(n for n, p in lora.named_parameters() if p.requires_grad)
+
+    unset, empty, default = trained(None), trained([]), trained("default")
+    assert any(".experts." in n for n in unset) and unset == default
+    assert not any(".experts." in n for n in empty)
+    assert {n for n in unset if ".experts." not in n} == set(empty)  # attention and routers keep theirs
+    assert any(".gate." in n for n in empty) and any("q_proj" in n for n in empty)

@@ -78,12 +78,18 @@ def apply_lora(model, *, rank: int, alpha: int, target_modules, adapter_path: st
     tensors (models/moe.py `expert_parameter_targets`), nothing on a dense model."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from polyrl.models.moe import expert_parameter_targets
+    from polyrl.models.moe import expert_parameter_targets, find_routers
 
     if adapter_path:
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     params = expert_parameter_targets(model) if target_parameters is None else list(target_parameters)
+    if targets == "all-linear" and target_parameters is not None and expert_parameter_targets(model):
+        # peft's all-linear adds an MoE's expert tensors by itself (peft 0.21); an explicit target_parameters list
+        # (`[]`: no experts) holds only if the modules all-linear means are named instead: Linear layers and routers
+        routers = {id(r) for r in find_routers(model)}
+        targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                          if (isinstance(mod, torch.nn.Linear) or id(mod) in routers) and not name.endswith("lm_head")})
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
                      task_type="CAUSAL_LM", target_parameters=params or None)
     return get_peft_model(model, cfg)
