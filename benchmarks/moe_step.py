@@ -179,7 +179,9 @@ def main(argv=None) -> None:
     extra, args.extra = list(args.extra), []
     keys = run_keys(args, work, work / "model", work / "tokenizer", prompt_len=args.prompt)
     keys += [f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_prompts}", "trainer.save_freq=-1"] + extra
-    steps = run(args, build_config(PPOConfig(), keys), NemoLengths)
+    ppo_cfg = build_config(PPOConfig(), keys)
+    lora = ppo_cfg.actor_rollout_ref.model.lora_rank > 0
+    steps = run(args, ppo_cfg, NemoLengths)
     if steps is None:
         return
     timed = steps[args.warmup:] or steps
@@ -216,6 +218,8 @@ def main(argv=None) -> None:
                    gen_s=gen_s, gen_limit_s=gen_limit, old_log_prob_s=old_s, old_log_prob_limit_s=old_limit,
                    update_actor_s=update_s, update_limit_s=update_limit, mfu_active=mfu,
                    update_weights_s=mean("timing_s/update_weights"), copy_bandwidth_gb_s=bw / 1e9,
+                   peak_memory_gib=max((m.get("perf/max_memory_allocated_gb", 0.0) for m in steps), default=0.0),
+                   lora=lora,
                    active_matmul_params=trunk + head, total_params=float(total_params),
                    gflop_per_trained_token=flops / max(1, sum(map(sum, lens)) / len(lens)) / 1e9)
     model = "Qwen3-30B-A3B shape" if args.shape == "30b-a3b" else "tiny MoE"
@@ -229,7 +233,9 @@ def main(argv=None) -> None:
     if old_s:
         print(f"  old_lp    {old_s:8.1f} s   limit {old_limit:7.1f} s (forward FLOPs, active params)")
     print(f"  update    {update_s:8.1f} s   limit {update_limit:7.1f} s (training FLOPs on the active params, "
-          f"{summary['gflop_per_trained_token']:.1f} GFLOP/token): MFU {100 * mfu:.1f}%")
+          f"{summary['gflop_per_trained_token']:.1f} GFLOP/token): MFU {100 * mfu:.1f}%"
+          + (" (counted as full fine-tuning: LoRA skips the frozen weights' gradients)" if lora else ""))
+    print(f"  peak GPU memory allocated {summary['peak_memory_gib']:.1f} GiB (rank 0)")
     print(f"  weights   {summary['update_weights_s']:8.2f} s")
     print("SUMMARY " + json.dumps(summary), flush=True)
     if args.json_out:
@@ -242,7 +248,8 @@ def main(argv=None) -> None:
                  f"resp mean {summary['response_length_mean']:,.0f} max {args.max_len}; {args.mode}; "
                  f"{' '.join(extra) or 'defaults'}; rollout {args.rollout}; gen {gen_s:.1f} s (limit {gen_limit:.1f}), "
                  f"old_log_prob {old_s:.1f} s, update {update_s:.1f} s (limit {update_limit:.1f}, MFU active "
-                 f"{100 * mfu:.1f}%), step {step_s:.1f} s; {len(timed)} timed step(s)")
+                 f"{100 * mfu:.1f}%{', counted as full FT' if lora else ''}), step {step_s:.1f} s, peak "
+                 f"{summary['peak_memory_gib']:.1f} GiB allocated; {len(timed)} timed step(s)")
         append_row(summary["device"], f"moe_step.py ({args.mode}) tok/s/GPU (issue 47)", shape, f"{tps_gpu:,.0f}",
                    peer=f"NeMo RL v0.6 32xH100: {NEMO[regime]:,}", limit=f"goal {GOAL[regime]:,}",
                    ratio_peer=f"{tps_gpu / NEMO[regime]:.2f}x", ratio_limit=f"{tps_gpu / GOAL[regime]:.2f} of goal",

