@@ -41,9 +41,10 @@ moe_prof)  # where the MoE update's time goes (4.3% MFU at 12 layers): a 4-layer
       --extra global_profiler.tool=torch "global_profiler.steps=[2]" global_profiler.save_path=/tmp/moe_trace \
       actor_rollout_ref.actor.profiler.enable=True actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True
   run moe_prof_top 120 python benchmarks/probes/trace_top.py /tmp/moe_trace/step_2_update_actor_rank0.json ;;
-moe_lora1)  # issue 47's 'beyond every anchor': LoRA GRPO of all 48 layers on ONE H200 (kind nvidia-h200). The planner
-  # (benchmarks/plan_fit.py) fits only attention + router adapters (target_parameters=[]) beside a bf16 engine
-  run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
+moe_lora1)  # issue 47's 'beyond every anchor': LoRA GRPO of all 48 layers on ONE H200. The planner
+  # (benchmarks/plan_fit.py) fits only attention + router adapters (target_parameters=[]) beside a bf16 engine. Run it on
+  # one GPU of nvidia-h200-x2: the 61 GB checkpoint the script writes does not fit a 1-GPU machine's 64 GiB disk
+  CUDA_VISIBLE_DEVICES=0 run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
       --steps 2 --warmup 1 --work /tmp/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
       --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]" ;;
 tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
