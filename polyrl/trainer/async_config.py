@@ -113,11 +113,22 @@ def check_placement(cfg) -> None:
     if tp > 1 and roles.rollout.multi_turn.enable:  # a replica's other ranks would have to follow each agent turn
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
                           "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")
+    if tp > 1:
+        rc = cfg.algorithm.rollout_correction
+        if (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
+            raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout "
+                              "process, which a tensor-parallel replica does not hold; set "
+                              "algorithm.rollout_correction.bypass_mode=True or "
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
+    if tp > 1 and cfg.async_training.partial_rollout:
+        raise ConfigError("async_training.partial_rollout=True keeps rows in flight in one process's engine, not in a "
+                          "tensor-parallel replica; set actor_rollout_ref.rollout.tensor_model_parallel_size=1 or "
+                          "turn it off.")
     if place.num_trainers == place.num_replicas == 1:
         return
     what = (f"the off-policy pipeline with {place.num_trainers} trainer process(es) and {place.num_replicas} "
             f"rollout replica(s)")
-    if cfg.async_training.partial_rollout and (place.num_replicas > 1 or tp > 1):
+    if cfg.async_training.partial_rollout and place.num_replicas > 1:
         raise ConfigError(f"async_training.partial_rollout=True keeps rows in flight in one replica's engine; run "
                           f"{what} with one one-process replica (rollout.n_gpus_per_node=1) or turn it off.")
     if cfg.algorithm.filter_groups.enable:
@@ -134,10 +145,4 @@ def check_placement(cfg) -> None:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} gives each of the {place.num_trainers} "
                           f"trainer processes {per_trainer} prompts, fewer than the {place.num_replicas} rollout "
                           "replicas that generate them; raise it or use fewer replicas.")
-    if tp > 1:
-        rc = cfg.algorithm.rollout_correction
-        if (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
-            raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout "
-                              "process, which a tensor-parallel replica does not hold; set "
-                              "algorithm.rollout_correction.bypass_mode=True or "
-                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
+
