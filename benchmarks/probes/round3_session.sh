@@ -41,7 +41,8 @@ moe_prof)  # where the MoE update's time goes (4.3% MFU at 12 layers): a 4-layer
       --samples-per-prompt 16 --mini-prompts 4 --steps 2 --warmup 1 --work /tmp/moe_prof --rows-out /dev/null \
       --extra global_profiler.tool=torch "global_profiler.steps=[2]" global_profiler.save_path=/tmp/moe_trace \
       actor_rollout_ref.actor.profiler.enable=True actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True
-  run moe_prof_top 120 python benchmarks/probes/trace_top.py /tmp/moe_trace/step_2_update_actor_rank0.json ;;
+  run moe_prof_top 120 python benchmarks/probes/trace_top.py /tmp/moe_trace/step_2_update_actor_rank0.json
+  run nccl_bw 90 torchrun --standalone --nproc_per_node=2 benchmarks/probes/nccl_bw.py ;;  # the link FSDP2 uses
 moe_lora1)  # issue 47's 'beyond every anchor': LoRA GRPO of all 48 layers on ONE H200. The planner
   # (benchmarks/plan_fit.py) fits only attention + router adapters (target_parameters=[]) beside a bf16 engine. Run it on
   # one GPU of nvidia-h200-x2: the 61 GB checkpoint the script writes does not fit a 1-GPU machine's 64 GiB disk
