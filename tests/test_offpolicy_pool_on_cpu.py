@@ -72,7 +72,11 @@ def test_pool_keys_are_checked_and_launched():
                            "rollout.n_gpus_per_node=4"], "fewer than the 4 rollout replicas"),
                          (["data.val_files=x.parquet"], "validation"),
                          (["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                           "algorithm.rollout_correction.rollout_is=token"], "bypass_mode=True")]:
+                           "algorithm.rollout_correction.rollout_is=token"], "bypass_mode=True"),
+                         (["reward_model.launch_reward_fn_async=True"], "one trainer and one rollout process"),
+                         (["reward_model.enable=True", "reward_model.model.path=/rm",
+                           "reward_model.enable_resource_pool=True", "reward_model.n_gpus_per_node=1"],
+                          "one trainer and one rollout process")]:
         with pytest.raises(ConfigError, match=words):
             check_async(build_config(PPOConfig(), pool + extra))
     # one trainer and ONE tensor-parallel replica (no pool) gets the same TP refusals

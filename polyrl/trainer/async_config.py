@@ -124,6 +124,12 @@ def check_placement(cfg) -> None:
         raise ConfigError("async_training.partial_rollout=True keeps rows in flight in one process's engine, not in a "
                           "tensor-parallel replica; set actor_rollout_ref.rollout.tensor_model_parallel_size=1 or "
                           "turn it off.")
+    if (place.num_trainers, place.num_rollout) != (1, 1) and reward_in_own_process(cfg) and scoring_may_trail(cfg):
+        raise ConfigError(
+            "A reward in a process of its own (reward_model.enable_resource_pool or launch_reward_fn_async) runs in "
+            f"the off-policy pipeline with one trainer and one rollout process only, not {place.num_trainers} and "
+            f"{place.num_rollout}; set trainer.n_gpus_per_node and rollout.n_gpus_per_node to 1 (nnodes 1), or score "
+            "in the rollout processes (enable_resource_pool=False, launch_reward_fn_async=False).")
     if place.num_trainers == place.num_replicas == 1:
         return
     what = (f"the off-policy pipeline with {place.num_trainers} trainer process(es) and {place.num_replicas} "
@@ -146,3 +152,22 @@ def check_placement(cfg) -> None:
                           f"trainer processes {per_trainer} prompts, fewer than the {place.num_replicas} rollout "
                           "replicas that generate them; raise it or use fewer replicas.")
 
+
+def reward_in_own_process(cfg) -> bool:
+    """Whether the reward runs in a process of its own (PPOTrainer._make_reward): a reward model on GPUs of its own
+    (`enable_resource_pool`, either key layout), or the rule reward with `launch_reward_fn_async` or the legacy
+    `reward_model.enable_resource_pool`."""
+    from polyrl.rewards.model_reward import resolve_reward_model
+
+    model = resolve_reward_model(cfg)
+    if model is not None:
+        return model.model.enable_resource_pool
+    return cfg.reward_model.launch_reward_fn_async or cfg.reward_model.enable_resource_pool
+
+
+def scoring_may_trail(cfg) -> bool:
+    """No stage needs a batch's scores, or the rollout GPU, before the next generation, so a reward in a process of
+    its own scores one batch behind it (async_ppo.scores_behind, trainer/scoring_behind.py)."""
+    alg, rc = cfg.algorithm, cfg.algorithm.rollout_correction
+    return not (alg.filter_groups.enable or alg.adv_estimator == "remax" or (rc.enabled and not rc.bypass_mode)
+                or cfg.async_training.partial_rollout)

@@ -86,7 +86,7 @@ from polyrl.distributed.env import build_mesh, use_expandable_segments
 from polyrl.distributed.p2p import Link, WeightReceiver, WeightSender, bucket_plan, recv_object, send_object, \
     tensor_spec, wait_all
 from polyrl.distributed.weights import full_tensors_by_layer, layer_key
-from polyrl.errors import ConfigError, UserError
+from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
 from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
@@ -423,11 +423,10 @@ def scores_behind(cfg, reward) -> bool:
     and partial rollouts are serial here for now)."""
     from polyrl.rewards.model_reward import RemoteModelReward
     from polyrl.rewards.remote import RemoteReward
+    from polyrl.trainer.async_config import scoring_may_trail
 
-    alg, rc = cfg.algorithm, cfg.algorithm.rollout_correction
-    return isinstance(reward, (RemoteModelReward, RemoteReward)) and not (
-        alg.filter_groups.enable or alg.adv_estimator == "remax" or (rc.enabled and not rc.bypass_mode)
-        or cfg.async_training.partial_rollout)
+    return isinstance(reward, (RemoteModelReward, RemoteReward)) and scoring_may_trail(cfg)
+
 
 
 class RolloutWorker:
@@ -482,14 +481,7 @@ class RolloutWorker:
         elif cfg.async_training.partial_rollout:
             self.partial = PartialRollouts(r.n, r.response_length, partial_rollout_cap(cfg))
         self.behind = None
-        if scores_behind(cfg, self.roll.reward):
-            if (place.num_trainers, place.num_rollout) != (1, 1):
-                raise ConfigError(
-                    "A reward in a process of its own (reward_model.enable_resource_pool or launch_reward_fn_async) "
-                    f"runs in the off-policy pipeline with one trainer and one rollout process only, not "
-                    f"{place.num_trainers} and {place.num_rollout}; set trainer.n_gpus_per_node and "
-                    "rollout.n_gpus_per_node to 1 (nnodes 1), or score in the rollout processes "
-                    "(enable_resource_pool=False, launch_reward_fn_async=False).")
+        if scores_behind(cfg, self.roll.reward):  # one trainer and one rollout process (async_config.check_placement)
             self.behind = ScoringBehind(self.roll, self._deliver, self._fail)
         self.pending: list = []  # the works of the last batch sent (to every trainer rank)
 
