@@ -15,44 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.data.dataset import read_parquet_rows, write_parquet
 from polyrl.trainer.async_ppo import staleness_metrics
+from test_agent_trainer_on_cpu import write_agent_files
 
-LOOP = '''
-from polyrl.agents import AgentLoopOutput
-from polyrl.agents.loops import ToolAgentLoop
-
-
-class OneToolTurn(ToolAgentLoop):
-    """Samples a turn, 'calls' the calculator with 6*7, then samples the last turn."""
-
-    async def run(self, messages, sampling_params, **kw):
-        rid, prompt = kw["request_id"], list(kw["prompt_ids"])
-        a = await self.server_manager.generate(request_id=rid, prompt_ids=prompt, max_new_tokens=3)
-        text, reward, _ = await self._call(_Call(), kw.get("tools_kwargs") or {}, 5.0)
-        tool = self.renderer.tool_turn_ids([{"role": "tool", "content": text}], a.finish_reason == "stop")
-        b = await self.server_manager.generate(request_id=rid, prompt_ids=prompt + a.token_ids + tool,
-                                               max_new_tokens=3)
-        ids = a.token_ids + tool + b.token_ids
-        return AgentLoopOutput(prompt_ids=prompt, response_ids=ids,
-                               response_mask=[1] * len(a.token_ids) + [0] * len(tool) + [1] * len(b.token_ids),
-                               response_logprobs=a.log_probs + [0.0] * len(tool) + b.log_probs, num_turns=4,
-                               tool_rewards=[reward], metrics={"tool_calls": 1, "tool_errors": 0, "tool_s": 0.0},
-                               weight_versions=[a.weight_version, b.weight_version])
-
-
-class _Call:
-    name, arguments = "reward_calc", {"expression": "6*7"}
-'''
-TOOL = '''
-from polyrl.tools.calculator import CalculatorTool
-
-
-class RewardCalc(CalculatorTool):
-    async def execute(self, instance_id, parameters, **kw):
-        resp, _, m = await super().execute(instance_id, parameters)
-        return resp, 0.5, m
-'''
 SPY = '''
 import json
 import os
@@ -92,18 +57,8 @@ if os.environ.get("SPY_OUT"):
 
 
 def _setup(tmp_path: Path, model_dir: Path, data_dir: Path, steps: int, *extra: str) -> list[str]:
-    (tmp_path / "spy").mkdir()
-    (tmp_path / "spy" / "my_loops.py").write_text(LOOP)
-    (tmp_path / "spy" / "my_tools.py").write_text(TOOL)
+    write_agent_files(tmp_path, tmp_path / "spy", data_dir, 16)
     (tmp_path / "spy" / "sitecustomize.py").write_text(SPY)
-    (tmp_path / "loops.yaml").write_text("- name: one_tool_turn\n  _target_: my_loops.OneToolTurn\n")
-    (tmp_path / "tools.yaml").write_text(
-        "tools:\n  - class_name: my_tools.RewardCalc\n    config: {type: native}\n    tool_schema: {type: function, "
-        "function: {name: reward_calc, parameters: {type: object, properties: {expression: {type: string}}}}}\n")
-    rows = read_parquet_rows(str(data_dir / "train.parquet"))[:16]
-    for r in rows:
-        r["agent_name"] = "one_tool_turn"
-    write_parquet(rows, tmp_path / "train.parquet")
     (tmp_path / "out").mkdir()
     return [
         "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",

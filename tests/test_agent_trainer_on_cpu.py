@@ -29,7 +29,8 @@ class OneToolTurn(ToolAgentLoop):
         return AgentLoopOutput(prompt_ids=prompt, response_ids=ids,
                                response_mask=[1] * len(a.token_ids) + [0] * len(tool) + [1] * len(b.token_ids),
                                response_logprobs=a.log_probs + [0.0] * len(tool) + b.log_probs, num_turns=4,
-                               tool_rewards=[reward], metrics={"tool_calls": 1, "tool_errors": 0, "tool_s": 0.0})
+                               tool_rewards=[reward], metrics={"tool_calls": 1, "tool_errors": 0, "tool_s": 0.0},
+                               weight_versions=[a.weight_version, b.weight_version])
 
 class _Call:
     name, arguments = "reward_calc", {"expression": "6*7"}
@@ -44,18 +45,25 @@ class RewardCalc(CalculatorTool):
 '''
 
 
-def _setup(tmp_path, tiny_model_dir, synth_data_dir, monkeypatch):
-    (tmp_path / "my_loops.py").write_text(LOOP)
-    (tmp_path / "my_tools.py").write_text(TOOL)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def write_agent_files(tmp_path, code_dir, data_dir, num_rows: int) -> None:
+    """The loop and tool modules (importable from `code_dir`), loops.yaml, tools.yaml and a train.parquet of
+    `num_rows` rows that name the loop, in `tmp_path` (also used by test_agent_offpolicy_on_cpu.py)."""
+    code_dir.mkdir(exist_ok=True)
+    (code_dir / "my_loops.py").write_text(LOOP)
+    (code_dir / "my_tools.py").write_text(TOOL)
     (tmp_path / "loops.yaml").write_text("- name: one_tool_turn\n  _target_: my_loops.OneToolTurn\n")
     (tmp_path / "tools.yaml").write_text(
         "tools:\n  - class_name: my_tools.RewardCalc\n    config: {type: native}\n    tool_schema: {type: function, "
         "function: {name: reward_calc, parameters: {type: object, properties: {expression: {type: string}}}}}\n")
-    rows = read_parquet_rows(str(synth_data_dir / "train.parquet"))[:8]
+    rows = read_parquet_rows(str(data_dir / "train.parquet"))[:num_rows]
     for r in rows:
         r["agent_name"] = "one_tool_turn"
     write_parquet(rows, tmp_path / "train.parquet")
+
+
+def _setup(tmp_path, tiny_model_dir, synth_data_dir, monkeypatch):
+    write_agent_files(tmp_path, tmp_path, synth_data_dir, 8)
+    monkeypatch.syspath_prepend(str(tmp_path))
     return [
         "train", "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",
         "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=40",

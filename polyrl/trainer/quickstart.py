@@ -172,7 +172,6 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
                    settings: QuickstartSettings | None = None) -> dict:
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
-    from polyrl.trainer.ppo import PPOTrainer
 
     t0 = time.perf_counter()
     s = settings or QuickstartSettings(**(FAST if fast else {}))
@@ -193,15 +192,7 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
         arch_overrides = MOE_OVERRIDES if s.arch in MOE_ARCHS else []
         overrides = grpo_overrides(sft_dir, data_dir, run, s) + arch_overrides + list(extra_overrides or [])
         cfg = build_config(PPOConfig(), overrides)
-        if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
-            before, after, final = _run_as_job(cfg, overrides, run)
-        else:
-            trainer = PPOTrainer(cfg)
-            before = trainer.validate()
-            trainer.tracker.log(before, step=0)
-            trainer.cfg.trainer.val_before_train = False
-            after = trainer.fit(progress=bar)
-            final = str(getattr(trainer, "final_checkpoint", ""))
+        before, after, final = train_between_validations(cfg, overrides, run, progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -216,6 +207,21 @@ def run_quickstart(run_dir: str | None = None, *, fast: bool = False, extra_over
     }
     (run / "quickstart.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def train_between_validations(cfg, overrides: list[str], run: Path, progress=None) -> tuple[dict, dict, str]:
+    """Validate, train, validate: (metrics before, metrics after, the final checkpoint). In this process, or for the
+    off-policy pipeline (`hybrid_engine=False`) as a 2-process job of its own."""
+    from polyrl.trainer.ppo import PPOTrainer
+
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        return _run_as_job(cfg, overrides, run)
+    trainer = PPOTrainer(cfg)
+    before = trainer.validate()
+    trainer.tracker.log(before, step=0)
+    trainer.cfg.trainer.val_before_train = False
+    after = trainer.fit(progress=progress)
+    return before, after, str(getattr(trainer, "final_checkpoint", ""))
 
 
 def _run_as_job(cfg, overrides: list[str], run: Path) -> tuple[dict, dict, str]:

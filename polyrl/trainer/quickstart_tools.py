@@ -24,7 +24,8 @@ import torch
 
 from polyrl.data.dataset import write_parquet
 from polyrl.data.synthetic import make_rows
-from polyrl.trainer.quickstart import QuickstartSettings, _key, _run_as_job, cache_root, grpo_overrides
+from polyrl.trainer.quickstart import (QuickstartSettings, _key, cache_root, grpo_overrides,
+                                      train_between_validations)
 
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 TOOL_YAML = """tools:
@@ -119,7 +120,6 @@ def run_tools_quickstart(run_dir: str | None = None, *, tools: bool = True, sett
                          extra_overrides: list[str] | None = None) -> dict:
     from polyrl.config import build_config
     from polyrl.trainer.config import PPOConfig
-    from polyrl.trainer.ppo import PPOTrainer
 
     t0 = time.perf_counter()
     s = settings or ToolsSettings()
@@ -131,14 +131,7 @@ def run_tools_quickstart(run_dir: str | None = None, *, tools: bool = True, sett
     sft_dir = warm_up(build_tools_base_model(s), train_rows, s)
     overrides = [o.replace("MODEL", str(sft_dir)) for o in tools_overrides(run, s, tools)] + list(extra_overrides or [])
     cfg = build_config(PPOConfig(), overrides)
-    if not cfg.actor_rollout_ref.hybrid_engine:  # the off-policy pipeline is a 2-process job of its own
-        before, after, _ = _run_as_job(cfg, overrides, run)
-    else:
-        trainer = PPOTrainer(cfg)
-        before = trainer.validate()
-        trainer.tracker.log(before, step=0)
-        trainer.cfg.trainer.val_before_train = False
-        after = trainer.fit()
+    before, after, _ = train_between_validations(cfg, overrides, run)
     key = next(k for k in before if k.startswith("val-core/") and "/acc/mean@" in k)
     result = {"accuracy_before": before[key], "accuracy_after": after[key], "wall_s": time.perf_counter() - t0,
               "run_dir": str(run), "metric": key, "tools": tools}
