@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -159,9 +160,13 @@ def main(argv=None) -> int:
     write_parquet(rows(args.val, 1, "val", args.shots), work / "val.parquet")
     (work / "reward.py").write_text(REWARD)
     (work / "tools.yaml").write_text(TOOLS)
+    t0 = time.perf_counter()
     trainer = PPOTrainer(build_config(PPOConfig(), overrides(args, work, model_dir)))
+    print(f"[{time.perf_counter() - t0:.0f} s] trainer built; validating {args.val} held-out prompts (sandbox "
+          f"{isolation()})", flush=True)  # progress lines: a run cut off by a time limit still says where it was
     key = "val-core/tools/multiply/acc/mean@1"
     before = trainer.validate()[key]
+    print(f"[{time.perf_counter() - t0:.0f} s] validated", flush=True)
     print(f"held-out accuracy before: {100 * before:.1f}%  (tools {'off' if args.no_tools else 'on'}, sandbox "
           f"{isolation()})", flush=True)
     steps = []
