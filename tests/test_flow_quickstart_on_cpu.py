@@ -11,8 +11,8 @@ def test_quickstart_reward_rises(tmp_path, monkeypatch):
 
     monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "cache"))
     # the default build's 500 pretraining steps on half its batch: half its cost (the build is most of this test),
-    # and 25 steps then gained +8.5 (18.6 -> 27.1), more than the default build's +6.1 (30.1 -> 36.2); fewer steps
-    # leave too little signal (300 steps of 64: 10.9 -> 15.0)
+    # and 25 steps then gained +8.5 (18.6 -> 27.1; +8.5 with build seed 1, +11.8 with rollout seed 7), more than the
+    # default build's +6.1 (30.1 -> 36.2); fewer pretraining steps leave too little signal (300 of 64: 10.9 -> 15.0)
     settings = flow_quickstart.BuildSettings(pretrain_batch_size=32)
     run_dir = tmp_path / "run"
     result = flow_quickstart.run(
