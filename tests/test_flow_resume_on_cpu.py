@@ -58,10 +58,26 @@ def _env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd()), **extra}
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The uninterrupted run both kill cases compare with: started once, beside the first case's runs (one thread
+    each, so the two use both cores); calling the fixture's value waits for it and returns its folder."""
+    clean = tmp_path_factory.mktemp("clean")
+    with open(clean / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(_command(clean), env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+
+    def finished() -> Path:
+        assert proc.wait(timeout=300) == 0, (clean / "stderr.txt").read_text()[-2000:]
+        return clean
+
+    yield finished
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("wait_for_step,kill_after_s", [(2, 0.0), (3, 0.03)])
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path, wait_for_step, kill_after_s):
-    clean = tmp_path / "clean"
-    subprocess.run(_command(clean), env=_env(), check=True, timeout=300, capture_output=True)
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, clean_run, wait_for_step, kill_after_s):
     crashed = tmp_path / "crashed"
     latest = crashed / "ckpt" / "latest_checkpointed_iteration.txt"
     proc = subprocess.Popen(_command(crashed), env=_env(STEP_SLEEP="0.05"), stdout=subprocess.DEVNULL,
@@ -78,7 +94,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, wait_for_step, kill_
     assert killed_at < STEPS, "the run finished before it was killed; the test proved nothing"
     done = subprocess.run(_command(crashed), env=_env(), check=True, timeout=300, capture_output=True, text=True)
     assert f"resumed from {crashed / 'ckpt'}" in done.stdout and f"at step {killed_at}" in done.stdout
-    a = load_file(str(clean / "ckpt" / f"global_step_{STEPS}" / "model.safetensors"))
+    a = load_file(str(clean_run() / "ckpt" / f"global_step_{STEPS}" / "model.safetensors"))
     b = load_file(str(crashed / "ckpt" / f"global_step_{STEPS}" / "model.safetensors"))
     base = _trainer(tmp_path / "fresh", STEPS).checkpoint_state()["model"]
     assert a.keys() == b.keys() and all("lora" in k for k in a)

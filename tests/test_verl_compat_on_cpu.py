@@ -72,13 +72,32 @@ def _train_cmd(model_dir, data_dir, out, steps):
             "trainer.resume_mode=auto"]
 
 
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_model_dir, synth_data_dir, tmp_path_factory):
+    """The uninterrupted run both kill cases compare with: started once, beside the first case's runs (one thread
+    each, so the two use both cores); calling the fixture's value waits for it and returns its folder."""
+    clean = tmp_path_factory.mktemp("clean")
+    with open(clean / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(_train_cmd(tiny_model_dir, synth_data_dir, clean, STEPS), env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+    def finished() -> Path:
+        assert proc.wait(timeout=300) == 0, (clean / "stderr.txt").read_text()[-2000:]
+        return clean
+
+    yield finished
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("wait_for_step,kill_after_s", [(1, 0.0), (3, 0.05)])
-def test_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, synth_data_dir, tmp_path, wait_for_step,
+def test_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, synth_data_dir, tmp_path, clean_run, wait_for_step,
                                                   kill_after_s):
-    steps = 8
-    clean = tmp_path / "clean"
-    subprocess.run(_train_cmd(tiny_model_dir, synth_data_dir, clean, steps), env=_env(), check=True, timeout=300,
-                   capture_output=True)
+    steps = STEPS
     crashed = tmp_path / "crashed"
     latest = crashed / "ckpt" / "latest_checkpointed_iteration.txt"
     proc = subprocess.Popen(_train_cmd(tiny_model_dir, synth_data_dir, crashed, steps), env=_env(),
@@ -96,7 +115,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, synth_data_dir
     assert killed_at < steps, "the run finished before it was killed; the test proved nothing"
     subprocess.run(_train_cmd(tiny_model_dir, synth_data_dir, crashed, steps), env=_env(), check=True, timeout=300,
                    capture_output=True)
-    a = load_file(str(clean / "ckpt" / f"global_step_{steps}" / "model.safetensors"))
+    a = load_file(str(clean_run() / "ckpt" / f"global_step_{steps}" / "model.safetensors"))
     b = load_file(str(crashed / "ckpt" / f"global_step_{steps}" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:

@@ -30,6 +30,8 @@ class BuildSettings:
 
     pretrain_steps: int = 500
     """Flow-matching pretraining steps (short on purpose: leaves reward headroom)."""
+    pretrain_batch_size: int = 64
+    """Images per pretraining step."""
     num_per_class: int = 100
     """Rendered training images per digit."""
     classifier_steps: int = 300
@@ -38,7 +40,9 @@ class BuildSettings:
     """Build seed."""
 
     def key(self) -> str:
-        return f"{BUILD_VERSION}-p{self.pretrain_steps}-n{self.num_per_class}-c{self.classifier_steps}-s{self.seed}"
+        batch = "" if self.pretrain_batch_size == 64 else f"-b{self.pretrain_batch_size}"  # the default's key as before
+        return (f"{BUILD_VERSION}-p{self.pretrain_steps}{batch}-n{self.num_per_class}-c{self.classifier_steps}"
+                f"-s{self.seed}")
 
 
 def default_config() -> FlowConfig:
@@ -80,6 +84,7 @@ def build(settings: BuildSettings, log=print):
     transformer = tiny.build_transformer(seed=settings.seed)
     bar = _bar(settings.pretrain_steps, "pretrain")
     losses = tiny.pretrain(transformer, encoder, images, labels, steps=settings.pretrain_steps, seed=settings.seed,
+                           batch_size=settings.pretrain_batch_size,
                            progress=(lambda i: bar.update(1)) if bar else None)  # fmt: skip
     if bar:
         bar.close()
