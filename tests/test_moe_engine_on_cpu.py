@@ -294,7 +294,8 @@ def test_polyrl_train_on_an_unsupported_moe_family_runs_on_hf(tmp_path, capsys):
                      "data.train_batch_size=2", "data.max_prompt_length=32", "data.max_response_length=4",
                      f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                      "actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=1", "trainer.logger=[console]",
-                     f"trainer.default_local_dir={tmp_path / 'ckpt'}", "trainer.save_freq=-1"])
+                     f"trainer.run_dir={tmp_path / 'run'}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+                     "trainer.save_freq=-1"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert sum("model_type='mixtral'" in line and "rollout.name=hf" in line for line in out.splitlines()) == 1, out
