@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from background_run import run_in_background
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -77,21 +79,10 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def clean_run(tiny_model_dir, synth_data_dir, tmp_path_factory):
-    """The uninterrupted run both kill cases compare with: started once, beside the first case's runs (one thread
-    each, so the two use both cores); calling the fixture's value waits for it and returns its folder."""
+    """The uninterrupted run both kill cases compare with, started once beside the first case's runs; calling the
+    fixture's value waits for it and returns its folder."""
     clean = tmp_path_factory.mktemp("clean")
-    with open(clean / "stderr.txt", "w") as err:
-        proc = subprocess.Popen(_train_cmd(tiny_model_dir, synth_data_dir, clean, STEPS), env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-
-    def finished() -> Path:
-        assert proc.wait(timeout=300) == 0, (clean / "stderr.txt").read_text()[-2000:]
-        return clean
-
-    yield finished
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    yield from run_in_background(_train_cmd(tiny_model_dir, synth_data_dir, clean, STEPS), _env(), clean)
 
 
 @pytest.mark.parametrize("wait_for_step,kill_after_s", [(1, 0.0), (3, 0.05)])
