@@ -113,13 +113,12 @@ def check_placement(cfg) -> None:
     if tp > 1 and roles.rollout.multi_turn.enable:  # a replica's other ranks would have to follow each agent turn
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
                           "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")
-    if tp > 1:
-        rc = cfg.algorithm.rollout_correction
-        if (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
-            raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout "
-                              "process, which a tensor-parallel replica does not hold; set "
-                              "algorithm.rollout_correction.bypass_mode=True or "
-                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
+    rc = cfg.algorithm.rollout_correction
+    if tp > 1 and (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
+        raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout process, "
+                          "which a tensor-parallel replica does not hold; set "
+                          "algorithm.rollout_correction.bypass_mode=True or "
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
     if tp > 1 and cfg.async_training.partial_rollout:
         raise ConfigError("async_training.partial_rollout=True keeps rows in flight in one process's engine, not in a "
                           "tensor-parallel replica; set actor_rollout_ref.rollout.tensor_model_parallel_size=1 or "
