@@ -565,7 +565,7 @@ def main() -> None:
         save_check(trainer, args.save_check, dist)
     if scorer is not None:
         scorer.close()
-    dist.close()
+    dist.finish()  # a barrier first: a rank that tore gloo down while another still wrote its files aborted (CI)
 
 
 if __name__ == "__main__":

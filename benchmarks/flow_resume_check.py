@@ -82,7 +82,7 @@ def resume_check(trainer, folder: str, dist) -> None:
     row = trainer.step()
     got = {"step": trainer.global_step, "loaded": loaded, "after": fingerprint(trainer),
            "metrics": {k: row.get(k) for k in CHECK_KEYS}}  # fmt: skip
-    dist.close()
+    dist.finish()
     if not dist.is_rank0:
         return
     rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-30)  # noqa: E731

@@ -166,7 +166,7 @@ def run_polyrl(work, model_dir, tok_dir, *, length, prompts, n, steps, rollout, 
     out = []
     for _ in range(steps):
         out.append(trainer.step())
-    trainer.dist.close()
+    trainer.dist.finish()
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

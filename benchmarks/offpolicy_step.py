@@ -153,7 +153,7 @@ def run(args, cfg, lengths: type = None) -> list[dict] | None:
         return steps if env.is_rank0 else None
     trainer = PPOTrainer(cfg)
     steps = [_timed_step(trainer) for _ in range(args.steps)]
-    trainer.dist.close()
+    trainer.dist.finish()
     return steps if trainer.dist.is_rank0 else None
 
 

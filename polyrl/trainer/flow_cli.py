@@ -90,10 +90,13 @@ def train(argv: list[str]) -> int:
     trainer = FlowGRPOTrainer(cfg, policy, reward_fn, train_prompts, val_prompts, async_scorer=scorer, dist=dist)
     try:
         history = trainer.fit()
+    except BaseException:
+        dist.close()  # no barrier: a failed rank's peers may never reach it
+        raise
     finally:
         if scorer is not None:
             scorer.close()
-        dist.close()
+    dist.finish()
     if history["val"] and dist.is_rank0:
         print(f"validation reward: {history['val'][0]:.4f} -> {history['val'][-1]:.4f}; run directory "
               f"{trainer.run_dir}, checkpoint {trainer.final_checkpoint}")
