@@ -40,6 +40,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tp_model_dir(tmp_path_factory):
+    """The tiny model with 2 kv heads, which a tensor-parallel replica of 2 ranks splits."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tp") / "model", hidden_size=32, layers=1, heads=2, kv_heads=2,
+                            intermediate=64, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="session")
 def quickstart_cache(tmp_path_factory):
     """One POLYRL_CACHE for the session, so the quickstart tests share its tiny model and SFT warm-up."""
     return tmp_path_factory.mktemp("polyrl_cache")

@@ -76,20 +76,22 @@ def _setup(tmp_path: Path, model_dir: Path, data_dir: Path, steps: int, *extra: 
     ]
 
 
-def _run(tmp_path: Path, argv: list[str]) -> list[dict]:
-    """`polyrl train argv` as the 2 processes of one gloo job (rank 0 trains, rank 1 generates); its step rows."""
+def _run(tmp_path: Path, argv: list[str], world: int = 2) -> list[dict]:
+    """`polyrl train argv` as the `world` processes of one gloo job (rank 0 trains, the others generate); its step
+    rows."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPY_OUT": str(tmp_path / "out"),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path / "spy"), str(Path.cwd())]), "WORLD_SIZE": "2",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "spy"), str(Path.cwd())]), "WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [subprocess.Popen([sys.executable, "-m", "polyrl.train", *argv], env={**env, "RANK": r, "LOCAL_RANK": r},
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in ("1", "0")]
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in map(str, reversed(range(world)))]
     logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(logs)[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "actor/pg_loss" in r]
 
@@ -179,22 +181,36 @@ def test_partial_rollouts_continue_trajectories_across_weight_versions(tiny_mode
     assert all(rows[k]["async/weight_version/turn_span/max"] >= 1 for k in mixed)
 
 
-def test_multi_turn_is_accepted_off_policy_and_refused_on_tensor_parallel_replicas():
+def test_partial_multi_turn_rollouts_run_on_a_tensor_parallel_replica(tp_model_dir, synth_data_dir, tmp_path):
+    """1 trainer + one rollout replica over 2 processes (TP 2): the replica's rank 0 runs the agent loops and decides
+    each generation call, its other rank makes the same calls (ReplicaRollout.lead/follow), and the kept caches that
+    carry turns across calls and weight versions are found on both ranks. Trained exactly as sampled, as above."""
+    steps = 3
+    rows = _run(tmp_path, _setup(tmp_path, tp_model_dir, synth_data_dir, steps, "async_training.partial_rollout=True",
+                                 "async_training.partial_rollout_max_new_tokens=2",
+                                 "async_training.max_trajectory_age_steps=0", "rollout.n_gpus_per_node=2",
+                                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"), world=3)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    batches = _trained_as_sampled(tmp_path, steps)
+    assert rows[0]["async/partial_rollout/gen_calls"] == 3
+    assert any(len(set(t)) == 2 for b in batches for t in b["turn_versions"])
+    for r in rows:
+        assert r["async/partial_rollout/turns_continued"] > 0 and r["rollout/prefill_tokens_saved"] > 0
+        assert r["num_turns/mean"] == 4 and r["tool_calls/total"] == 4
+
+
+def test_multi_turn_and_partial_rollouts_are_accepted_on_tensor_parallel_replicas():
     from polyrl.config import build_config
-    from polyrl.errors import ConfigError
     from polyrl.trainer.async_config import check_async
     from polyrl.trainer.checks import check_multi_turn
     from polyrl.trainer.config import PPOConfig
 
     on = ["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.hybrid_engine=False"]
     for extra in ([], ["async_training.partial_rollout=True"]):
-        cfg = build_config(PPOConfig(), on + extra)
+        cfg = build_config(PPOConfig(), on + extra + ["rollout.n_gpus_per_node=2",
+                                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
         check_multi_turn(cfg)
         check_async(cfg)
-    tp = build_config(PPOConfig(), on + ["rollout.n_gpus_per_node=2",
-                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="tensor-parallel"):
-        check_async(tp)
 
 
 def test_a_turn_stopped_at_the_budget_continues_in_the_next_call_and_keeps_its_first_version(tiny_model_dir):

@@ -79,13 +79,14 @@ def test_pool_keys_are_checked_and_launched():
                           "one trainer and one rollout process")]:
         with pytest.raises(ConfigError, match=words):
             check_async(build_config(PPOConfig(), pool + extra))
-    # one trainer and ONE tensor-parallel replica (no pool) gets the same TP refusals
+    # one trainer and ONE tensor-parallel replica (no pool) gets the same TP refusals; partial rollouts run on it
     one_tp = off + ["rollout.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
     check_async(build_config(PPOConfig(), one_tp))
-    for extra, words in [(["algorithm.rollout_correction.rollout_is=token"], "bypass_mode=True"),
-                         (["async_training.partial_rollout=True"], "tensor-parallel replica")]:
-        with pytest.raises(ConfigError, match=words):
-            check_async(build_config(PPOConfig(), one_tp + extra))
+    check_async(build_config(PPOConfig(), one_tp + ["async_training.partial_rollout=True"]))
+    with pytest.raises(ConfigError, match="bypass_mode=True"):
+        check_async(build_config(PPOConfig(), one_tp + ["algorithm.rollout_correction.rollout_is=token"]))
+    with pytest.raises(ConfigError, match="with one replica"):  # a pool of replicas: still one engine only
+        check_async(build_config(PPOConfig(), pool + ["async_training.partial_rollout=True"]))
     tp3 = build_config(PPOConfig(), pool + ["actor_rollout_ref.rollout.name=native",
                                             "actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
     with pytest.raises(ConfigError, match="rollout.n_gpus_per_node=2"):

@@ -95,6 +95,8 @@ def _worker(rank: int, world: int, init_file: str, results):
                 out[kind, tag, "sampled"] = (_run(one, sampled) if one else None, _run(two, sampled))
         # weight sync: the trainer's FSDP2 shards -> this rank's TP slices
         out[kind, "sync"] = _weight_sync_check(kind, tp, kw)
+        out[kind, "kept"] = _continued_on_kept_caches(m, tp, kw) + (
+            (_run(NativeEngine.from_hf(m, **kw), greedy)[0],) if rank == 0 else (None,))
     for kind in MOE_KINDS:
         m = _tiny_moe(kind)
         mine = _prompts()[:2] if rank == 0 else _prompts()[2:]  # each rank brings its own prompts
@@ -110,6 +112,26 @@ def _worker(rank: int, world: int, init_file: str, results):
     results.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _continued_on_kept_caches(m, tp, kw):
+    """Partial rollouts through `ReplicaRollout`: each rank brings its prompts, every row stops after 3 tokens and
+    keeps its cache (`Kept` handles), then continues for 5 more on it. Returns this rank's rows (8 greedy tokens each)
+    and how many rows the second call continued on a kept cache."""
+    from dataclasses import replace
+
+    from polyrl.rollout.base import SamplingParams
+    from polyrl.rollout.native import NativeEngine
+    from polyrl.rollout.native.tensor_parallel import ReplicaRollout
+
+    two = ReplicaRollout(NativeEngine.from_hf(m, tp=tp, **kw), tp)
+    mine = _prompts()[:2] if tp.rank == 0 else _prompts()[2:]
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+    first = two.generate(mine, replace(sp, max_new_tokens_per_row=[3] * len(mine), keep_unfinished=True))
+    rows = [p + t for p, t in zip(mine, first.token_ids)]
+    then = two.generate(rows, replace(sp, max_new_tokens_per_row=[5] * len(rows), keep_unfinished=True,
+                                      continuations=first.handles))
+    return [a + b for a, b in zip(first.token_ids, then.token_ids)], two.stats["num_resumed"]
 
 
 def _weight_sync_check(kind, tp, kw):
@@ -195,6 +217,17 @@ def test_tp2_sampling_is_the_same_on_both_ranks_and_as_tp1(tp_results, kind):
     (tok1, lp1), (tok2, lp2) = tp_results[0][kind, "bf", "sampled"]
     assert tp_results[1][kind, "bf", "sampled"][1][0] == tok2
     assert tok2 == tok1  # same seed, logits equal to ~1e-6: the same draws
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_tp2_rows_continue_on_their_kept_caches(tp_results, kind):
+    """`Kept` handles name each rank's own cache of a row: 3 tokens, then 5 continued on the caches, are the 8 greedy
+    tokens of one call (TP 1, each prompt's first row), on both ranks, and every row continued on its cache."""
+    want = tp_results[0][kind, "kept"][2]
+    for rank in (0, 1):
+        tokens, resumed, _ = tp_results[rank][kind, "kept"]
+        assert resumed == 4  # the group's 4 rows, on every rank's engine
+        assert tokens == want[::2][2 * rank:2 * rank + 2]
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
@@ -325,14 +358,6 @@ def _train_argv(model_dir, data_dir, out, tp, steps=2, *extra):
             "trainer.logger=[file]", *extra]
 
 
-@pytest.fixture(scope="module")
-def tp_model_dir(tmp_path_factory):
-    from polyrl.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tp") / "model", hidden_size=32, layers=1, heads=2, kv_heads=2,
-                            intermediate=64, max_position_embeddings=128)
-
-
 def _metrics(out):
     import json
 
@@ -364,6 +389,39 @@ def test_trainer_with_tp2_replicas_matches_data_parallel_rollout(tp_model_dir, s
         for key in ("actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     assert two[1]["timing_s/update_weights"] > 0
+
+
+def test_multi_turn_on_a_tp2_replica_matches_data_parallel_rollout(tp_model_dir, synth_data_dir, tmp_path):
+    """Agent loops (a sampled turn, a tool turn, a sampled turn) with rollout TP 2 on 2 processes: the replica's rank
+    0 runs the loops of both ranks' prompts and the other rank follows its engine calls (ReplicaRollout.run_led).
+    Against TP 1 (a replica per rank), greedy: the same turns, tool calls, rewards and losses for 2 steps."""
+    import subprocess
+    import sys
+
+    from test_agent_trainer_on_cpu import write_agent_files
+
+    write_agent_files(tmp_path, tmp_path / "code", synth_data_dir, 8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "code"), os.getcwd()])}
+    agent = [f"data.train_files={tmp_path / 'train.parquet'}", "data.max_response_length=40",
+             "actor_rollout_ref.rollout.multi_turn.enable=True",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"]
+    runs = {tp: subprocess.Popen([sys.executable, *_train_argv(tp_model_dir, synth_data_dir, tmp_path / str(tp), tp,
+                                                               2, *agent)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for tp in (1, 2)}
+    for tp, p in runs.items():
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log[-3000:]
+    one, two = _metrics(tmp_path / "1"), _metrics(tmp_path / "2")
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        assert b["num_turns/mean"] == 4 and b["rollout/prefill_tokens_saved"] > 0
+        for key in ("response_length/mean", "critic/score/mean", "tool_calls/mean", "reward_extra/tool_reward/mean"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        for key in ("actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
 
 
 def _descendants(pid: int) -> list[int]:

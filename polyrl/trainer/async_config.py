@@ -110,19 +110,12 @@ def check_placement(cfg) -> None:
         raise ConfigError("algorithm.filter_groups.enable=True (DAPO dynamic sampling) is not supported by "
                           "tensor-parallel replicas in the off-policy pipeline yet; set "
                           "actor_rollout_ref.rollout.tensor_model_parallel_size=1 or disable it.")
-    if tp > 1 and roles.rollout.multi_turn.enable:  # a replica's other ranks would have to follow each agent turn
-        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True is not supported by tensor-parallel "
-                          "replicas in the off-policy pipeline yet; set tensor_model_parallel_size=1 there.")
     rc = cfg.algorithm.rollout_correction
     if tp > 1 and (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode:
         raise ConfigError("decoupled rollout correction recomputes pi_old with the full model on the rollout process, "
                           "which a tensor-parallel replica does not hold; set "
                           "algorithm.rollout_correction.bypass_mode=True or "
                           "actor_rollout_ref.rollout.tensor_model_parallel_size=1.")
-    if tp > 1 and cfg.async_training.partial_rollout:
-        raise ConfigError("async_training.partial_rollout=True keeps rows in flight in one process's engine, not in a "
-                          "tensor-parallel replica; set actor_rollout_ref.rollout.tensor_model_parallel_size=1 or "
-                          "turn it off.")
     if (place.num_trainers, place.num_rollout) != (1, 1) and reward_in_own_process(cfg) and scoring_may_trail(cfg):
         raise ConfigError(
             "A reward in a process of its own (reward_model.enable_resource_pool or launch_reward_fn_async) runs in "
@@ -135,7 +128,8 @@ def check_placement(cfg) -> None:
             f"rollout replica(s)")
     if cfg.async_training.partial_rollout and place.num_replicas > 1:
         raise ConfigError(f"async_training.partial_rollout=True keeps rows in flight in one replica's engine; run "
-                          f"{what} with one one-process replica (rollout.n_gpus_per_node=1) or turn it off.")
+                          f"{what} with one replica (rollout.n_gpus_per_node=1, or equal to "
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size) or turn it off.")
     if cfg.algorithm.filter_groups.enable:
         raise ConfigError(f"algorithm.filter_groups.enable=True (DAPO dynamic sampling) is not supported by {what} "
                           "yet; use 1 trainer and 1 rollout process, or disable it.")

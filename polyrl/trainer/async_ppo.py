@@ -71,6 +71,7 @@ saying so; rerunning resumes from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -88,6 +89,7 @@ from polyrl.distributed.p2p import Link, WeightReceiver, WeightSender, bucket_pl
 from polyrl.distributed.weights import full_tensors_by_layer, layer_key
 from polyrl.errors import UserError
 from polyrl.models.loader import merged_state_dict
+from polyrl.rollout.base import Generation
 from polyrl.trainer.async_config import partial_rollout_cap
 from polyrl.trainer.oom import StageContext
 from polyrl.trainer.partial_rollout import AgentPartialRollouts, PartialRollouts, continuation_sampling, row_metrics
@@ -510,8 +512,12 @@ class RolloutWorker:
                 raise
         if self.behind is not None:
             self.behind.close()
-        if self.partial is not None:
-            self.partial.close()
+        if self.partial is not None:  # lets the kept caches go: on a TP replica every rank does (rank 0 decides)
+            if self.sliced and not self.leader:
+                self.roll.engine.follow()
+            else:
+                with self.roll.engine.lead() if self.sliced else contextlib.nullcontext():
+                    self.partial.close()
         self._wait_sent()  # the trainer has taken the last batch: nothing more to do here
 
     def _collect(self) -> tuple[list[dict], dict, dict, dict]:
@@ -584,23 +590,28 @@ class RolloutWorker:
         roll, pool, timer = self.roll, self.partial, self.timer
         want, sampling = roll.cfg.data.train_batch_size, roll._sampling_params()
         agents = isinstance(pool, AgentPartialRollouts)
+        if self.sliced and not self.leader:  # a TP replica's rank 0 decides every call; this rank makes them too
+            with timer.stage("gen"):
+                roll.engine.follow()
+            return [roll._scored_part([], Generation([], [], [], []), timer, {})], {}
         calls = on_cache = 0
-        while not calls or pool.num_done() < want:
-            state = copy.deepcopy(roll.sampler.state_dict())
-            pool.add(roll.sampler.next_batch(), state)
-            if agents:  # the trajectories' turns up to the cap, tools between them (no OOM retry: not repeatable)
-                with timer.stage("gen"):
-                    roll.engine.resume()
-                    on_cache += pool.run(self.version)
-            else:
-                prompts, rows, caps = pool.requests()
-                with timer.stage("gen"):
-                    out = roll.oom.run("gen", lambda: roll._generate(prompts,
-                                                                     continuation_sampling(sampling, rows, caps)),
-                                       ctx=StageContext(engine=roll.engine))
-                pool.absorb(out, rows, caps, self.version)
-                on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
-            calls += 1
+        with roll.engine.lead() if self.sliced else contextlib.nullcontext():
+            while not calls or pool.num_done() < want:
+                state = copy.deepcopy(roll.sampler.state_dict())
+                pool.add(roll.sampler.next_batch(), state)
+                if agents:  # the trajectories' turns up to the cap, tools between them (no OOM retry: not repeatable)
+                    with timer.stage("gen"):
+                        roll.engine.resume()
+                        on_cache += pool.run(self.version)
+                else:
+                    prompts, rows, caps = pool.requests()
+                    with timer.stage("gen"):
+                        out = roll.oom.run("gen", lambda: roll._generate(prompts,
+                                                                         continuation_sampling(sampling, rows, caps)),
+                                           ctx=StageContext(engine=roll.engine))
+                    pool.absorb(out, rows, caps, self.version)
+                    on_cache += getattr(roll.engine, "stats", {}).get("num_resumed", 0)
+                calls += 1
         groups = pool.take(want)
         prompts, out = pool.part(groups)
         continued = "turns_continued" if agents else "rows_continued_on_kept_cache"

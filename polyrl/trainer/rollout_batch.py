@@ -154,7 +154,12 @@ class RolloutBatchMixin:
         if self.agents is None:
             return self._generate([p.prompt_ids for p in prompts], sampling)
         self.engine.resume()
-        out = self.agents.generate(self.engine, prompts, sampling, weight_version=self._generating_version())
+        version = self._generating_version()
+        run = lambda engine, samples: self.agents.generate(engine, samples, sampling, weight_version=version)  # noqa: E731
+        if hasattr(self.engine, "run_led"):  # a tensor-parallel replica: its rank 0 runs the loops of every rank's prompts
+            out = self.engine.run_led(prompts, run)
+        else:
+            out = run(self.engine, prompts)
         if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
             self.engine.release_memory()
         return out

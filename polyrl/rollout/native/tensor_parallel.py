@@ -46,6 +46,7 @@ router); `ReplicaRollout` hands back the rows of this rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -318,17 +319,35 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A replica's kept KV cache of one row, as its callers hold it (`Generation.handles`, `continuations`): a number
+    every rank of the group maps to its own engine's `KeptRow` (they keep the same rows: their calls are the same)."""
+
+    key: int
+
+
 class ReplicaRollout:
     """The rollout interface for one rank of a TP replica: the group's ranks each bring their own prompts (the
     trainer deals prompts to every rank as in data-parallel rollout), the replica generates all of them in one
     engine call on every rank of the group, and each rank gets back its own rows. So the trainer, FSDP over all
-    ranks, is unchanged. Everything else passes through to the engine."""
+    ranks, is unchanged. Everything else passes through to the engine.
 
-    _ROW_FIELDS = ("forced_lengths", "max_new_tokens_per_row")
+    Kept caches (partial rollouts, multi-turn) are `Kept` numbers, given out in the same order on every rank, so a
+    continuation named on one rank finds each rank's own cache of that row; `release_kept` is collective.
+
+    Work whose engine calls one rank decides alone (agent loops, whose turns wait on tools; partial rollouts, whose
+    loop runs until enough groups finish) runs on the group's rank 0: inside `lead()` each call below that it makes
+    is announced to the other ranks, which `follow()` it with no rows of their own until it leaves."""
+
+    _ROW_FIELDS = ("forced_lengths", "max_new_tokens_per_row", "continuations")
 
     def __init__(self, engine, tp: TPGroup):
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "by_key", {})  # Kept.key -> this rank's engine KeptRow
+        object.__setattr__(self, "num_keys", 0)  # keys given out so far
+        object.__setattr__(self, "leading", False)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -336,28 +355,136 @@ class ReplicaRollout:
     def __setattr__(self, name, value):
         setattr(self.engine, name, value)
 
+    # ---- collective calls: every rank of the group makes them, in the same order --------------------------------
     def generate(self, prompt_ids, sampling):
         from polyrl.rollout.base import Generation
 
-        if sampling.keep_unfinished or sampling.continuations:
-            raise ConfigError("partial rollouts (kept KV caches) are not supported with "
-                              "actor_rollout_ref.rollout.tensor_model_parallel_size > 1; set it to 1.")
-        box = [None] * self.tp.size
-        dist.all_gather_object(box, (list(prompt_ids), sampling), group=self.tp.group)
-        n = sampling.n
+        self._announce("generate")
+        box = self._gather((list(prompt_ids), sampling))
         counts = [len(p) for p, _ in box]
-        merged = dataclasses.replace(box[0][1])  # the group's first rank's settings (seed included) for every row
+        bringing = [sp for ps, sp in box if ps]
+        if not bringing:
+            return Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
+        merged = dataclasses.replace(bringing[0])  # the first rank with rows: its settings (seed included) for all
         for f in self._ROW_FIELDS:
-            lists = [getattr(sp, f) for _, sp in box]
+            lists = [getattr(sp, f) for sp in bringing]
             if any(x is not None for x in lists):
                 assert all(x is not None for x in lists), f"{f} set on some ranks of a TP group only"
                 setattr(merged, f, [v for x in lists for v in x])
-        everything = [p for ps, _ in box for p in ps]
-        if not everything:
-            return Generation(prompt_index=[], token_ids=[], logprobs=[], finish_reason=[])
-        out = self.engine.generate(everything, merged)
-        first = sum(counts[: self.tp.rank])
-        lo, hi = first * n, (first + counts[self.tp.rank]) * n
-        return Generation(prompt_index=[i - first for i in out.prompt_index[lo:hi]], token_ids=out.token_ids[lo:hi],
-                          logprobs=out.logprobs[lo:hi], finish_reason=out.finish_reason[lo:hi],
-                          routed_experts=out.routed_experts[lo:hi] if out.routed_experts is not None else None)
+        if merged.continuations is not None:  # each rank continues on its own cache of the named rows
+            merged.continuations = [None if h is None else self.by_key.get(h.key) for h in merged.continuations]
+        out = self.engine.generate([p for ps, _ in box for p in ps], merged)
+        if out.handles is not None:
+            out.handles = [None if h is None else self._key(h) for h in out.handles]
+        live = {id(h) for h in self.engine.kept}  # a cache the engine let go (continued, evicted) is gone
+        object.__setattr__(self, "by_key", {k: h for k, h in self.by_key.items() if id(h) in live})
+        return prompt_rows(out, sum(counts[: self.tp.rank]), counts[self.tp.rank], merged.n)
+
+    def release_kept(self, handles) -> None:
+        self._announce("release_kept")
+        box = self._gather([h.key for h in handles if h is not None])
+        self.engine.release_kept([self.by_key.pop(k) for keys in box for k in keys if k in self.by_key])
+
+    def resume(self) -> None:
+        self._announce("resume")
+        self.engine.resume()
+
+    def release_memory(self, offload_weights: bool = False) -> None:
+        self._announce("release_memory", offload_weights)
+        self.engine.release_memory(offload_weights)
+        object.__setattr__(self, "by_key", {})  # the engine let every kept cache go
+
+    def _gather(self, obj) -> list:
+        box = [None] * self.tp.size
+        dist.all_gather_object(box, obj, group=self.tp.group)
+        return box
+
+    def _key(self, row) -> Kept:
+        key = Kept(self.num_keys)
+        object.__setattr__(self, "num_keys", self.num_keys + 1)
+        self.by_key[key.key] = row
+        return key
+
+    # ---- one rank drives, the others follow ------------------------------------------------------------------
+    def _announce(self, *op) -> None:
+        if self.leading:
+            self._broadcast(op)
+
+    def _broadcast(self, obj=None):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.tp.src, group=self.tp.group)
+        return box[0]
+
+    @contextlib.contextmanager
+    def lead(self):
+        """On the group's rank 0, while the others are in `follow()`: its engine calls go to every rank."""
+        assert self.tp.rank == 0 and not self.leading
+        object.__setattr__(self, "leading", True)
+        try:
+            yield self
+        finally:
+            self._announce("end")
+            object.__setattr__(self, "leading", False)
+
+    def follow(self) -> None:
+        """On the group's other ranks: make each call rank 0 makes inside `lead()`, with no rows of their own."""
+        from polyrl.rollout.base import SamplingParams
+
+        while True:
+            op, *args = self._broadcast()
+            if op == "end":
+                return
+            if op == "generate":
+                self.generate([], SamplingParams())
+            elif op == "release_kept":
+                self.release_kept([])
+            else:
+                getattr(self, op)(*args)
+
+    def run_led(self, items: list, run):
+        """`run(self, all_items)` on rank 0 over the items of every rank (in rank order), the other ranks following
+        its engine calls; each rank gets back `prompt_rows` of the result (prompt-major rows) for its own items. A
+        failure on rank 0 ends the call on every rank with that error."""
+        box = self._gather(list(items))
+        counts = [len(b) for b in box]
+        if self.tp.rank != 0:
+            self.follow()
+            parts = self._broadcast()
+            if isinstance(parts, BaseException):
+                raise parts
+            return parts[self.tp.rank]
+        try:
+            with self.lead():
+                out = run(self, [x for b in box for x in b])
+        except Exception as e:
+            self._broadcast(e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}"))
+            raise
+        n = len(out.prompt_index) // max(1, sum(counts))
+        parts = [prompt_rows(out, sum(counts[:r]), c, n) for r, c in enumerate(counts)]
+        self._broadcast(parts)
+        return parts[0]
+
+
+def _picklable(obj) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(obj)
+        return True
+    except Exception:
+        return False
+
+
+def prompt_rows(out, first: int, count: int, n: int):
+    """The rows of prompts [first, first + count) of a prompt-major generation with `n` rows a prompt, renumbered
+    from 0; every per-row list is cut, everything else (metrics) is kept."""
+    lo, hi, num_rows = first * n, (first + count) * n, len(out.prompt_index)
+    cut = {}
+    for f in dataclasses.fields(out):
+        v = getattr(out, f.name)
+        if f.name == "prompt_index":
+            v = [i - first for i in v[lo:hi]]
+        elif isinstance(v, list) and len(v) == num_rows:
+            v = v[lo:hi]
+        cut[f.name] = v
+    return type(out)(**cut)
