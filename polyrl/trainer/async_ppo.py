@@ -52,6 +52,10 @@ tool rewards, metrics); each assistant turn is tagged with the rollout's weights
 a row's version is its oldest turn's. With partial rollouts the trajectories live across calls (partial_rollout.py's
 `AgentPartialRollouts`), so one trajectory's turns may carry several versions.
 
+On a TP replica, what one rank must decide alone (the partial-rollout loop; the agent loops, through
+`ReplicaRollout.run_led`) runs on the replica's leader inside `ReplicaRollout.lead()`, and its other ranks `follow()`
+the leader's engine calls (rollout/native/tensor_parallel.py).
+
 Metrics (besides the on-policy ones; docs/async_ppo.md):
 - `timing_s/exposed_generation`: the trainer blocked waiting for the next batch (generation the overlap did not hide,
   the trainer's idle time waiting for data). `timing_s/rollout_idle`: the rollout process blocked waiting for weights.
