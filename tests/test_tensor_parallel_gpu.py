@@ -198,5 +198,28 @@ def test_each_rank_holds_its_slice_of_the_trainers_weights(results, kind):
     assert results[0][f"{kind}/sync"] == 0.0 and results[1][f"{kind}/sync"] == 0.0
 
 
+def test_multi_turn_agent_loops_train_on_a_tp2_replica_with_graphs(tp_model_dir, synth_data_dir, tmp_path):
+    """`polyrl train` on 2 GPUs, rollout TP 2 (NCCL, CUDA graphs), multi-turn: rank 0 of the replica runs both ranks'
+    agent loops and rank 1 follows its engine calls (ReplicaRollout.run_led); 2 steps with a tool turn in every
+    trajectory, kept caches between turns, and a weight sync between the steps."""
+    from test_agent_trainer_on_cpu import write_agent_files
+    from test_tensor_parallel_on_cpu import _metrics, _train_argv
+
+    write_agent_files(tmp_path, tmp_path / "code", synth_data_dir, 8)
+    argv = _train_argv(tp_model_dir, synth_data_dir, tmp_path, 2, 2, "trainer.device=cuda",
+                       f"data.train_files={tmp_path / 'train.parquet'}", "data.max_response_length=40",
+                       "actor_rollout_ref.rollout.multi_turn.enable=True",
+                       f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+                       f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path / "code"), os.getcwd()])}
+    p = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["num_turns/mean"] == 4 and r["tool_calls/mean"] == 1 and r["rollout/prefill_tokens_saved"] > 0
+    assert rows[1]["timing_s/update_weights"] > 0
+
+
 if __name__ == "__main__":
     _job(sys.argv[1])
