@@ -33,9 +33,10 @@ tp_smoke)  # TP 2 training on a 4-layer cut, short rows: does the host-load TP p
       --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.rollout.tensor_model_parallel_size=2 ;;
 rm)  # whole step with a 7B RM colocated vs on its own GPU (no Ray)
   OUT=/tmp/rm_out ROWS_OUT=$L/rows.jsonl RUNS="colocated own_gpu" STEPS=4 run rm_step 400 bash benchmarks/reward_model_step.sh ;;
-gpu_tests)  # the NCCL weight link of the off-policy pipeline (1+1; the 2+2 test skips on 2 GPUs) and the RM on CUDA
-  run gpu_tests 240 python -m pytest -q -m gpu -x -p no:cacheprovider tests/test_async_ppo_gpu.py \
-      tests/test_reward_model_gpu.py ;;
+gpu_tests)  # the NCCL weight link of the off-policy pipeline (1+1; the 2+2 test skips on 2 GPUs), the RM on CUDA, and
+  # agent loops on a TP-2 replica (ReplicaRollout.run_led over NCCL with graphs)
+  run gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_async_ppo_gpu.py \
+      tests/test_reward_model_gpu.py "tests/test_tensor_parallel_gpu.py::test_multi_turn_agent_loops_train_on_a_tp2_replica_with_graphs" ;;
 moe_prof)  # where the MoE update's time goes (4.3% MFU at 12 layers): a 4-layer cut, step 2's update traced on rank 0
   run moe_prof 400 torchrun --standalone --nproc_per_node=2 benchmarks/moe_step.py --layers 4 --prompts 4 \
       --samples-per-prompt 16 --mini-prompts 4 --steps 2 --warmup 1 --work /tmp/moe_prof --rows-out /dev/null \
