@@ -444,7 +444,10 @@ class ReplicaRollout:
     def run_led(self, items: list, run):
         """`run(self, all_items)` on rank 0 over the items of every rank (in rank order), the other ranks following
         its engine calls; each rank gets back `prompt_rows` of the result (prompt-major rows) for its own items. A
-        failure on rank 0 ends the call on every rank with that error."""
+        failure on rank 0 ends the call on every rank with that error. Inside `lead()` rank 0 already drives: `run`
+        runs there over its own items (the other ranks bring none)."""
+        if self.leading:
+            return run(self, list(items))
         box = self._gather(list(items))
         counts = [len(b) for b in box]
         if self.tp.rank != 0:
