@@ -237,6 +237,34 @@ def test_two_processes_match_one_with_the_head_gradient_in_the_forward(tiny_mode
     assert a["actor/grad_norm"] > 0
 
 
+def test_two_processes_match_one_with_dapo_dynamic_sampling(tiny_model_dir, synth_data_dir, tmp_path):
+    """DAPO dynamic sampling (filter_groups, a generation batch twice the train batch) on 2 processes: ranks keep
+    different numbers of groups, so the kept groups are gathered and dealt as one process would train them; the
+    same rounds, rewards and update as one process."""
+    reward = tmp_path / "reward.py"  # a score a random model's samples vary on, so that some groups are dropped
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(sum(map(ord, solution_str)) % 7 == 0)\n")
+    extra = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=20",
+             "data.gen_batch_size=8", f"custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=3",
+             "actor_rollout_ref.rollout.temperature=1.5", "actor_rollout_ref.actor.use_kl_loss=False"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 2, *extra)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(tiny_model_dir, synth_data_dir, one, 2, *extra))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    ref, got = _steps(one), _steps(two)
+    assert [r["step"] for r in got] == [1, 2]
+    assert max(r["train/num_gen_batches"] for r in got) >= 2  # a step drew again: the job-wide count decided it
+    for a, b in zip(ref, got):
+        assert a["train/num_gen_batches"] == b["train/num_gen_batches"]
+        assert b["critic/rewards/zero_std_ratio"] == 0.0  # every trained group has a learning signal
+        assert abs(a["critic/score/mean"] - b["critic/score/mean"]) < 1e-6  # the same groups trained
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_on_a_moe_with_rollout_routing_replay(synth_data_dir, tmp_path):
     """A tiny Qwen3-MoE under FSDP2 (per-decoder-layer units, experts' 3-D tensors sharded) on 2 processes, routes
@@ -351,10 +379,7 @@ def test_two_node_recipe_on_one_machine(ray_local, tiny_model_dir, synth_data_di
 
 
 if __name__ == "__main__":  # one rank of the 2-process job
+    from polyrl.distributed.launch import exit_child
+
     _train(sys.argv[1:]).dist.finish()  # tear down together: rank 0 still writes files after the last collective
-    # Skip interpreter finalization: every result is on disk and the group is destroyed, but gloo's worker threads can
-    # still abort a finalizing interpreter (SIGABRT "terminate called without an active exception", seen once in CI
-    # after a complete run; pytorch/pytorch#179291 describes the race). This test is about the training, not that.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_child(0)

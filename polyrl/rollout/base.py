@@ -7,6 +7,7 @@ It knows nothing about rewards or RL. Backends register a builder by name (`acto
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -77,6 +78,21 @@ class Generation:
     @property
     def lengths(self) -> list[int]:
         return [len(t) for t in self.token_ids]
+
+
+def select_rows(out: Generation, rows, prompt_index: list[int]) -> Generation:
+    """Rows `rows` of a generation (of any `Generation` subclass: every per-row list is cut the same way), with
+    `prompt_index` as their prompts; everything else (metrics) is kept."""
+    rows, num_rows = list(rows), len(out.prompt_index)
+    cut = {}
+    for f in dataclasses.fields(out):
+        v = getattr(out, f.name)
+        if f.name == "prompt_index":
+            v = list(prompt_index)
+        elif isinstance(v, list) and len(v) == num_rows:
+            v = [v[j] for j in rows]
+        cut[f.name] = v
+    return type(out)(**cut)
 
 
 class RolloutEngine(Protocol):

@@ -69,13 +69,14 @@ def check_data_parallel(cfg, world_size: int) -> None:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} prompts cannot be split over "
             f"{world_size} processes by whole prompt groups; make it a multiple of {world_size}.")
-    if cfg.algorithm.filter_groups.enable:
-        raise ConfigError(
-            "algorithm.filter_groups.enable=True (DAPO dynamic sampling) is single-process only in polyrl: ranks "
-            "would keep different numbers of groups; run with one process or disable filter_groups.")
     if cfg.critic.enable:
         raise ConfigError("A critic (algorithm.adv_estimator=gae) is single-process only in polyrl so far; run "
                           "with one process or use a critic-free estimator such as grpo.")
-    if data.gen_batch_size not in (None, data.train_batch_size):
-        raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} differs from train_batch_size with several "
-                          "processes; leave it unset.")
+    gen = data.gen_batch_size
+    if gen not in (None, data.train_batch_size) and not cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"data.gen_batch_size={gen} differs from train_batch_size with several processes, which "
+                          "only DAPO dynamic sampling (algorithm.filter_groups.enable=True) draws; leave it unset.")
+    if gen is not None and gen % actor.ppo_mini_batch_size:
+        raise ConfigError(f"data.gen_batch_size={gen} prompts cannot be split over {world_size} processes like a "
+                          f"batch; make it a multiple of actor_rollout_ref.actor.ppo_mini_batch_size="
+                          f"{actor.ppo_mini_batch_size}.")

@@ -18,6 +18,7 @@ from polyrl.distributed import data as dp_data
 from polyrl.errors import ConfigError
 from polyrl.learner.batch import build_batch
 from polyrl.rollout import SamplingParams
+from polyrl.rollout.base import select_rows
 from polyrl.trainer.oom import StageContext
 
 
@@ -68,7 +69,11 @@ class RolloutBatchMixin:
             part["keep"] = set(kept)
             parts.append(part)
             num_kept = sum(len(p["keep"]) for p in parts)
+            if self.dist.data.is_distributed:  # every rank generates until the job has kept enough groups
+                num_kept = int(self.dist.data.all_reduce(torch.tensor(num_kept, device=self.device)))
             if num_kept >= want:
+                if self.dist.data.is_distributed:
+                    parts = self._deal_kept_groups(parts, want)
                 break
             if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
                 raise ConfigError(
@@ -76,6 +81,27 @@ class RolloutBatchMixin:
                     "batches (algorithm.filter_groups.max_num_gen_batches); raise it, or disable filter_groups: "
                     "too many groups get identical rewards.")
         return parts, metrics
+
+    def _deal_kept_groups(self, parts: list[dict], want: int) -> list[dict]:
+        """DAPO dynamic sampling on several processes: ranks keep different numbers of groups, so every rank's kept
+        groups go to all (only their rows travel), in the order one process keeps them (round, then the prompt's
+        place in the drawn batch); the batch is the first `want` of them, and each rank trains its slice of every
+        mini-batch of it (`dp_data.shard_prompts`, as for drawn prompts). One part per group, in that order."""
+        env, mini = self.dist.data, self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        drawn = self.cfg.data.gen_batch_size or self.cfg.data.train_batch_size
+        sent = []
+        for p in parts:
+            rows = [j for j, pi in enumerate(p["out"].prompt_index) if pi in p["keep"]]
+            sent.append({**p, "out": select_rows(p["out"], rows, [p["out"].prompt_index[j] for j in rows]),
+                         "scores": [p["scores"][j] for j in rows],
+                         "extras": {k: [v[j] for j in rows] for k, v in p["extras"].items()},
+                         "baselines": None if p["baselines"] is None else [p["baselines"][j] for j in rows]})
+        everyone = env.all_gather_object(sent)  # [rank][round]
+        place = [dp_data.shard_prompts(drawn, mini, r, env.world_size) for r in range(env.world_size)]
+        order = sorted((k, place[r][pi], r, pi) for r in range(env.world_size) for k in range(len(parts))
+                       for pi in dict.fromkeys(everyone[r][k]["out"].prompt_index))
+        mine = [order[i] for i in dp_data.shard_prompts(want, mini, env.rank, env.world_size)]
+        return [{**everyone[r][k], "keep": {pi}} for k, _, r, pi in mine]
 
     def _generate_batch(self, timer):
         """This process's share of the next prompts (`_prompt_share`) and their generation (`timing_s/gen`)."""

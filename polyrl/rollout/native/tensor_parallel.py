@@ -480,14 +480,8 @@ def _picklable(obj) -> bool:
 
 def prompt_rows(out, first: int, count: int, n: int):
     """The rows of prompts [first, first + count) of a prompt-major generation with `n` rows a prompt, renumbered
-    from 0; every per-row list is cut, everything else (metrics) is kept."""
-    lo, hi, num_rows = first * n, (first + count) * n, len(out.prompt_index)
-    cut = {}
-    for f in dataclasses.fields(out):
-        v = getattr(out, f.name)
-        if f.name == "prompt_index":
-            v = [i - first for i in v[lo:hi]]
-        elif isinstance(v, list) and len(v) == num_rows:
-            v = v[lo:hi]
-        cut[f.name] = v
-    return type(out)(**cut)
+    from 0."""
+    from polyrl.rollout.base import select_rows
+
+    lo, hi = first * n, (first + count) * n
+    return select_rows(out, range(lo, hi), [i - first for i in out.prompt_index[lo:hi]])
