@@ -55,6 +55,7 @@ import time
 
 import torch
 
+from polyrl.distributed.launch import exit_child
 from polyrl.trainer.flow_config import FlowConfig
 from polyrl.models.diffusion.pipeline import FlowPolicy, LatentShape
 from polyrl.trainer.flow_grpo import FlowGRPOTrainer
@@ -565,8 +566,9 @@ def main() -> None:
         save_check(trainer, args.save_check, dist)
     if scorer is not None:
         scorer.close()
-    dist.finish()  # a barrier first: a rank that tore gloo down while another still wrote its files aborted (CI)
+    dist.finish()
 
 
 if __name__ == "__main__":
     main()
+    exit_child(0)

@@ -1,5 +1,6 @@
 import sys
 
 from polyrl.cli import main
+from polyrl.distributed.launch import exit_child
 
-sys.exit(main())
+exit_child(main())

@@ -3,6 +3,7 @@
 import sys
 
 from polyrl.cli import main
+from polyrl.distributed.launch import exit_child
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    exit_child(main(["train", *sys.argv[1:]]))

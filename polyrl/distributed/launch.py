@@ -44,6 +44,18 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def exit_child(code: int) -> None:
+    """The end of a torchrun child whose work is done (its files written, its process group torn down): exit without
+    interpreter finalization, where gloo's worker threads can still abort the process (SIGABRT, "terminate called
+    without an active exception", pytorch/pytorch#179291; seen in CI after complete runs), which torchrun then
+    reports as a failed job. Not a torchrun child: an ordinary exit."""
+    if not under_torchrun():
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def gpus_per_node(configured: int) -> int:
     """One node's GPUs: the processes torchrun started on it (`LOCAL_WORLD_SIZE`) when it launched the job, else the
     configured `trainer.n_gpus_per_node` (a raw `torchrun --nproc_per_node=2` run with the default 1 has 2)."""
