@@ -237,15 +237,53 @@ def test_two_processes_match_one_with_the_head_gradient_in_the_forward(tiny_mode
     assert a["actor/grad_norm"] > 0
 
 
+def _varied_reward(tmp_path: Path, modulus: int) -> str:
+    """A custom reward a random model's samples vary on (1 where the response's character codes sum to a multiple
+    of `modulus`), as the key that selects it."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    return float(sum(map(ord, solution_str)) % {modulus} == 0)\n")
+    return f"custom_reward_function.path={reward}"
+
+
+def test_two_processes_match_one_with_a_critic_and_the_checkpoint_resumes_in_one(tiny_model_dir, synth_data_dir,
+                                                                                   tmp_path):
+    """PPO with a critic (gae) on 2 processes: the value model FSDP2-sharded like the actor, its loss normalised over
+    both ranks, the advantages whitened with the whole batch's statistics; the same values, advantages and updates
+    as one process. The sharded checkpoint (actor and critic) resumes in one process and continues as one process
+    does."""
+    extra = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.use_kl_loss=False", _varied_reward(tmp_path, 3)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 2, *extra)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(tiny_model_dir, synth_data_dir, one, 3, *extra))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    ref, got = _steps(one), _steps(two)
+    assert [r["step"] for r in got] == [1, 2]
+    assert ref[1]["critic/vf_loss"] != ref[0]["critic/vf_loss"]  # the critic trained: matching it means something
+    for a, b in zip(ref[:2], got):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/values/mean",
+                    "critic/advantages/max", "critic/advantages/min", "actor/pg_loss", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+    resumed = tmp_path / "resumed"  # the 2-process checkpoint of step 2, resumed by one process for step 3
+    _train(_args(tiny_model_dir, synth_data_dir, resumed, 3, *extra, "trainer.resume_mode=resume_path",
+                 f"trainer.resume_from_path={two / 'ckpt' / 'global_step_2'}"))
+    r3, ref3 = _steps(resumed)[-1], ref[2]
+    assert r3["step"] == 3
+    for key in ("critic/vf_loss", "critic/values/mean", "actor/pg_loss"):  # the critic's weights and Adam came back
+        assert abs(r3[key] - ref3[key]) <= 1e-5 + 1e-4 * abs(ref3[key]), (key, r3[key], ref3[key])
+
+
 def test_two_processes_match_one_with_dapo_dynamic_sampling(tiny_model_dir, synth_data_dir, tmp_path):
     """DAPO dynamic sampling (filter_groups, a generation batch twice the train batch) on 2 processes: ranks keep
     different numbers of groups, so the kept groups are gathered and dealt as one process would train them; the
     same rounds, rewards and update as one process."""
-    reward = tmp_path / "reward.py"  # a score a random model's samples vary on, so that some groups are dropped
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(sum(map(ord, solution_str)) % 7 == 0)\n")
     extra = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=20",
-             "data.gen_batch_size=8", f"custom_reward_function.path={reward}", "actor_rollout_ref.rollout.n=3",
+             "data.gen_batch_size=8", _varied_reward(tmp_path, 7), "actor_rollout_ref.rollout.n=3",
              "actor_rollout_ref.rollout.temperature=1.5", "actor_rollout_ref.actor.use_kl_loss=False"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
     two, one = tmp_path / "two", tmp_path / "one"

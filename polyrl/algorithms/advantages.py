@@ -92,9 +92,11 @@ def compute_advantage(
     rollout_is_weights_BT: torch.Tensor | None = None,
     reward_components_KB: torch.Tensor | None = None,
     reward_weights_K: Sequence[float] | None = None,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ([B, T] each) from the estimator registered as `name`; advantages clipped to
-    [-adv_clip_max, adv_clip_max] when it is given."""
+    [-adv_clip_max, adv_clip_max] when it is given. `whiten`: the batch whitening of the estimators that whiten
+    (gae, reinforce_plus_plus(_baseline), gdpo); with several processes, `masked.whiten_over` the whole job's batch."""
     if name not in ADV_ESTIMATORS:
         raise ConfigError(
             f"algorithm.adv_estimator={name!r} is not a known advantage estimator; use one of {sorted(ADV_ESTIMATORS)}."
@@ -125,6 +127,7 @@ def compute_advantage(
             rollout_is_weights_BT=rollout_is_weights_BT,
             reward_components_KB=reward_components_KB,
             reward_weights_K=reward_weights_K,
+            whiten=whiten,
         )
         if adv_clip_max is not None:
             advantages_BT = advantages_BT.clamp(-adv_clip_max, adv_clip_max)
@@ -165,7 +168,7 @@ def _outcome_scores(token_level_rewards_BT: torch.Tensor, index) -> tuple[torch.
 
 
 @register_adv_est("gae", needs=("values_BT",))
-def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, **_):
+def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, whiten=masked_whiten, **_):
     """Generalized advantage estimation; padding tokens carry the next value and GAE through unchanged."""
     next_value_B = torch.zeros_like(token_level_rewards_BT[:, 0])
     last_gae_B = torch.zeros_like(next_value_B)
@@ -179,7 +182,7 @@ def gae(*, token_level_rewards_BT, values_BT, response_mask_BT, gamma, lam, **_)
         advantages.append(last_gae_B)
     advantages_BT = torch.stack(advantages[::-1], dim=1)
     returns_BT = advantages_BT + values_BT
-    return masked_whiten(advantages_BT, response_mask_BT) * response_mask_BT, returns_BT
+    return whiten(advantages_BT, response_mask_BT) * response_mask_BT, returns_BT
 
 
 @register_adv_est("grpo_vectorized", needs=("index",))  # verl's second spelling of the same math
@@ -221,7 +224,7 @@ def rloo_vectorized(*, token_level_rewards_BT, response_mask_BT, index, **_):
 
 
 @register_adv_est("reinforce_plus_plus")
-def reinforce_plus_plus(*, token_level_rewards_BT, response_mask_BT, gamma, **_):
+def reinforce_plus_plus(*, token_level_rewards_BT, response_mask_BT, gamma, whiten=masked_whiten, **_):
     """Discounted return-to-go over valid tokens only: a masked position neither discounts nor adds its reward, it
     carries the running return across and gets return 0 (verl 0.9.1); whitened over all valid tokens of the batch."""
     returns_BT = torch.zeros_like(token_level_rewards_BT)
@@ -230,17 +233,17 @@ def reinforce_plus_plus(*, token_level_rewards_BT, response_mask_BT, gamma, **_)
         valid_B = response_mask_BT[:, t] > 0
         running_B = torch.where(valid_B, token_level_rewards_BT[:, t] + gamma * running_B, running_B)
         returns_BT[:, t] = running_B * response_mask_BT[:, t]
-    advantages_BT = masked_whiten(returns_BT, response_mask_BT) * response_mask_BT
+    advantages_BT = whiten(returns_BT, response_mask_BT) * response_mask_BT
     return advantages_BT, returns_BT
 
 
 @register_adv_est("reinforce_plus_plus_baseline", needs=("index",))
-def reinforce_plus_plus_baseline(*, token_level_rewards_BT, response_mask_BT, index, **_):
+def reinforce_plus_plus_baseline(*, token_level_rewards_BT, response_mask_BT, index, whiten=masked_whiten, **_):
     """Score minus group mean (a group of one: mean 0), broadcast to tokens, whitened over the batch's tokens."""
     scores_B, ids_B, num_groups = _outcome_scores(token_level_rewards_BT, index)
     mean_B, _, _ = group_mean_std(scores_B, ids_B, num_groups)
     adv_BT = (scores_B - mean_B).unsqueeze(-1) * response_mask_BT
-    adv_BT = masked_whiten(adv_BT, response_mask_BT) * response_mask_BT
+    adv_BT = whiten(adv_BT, response_mask_BT) * response_mask_BT
     return adv_BT, adv_BT
 
 
@@ -307,7 +310,7 @@ def grpo_passk(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_s
 
 @register_adv_est("gdpo", needs=("index",))
 def gdpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_grpo, epsilon,
-         reward_components_KB=None, reward_weights_K=None, **_):
+         reward_components_KB=None, reward_weights_K=None, whiten=masked_whiten, **_):
     """GDPO (arXiv:2601.05242; verl `compute_gdpo_outcome_advantage`): GRPO-normalise each reward component within
     its group, sum with weights (default 1 each), whiten over the batch's valid tokens. Without components it is GRPO
     on the total score followed by the batch whitening (verl's fallback)."""
@@ -324,7 +327,7 @@ def gdpo(*, token_level_rewards_BT, response_mask_BT, index, norm_adv_by_std_in_
         adv_B = scores_B - mean_B
         total_B = total_B + w * (adv_B / (std_B + epsilon) if norm_adv_by_std_in_grpo else adv_B)
     adv_BT = total_B.unsqueeze(-1) * response_mask_BT
-    adv_BT = masked_whiten(adv_BT, response_mask_BT) * response_mask_BT
+    adv_BT = whiten(adv_BT, response_mask_BT) * response_mask_BT
     return adv_BT, adv_BT
 
 

@@ -42,3 +42,18 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     if not shift_mean:
         whitened = whitened + mean
     return whitened
+
+
+def whiten_over(all_reduce):
+    """`masked_whiten` with the statistics of a batch split over processes: `all_reduce(t)` sums a tensor over them
+    (`DistEnv.all_reduce`). Each process whitens its rows with the whole batch's mean and unbiased variance, so the
+    result is one process's `masked_whiten` of the concatenated batch."""
+
+    def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+        total, count = all_reduce(torch.stack([masked_sum(values, mask), mask.sum().to(values.dtype)]))
+        mean = total / (count + 1e-8)
+        var = all_reduce(masked_sum((values - mean) ** 2, mask)) / (count + 1e-8) * count / (count - 1)
+        whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+        return whitened if shift_mean else whitened + mean
+
+    return whiten

@@ -31,18 +31,28 @@ def is_sharded(path: str | Path) -> bool:
     return (Path(path) / DCP_DIR / ".metadata").is_file()
 
 
-def _model_optim_state(model, optimizer) -> dict[str, Any]:
-    """The trainable weights and their optimizer state (frozen weights, e.g. a LoRA base, are the model's own)."""
+def optimizer_key(name: str) -> str:
+    """The DCP key of a module's optimizer state: `optimizer` beside `model` (the policy), else `<name>_optimizer`."""
+    return "optimizer" if name == "model" else f"{name}_optimizer"
+
+
+def _model_optim_state(modules: dict) -> dict[str, Any]:
+    """The trainable weights and their optimizer state of each (model, optimizer) pair in `modules` (name -> pair),
+    under the pair's name and `optimizer_key(name)` (frozen weights, e.g. a LoRA base, are the model's own)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": model_sd, "optimizer": optim_sd}
+    out = {}
+    for name, (model, optimizer) in modules.items():
+        out[name], out[optimizer_key(name)] = get_state_dict(model, optimizer,
+                                                             options=StateDictOptions(ignore_frozen_params=True))
+    return out
 
 
-def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra: dict, env: DistEnv,
+def save_sharded(manager: CheckpointManager, step: int, modules: dict, extra: dict, env: DistEnv,
                  writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
-    """Collective: every rank calls it. `writers` (name -> fn(dir)) are called on every rank with the folder they
-    may write into (rank 0's is the real one), so they can run collectives such as gathering full weights."""
+    """Collective: every rank calls it. `modules`: name -> (model, optimizer), the policy's under `model`. `writers`
+    (name -> fn(dir)) are called on every rank with the folder they may write into (rank 0's is the real one), so
+    they can run collectives such as gathering full weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -59,7 +69,7 @@ def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra:
     # 2.11-2.13), so one file per rank held the rank's whole shard in host memory during the save (a 20B full fine-tune
     # on 4 GPUs: 245 GB of copies beside the 245 GB written, and the host ran out of memory)
     writer = FileSystemWriter(tmp / DCP_DIR, single_file_per_rank=False)
-    dcp.save(_model_optim_state(model, optimizer), storage_writer=writer)
+    dcp.save(_model_optim_state(modules), storage_writer=writer)
     for name, write in (writers or {}).items():
         write(tmp / name)
     if env.is_rank0:
@@ -79,38 +89,50 @@ def save_sharded(manager: CheckpointManager, step: int, model, optimizer, extra:
     return final
 
 
-def load_sharded(path: str | Path, model, optimizer) -> dict[str, Any]:
-    """Load model + optimizer shards into this process's (sharded or plain) model; returns the `extra` dict."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def load_sharded(path: str | Path, modules: dict) -> dict[str, Any]:
+    """Load each (model, optimizer) pair of `modules` (name -> pair, as saved) from its shards into this process's
+    (sharded or plain) modules; returns the `extra` dict."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from polyrl.errors import ConfigError
 
     path = Path(path)
-    state = _model_optim_state(model, optimizer)
-    groups = [dict(g) for g in state["optimizer"]["param_groups"]]
-    dcp.load({"model": state["model"]}, checkpoint_id=str(path / DCP_DIR))
+    saved = FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
+    for name, (model, optimizer) in modules.items():
+        if not any(key.startswith(f"{name}.") for key in saved):
+            raise ConfigError(f"Checkpoint '{path}' holds no {name} state, which this run trains; resume a checkpoint "
+                              "of the same setup or set trainer.resume_mode=disable.")
+        _load_pair(path, name, model, optimizer, saved)
+    return torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
+
+
+def _load_pair(path: Path, name: str, model, optimizer, saved) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    okey = optimizer_key(name)
+    state = _model_optim_state({name: (model, optimizer)})
+    groups = [dict(g) for g in state[okey]["param_groups"]]
+    dcp.load({name: state[name]}, checkpoint_id=str(path / DCP_DIR))
     # a parameter that never had a gradient (the DiT's last block's text-stream outputs, some LoRA adapters there) has
     # no saved optimizer state...
-    dcp.load({"optimizer": state["optimizer"]}, checkpoint_id=str(path / DCP_DIR),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load({okey: state[okey]}, checkpoint_id=str(path / DCP_DIR), planner=DefaultLoadPlanner(allow_partial_load=True))
     # ...but get_state_dict gave every parameter a state (a zero-gradient step: step 1, zero moments): drop the ones
     # the checkpoint lacks, so that they stay stateless as in the run that saved it (the step count is AdamW's bias
     # correction the day such a parameter gets a gradient)
-    stateful = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
-                for key in FileSystemReader(path / DCP_DIR).read_metadata().state_dict_metadata
-                if key.startswith("optimizer.state.")}  # fmt: skip
-    for fqn in [fqn for fqn in state["optimizer"]["state"] if fqn not in stateful]:
-        del state["optimizer"]["state"][fqn]
+    stateful = {key.removeprefix(f"{okey}.state.").rsplit(".", 1)[0] for key in saved
+                if key.startswith(f"{okey}.state.")}
+    for fqn in [fqn for fqn in state[okey]["state"] if fqn not in stateful]:
+        del state[okey]["state"][fqn]
     # per-parameter state is keyed by name, but the *grouping* depends on the process count (sharded and replicated
     # parameters are separate groups only when sharded): keep this process's groups, with the saved hyper-parameters
     # (all groups share them; the LR in them is where the schedule was)
-    saved = state["optimizer"]["param_groups"][0]
-    state["optimizer"]["param_groups"] = [{**g, **{k: v for k, v in saved.items() if k != "params"}} for g in groups]
+    hyper = state[okey]["param_groups"][0]
+    state[okey]["param_groups"] = [{**g, **{k: v for k, v in hyper.items() if k != "params"}} for g in groups]
     # not strict: the frozen weights are not in the checkpoint (dcp.load above already failed on a missing trainable one)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[okey],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
-    return extra
 
 
 def gather_full_state_dict(named, env: DistEnv) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from polyrl.algorithms import value_loss
 from polyrl.algorithms.masked import masked_mean
+from polyrl.distributed.grads import clip_grad_norm_
 from polyrl.learner.batch import Batch, select, split_rows, trim_columns
 
 
@@ -33,11 +34,18 @@ class ValueModel(nn.Module):
 
 
 class Critic:
+    """The value model's passes. With several processes (`dp`, the data-parallel DistEnv) the model is FSDP2-sharded
+    as the actor is: the loss is normalised by the mini-batch's token and sequence counts over all ranks and scaled
+    by the rank count (FSDP averages gradients), so the update is one process's; ranks hold equal row counts
+    (polyrl.distributed.data), so their fixed-size micro-batches pair up."""
+
     def __init__(self, model: ValueModel, optimizer, *, cliprange_value: float, loss_agg_mode: str, grad_clip: float,
-                 ppo_epochs: int, mini_batch_size: int, micro_batch_size: int):
+                 ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, dp=None):
         self.model, self.optimizer = model, optimizer
         self.cliprange_value, self.loss_agg_mode, self.grad_clip = cliprange_value, loss_agg_mode, grad_clip
         self.ppo_epochs, self.mini_batch_size, self.micro_batch_size = ppo_epochs, mini_batch_size, micro_batch_size
+        self.dp = dp if dp is not None and dp.is_distributed else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
@@ -53,29 +61,48 @@ class Critic:
     def update(self, batch: Batch) -> dict[str, float]:
         self.model.train()
         B = batch["responses"].shape[0]
-        totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/grad_norm": 0.0}
+        scale = self.dp.world_size if self.dp is not None else 1
+        totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
+        grad_norms = 0.0
         num_updates = 0
         for _ in range(self.ppo_epochs):
             for mini_rows in split_rows(B, self.mini_batch_size):
                 mini = select(batch, mini_rows)
-                num_tokens, num_seqs = mini["response_mask"].sum(), mini["responses"].shape[0]
+                num_tokens, num_seqs = self._global_counts(mini["response_mask"].sum(), mini["responses"].shape[0])
                 self.optimizer.zero_grad(set_to_none=True)
-                for rows in split_rows(num_seqs, self.micro_batch_size):
+                for rows in split_rows(mini["responses"].shape[0], self.micro_batch_size):
                     mb = trim_columns(select(mini, rows))
                     vpreds = self.model(mb)
                     loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                                 self.cliprange_value, self.loss_agg_mode, num_tokens=num_tokens,
                                                 num_seqs=num_seqs)
-                    loss.backward()
-                    frac = float(mb["response_mask"].sum() / num_tokens.clamp_min(1))
-                    totals["critic/vf_loss"] += float(loss.detach())
-                    totals["critic/vf_clipfrac"] += float(clipfrac) * frac
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                    (loss * scale).backward()
+                    frac = mb["response_mask"].sum() / num_tokens.clamp_min(1)
+                    totals["critic/vf_loss"] += loss.detach()
+                    totals["critic/vf_clipfrac"] += clipfrac * frac
+                grad_norm = clip_grad_norm_(self.params, self.grad_clip)  # plain or FSDP-sharded parameters
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
-                totals["critic/grad_norm"] += float(grad_norm)
+                grad_norms += float(grad_norm)
                 num_updates += 1
-        return {k: v / max(1, num_updates) for k, v in totals.items()}
+        keys = sorted(totals)  # each rank's share of the global losses: their sum is the job's
+        summed = torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).reshape(()) for k in keys])
+        if self.dp is not None:
+            summed = self.dp.all_reduce(summed.to(self._device))
+        out = {k: float(v) / max(1, num_updates) for k, v in zip(keys, summed.tolist())}
+        out["critic/grad_norm"] = grad_norms / max(1, num_updates)
+        return out
+
+    @property
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def _global_counts(self, num_tokens: torch.Tensor, num_seqs: int):
+        if self.dp is None:
+            return num_tokens, num_seqs
+        both = self.dp.all_reduce(torch.stack([num_tokens.float(), torch.tensor(float(num_seqs),
+                                                                                device=num_tokens.device)]))
+        return both[0], int(both[1])
 
 
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -42,8 +42,9 @@ class CheckpointingMixin:
                if self.critic is not None else {}),
         }
 
-    def sharded_modules(self):
-        return self.model, self.actor.optimizer
+    def sharded_modules(self) -> dict:
+        critic = {"critic": (self.critic.model, self.critic.optimizer)} if self.critic is not None else {}
+        return {"model": (self.model, self.actor.optimizer), **critic}
 
     def extra_state(self) -> dict:
         engine_gen = self._engine_generator_state()

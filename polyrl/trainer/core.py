@@ -5,7 +5,8 @@ A loop subclasses `TrainerCore`, sets `cfg` (with a `trainer` section that is a 
 `profiler`, `global_step` and `total_steps`, calls `open_run()` and `open_tracker()` in its constructor, and provides:
 - `step() -> metrics` (its stages, top to bottom) and `validate() -> metrics` (empty when it has no held-out data);
 - `checkpoint_state() -> {name: tensor dict | object}` and `load_checkpoint_state(state)`: the weights and optimizer
-  state of a single process; with several processes `sharded_modules() -> (model, optimizer)` go through DCP instead;
+  state of a single process; with several processes `sharded_modules() -> {name: (model, optimizer)}` (the policy's
+  under `model`) go through DCP instead;
 - `extra_state() -> dict` / `load_extra_state(extra)`: step counters, schedulers, RNG streams (plain objects);
 - optionally `export_writers()` (the final checkpoint's exports, e.g. the HF model; `exports_every_save()` for every
   checkpoint) and `after_fit()`.
@@ -144,8 +145,8 @@ class TrainerCore:
             if self.dist.is_distributed:
                 from polyrl.distributed.checkpoint import save_sharded
 
-                model, optimizer = self.sharded_modules()
-                return save_sharded(self.ckpt, self.global_step, model, optimizer, extra, self.dist, writers=writers)
+                return save_sharded(self.ckpt, self.global_step, self.sharded_modules(), extra, self.dist,
+                                    writers=writers)
             return self.ckpt.save(self.global_step, {**self.checkpoint_state(), "extra": extra}, writers=writers)
 
     def resume(self) -> None:
@@ -155,8 +156,7 @@ class TrainerCore:
         from polyrl.distributed.checkpoint import is_sharded, load_sharded
 
         if is_sharded(self.resume_from):  # DCP: written at any process count
-            model, optimizer = self.sharded_modules()
-            extra = load_sharded(self.resume_from, model, optimizer)
+            extra = load_sharded(self.resume_from, self.sharded_modules())
         else:
             state = self.ckpt.load(self.resume_from)
             self.load_checkpoint_state(state)

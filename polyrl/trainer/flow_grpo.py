@@ -581,7 +581,7 @@ class FlowGRPOTrainer(TrainerCore):
 
             raise ConfigError(f"Checkpoint '{self.resume_from}' was written by several processes and this run trains "
                               "fp32 LoRA over a low-precision DiT in one; resume it with trainer.n_gpus_per_node > 1.")
-        return self.policy.transformer, self.optimizer
+        return {"model": (self.policy.transformer, self.optimizer)}
 
     def extra_state(self) -> dict:
         return {"scheduler": self.lr_scheduler.state_dict(), "noise_rng": self._noise_gen.get_state(),

@@ -69,9 +69,10 @@ def check_data_parallel(cfg, world_size: int) -> None:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} prompts cannot be split over "
             f"{world_size} processes by whole prompt groups; make it a multiple of {world_size}.")
-    if cfg.critic.enable:
-        raise ConfigError("A critic (algorithm.adv_estimator=gae) is single-process only in polyrl so far; run "
-                          "with one process or use a critic-free estimator such as grpo.")
+    if cfg.critic.enable and actor.ulysses_sequence_parallel_size > 1:
+        raise ConfigError("A critic (algorithm.adv_estimator=gae) with actor_rollout_ref.actor."
+                          "ulysses_sequence_parallel_size > 1 is not supported yet (the critic has no sequence "
+                          "parallelism); set it to 1 or use a critic-free estimator such as grpo.")
     gen = data.gen_batch_size
     if gen not in (None, data.train_batch_size) and not cfg.algorithm.filter_groups.enable:
         raise ConfigError(f"data.gen_batch_size={gen} differs from train_batch_size with several processes, which "

@@ -25,7 +25,9 @@ _FSDP1 = "it is an FSDP1 flag and polyrl uses FSDP2, whose parameters are always
 _TRAINER_SETS = "the trainer sets it from the data and trainer.total_training_steps; set trainer.total_training_steps"
 _VLM_JUDGE_HF = ("the VLM judge decodes with HF generate, since polyrl's engine has no vision tower "
                  "(rewards/vlm_judge.py)")
-_UNSHARDED_CRITIC = "the critic runs unsharded in one process (distributed/data.py refuses it with several)"
+_CRITIC_FSDP = ("the critic is sharded over the actor's mesh with FSDP2's reshard_after_forward, forward_prefetch, "
+                "dtype and mixed_precision only (no offload, no compile, no shard group of its own)")
+_CRITIC_FSDP_READ = ("reshard_after_forward", "forward_prefetch", "dtype", "mixed_precision")
 
 def _fsdp_cls():
     from polyrl.learner.config import FSDPConfig
@@ -55,7 +57,8 @@ REFUSED_KEYS: dict[str, dict[str, str]] = {
         "actor_rollout_ref.actor.optim.total_training_steps": _TRAINER_SETS,
         "critic.optim.total_training_steps": _TRAINER_SETS,
         **_LLM_ROLE_FSDP,
-        **{f"critic.model.fsdp_config.{f.name}": _UNSHARDED_CRITIC for f in dataclasses.fields(_fsdp_cls())},
+        **{f"critic.model.fsdp_config.{f.name}": _CRITIC_FSDP for f in dataclasses.fields(_fsdp_cls())
+           if f.name not in _CRITIC_FSDP_READ},
         "actor_rollout_ref.rollout.mode": f"{_NO_VERL_WORKERS}; the engine generates in the trainer's process",
         "actor_rollout_ref.rollout.load_format": "the trainer's weights are copied into the engine before the first "
                                                  "rollout",

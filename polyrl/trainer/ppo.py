@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from polyrl.algorithms import apply_kl_in_reward, compute_advantage, make_kl_controller
+from polyrl.algorithms.masked import masked_whiten, whiten_over
 from polyrl.algorithms.rollout_correction import compute_rollout_correction
 from polyrl.agents.runner import build_agent_runner
 from polyrl.algorithms.validation import process_validation_metrics
@@ -245,10 +246,16 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
         lm = load_causal_lm(c.model.path or roles.model.path, key="critic.model.path",
                             trust_remote_code=c.model.trust_remote_code, override_config=c.model.override_config,
                             external_lib=c.model.external_lib)
-        model = ValueModel(lm).to(self.device)
+        model = ValueModel(lm)
         if c.model.enable_gradient_checkpointing:
             model.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
+        if self.dist.is_distributed:  # sharded like the actor, over the same mesh (FSDP2 moves the shards)
+            from polyrl.distributed.parallelize import parallelize
+
+            parallelize(model, self.dist.mesh, c.model.fsdp_config, self.device)
+        else:
+            model.to(self.device)
+        opt = torch.optim.AdamW(param_groups(model), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps,
                                 weight_decay=c.optim.weight_decay)
         shards = self.dist.data.world_size
         mini = mini_batch_per_gpu(c.ppo_mini_batch_size or roles.actor.ppo_mini_batch_size, roles.rollout.n, shards)
@@ -257,7 +264,7 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
             micro_batch_per_gpu(roles.actor.ppo_micro_batch_size_per_gpu, roles.actor.ppo_micro_batch_size, shards) or mini
         return Critic(model, opt, cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                       grad_clip=c.grad_clip, ppo_epochs=c.ppo_epochs, mini_batch_size=mini,
-                      micro_batch_size=min(micro, mini))
+                      micro_batch_size=min(micro, mini), dp=self.dist.data)
 
     def _make_engine(self):
         cfg = self.cfg
@@ -453,7 +460,10 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
                                      sum_pi_squared_BT=batch.pop("sum_pi_squared", None),
                                      rollout_is_weights_BT=batch.get("rollout_is_weights"),
                                      reward_components_KB=None if components is None else components.T,
-                                     reward_weights_K=alg.gdpo_reward_weights)
+                                     reward_weights_K=alg.gdpo_reward_weights,
+                                     # several processes: whiten with the whole batch's statistics, as one process
+                                     whiten=whiten_over(self.dist.data.all_reduce) if self.dist.data.is_distributed
+                                     else masked_whiten)
         batch["advantages"], batch["returns"] = adv, ret
         return metrics
 
