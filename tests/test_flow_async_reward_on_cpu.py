@@ -44,16 +44,38 @@ def test_async_reward_overlaps_generation_and_keeps_order(tmp_path):
         scorer.close()
 
 
-def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path):
-    """The reward resource pool's scorer (a Ray actor; on CPU here, num_gpus=0) behaves like the process pool."""
+def test_reward_pool_without_a_ray_cluster_is_refused(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from polyrl.errors import ConfigError
+    from polyrl.rewards.async_scorer import RayRewardScorer
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already up in this process (another test file left it running)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # no cluster to join: a local Ray would hand out the trainer's GPUs
+    with pytest.raises(ConfigError, match="needs a Ray cluster that knows them"):
+        RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster (2 CPUs, no GPUs) for the module's Ray tests: each start costs seconds."""
     ray = pytest.importorskip("ray")
     from polyrl.distributed.ray_cluster import init_ray
+
+    started_here = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    yield ray
+    if started_here:
+        ray.shutdown()
+
+
+def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path, local_ray):
+    """The reward resource pool's scorer (a Ray actor; on CPU here, num_gpus=0) behaves like the process pool."""
     from polyrl.rewards.async_scorer import RayRewardScorer
 
     f = tmp_path / "slow_reward.py"
     f.write_text(SLOW)
-    started_here = not ray.is_initialized()
-    init_ray(num_cpus=2)
     scorer = RayRewardScorer(image_rewards.build_reward, ({}, str(f), "score"), num_gpus=0)
     try:
         for i in (1, 0, 2):  # submitted out of order
@@ -64,29 +86,14 @@ def test_ray_reward_scorer_keeps_order_and_reports_errors(tmp_path):
             scorer.collect(1)
     finally:
         scorer.close()
-        if started_here:
-            ray.shutdown()
 
 
-def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused(monkeypatch):
-    ray = pytest.importorskip("ray")
-    from polyrl.distributed.ray_cluster import init_ray
+def test_reward_pool_without_gpus_in_the_ray_cluster_is_refused(local_ray):
     from polyrl.errors import ConfigError
     from polyrl.rewards.async_scorer import RayRewardScorer
 
-    if not ray.is_initialized():  # no cluster to join: a local Ray would hand out the trainer's GPUs
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        with pytest.raises(ConfigError, match="needs a Ray cluster that knows them"):
-            RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
-        assert not ray.is_initialized()
-    started_here = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    try:
-        with pytest.raises(ConfigError, match="n_gpus_per_node asks the Ray reward actor for 1 GPU"):
-            RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
-    finally:
-        if started_here:
-            ray.shutdown()
+    with pytest.raises(ConfigError, match="n_gpus_per_node asks the Ray reward actor for 1 GPU"):
+        RayRewardScorer(image_rewards.build_reward, ({}, None, "score"), num_gpus=1)
 
 
 PID = """
