@@ -345,7 +345,7 @@ def test_pipeline_keys_are_refused_when_they_cannot_apply():
                           "data.max_response_length=64", "async_training.partial_rollout_max_new_tokens=65"],
                          "partial_rollout_max_new_tokens=65"),
                         (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2",
-                          "async_training.partial_rollout=True"], "one one-process replica"),
+                          "async_training.partial_rollout=True"], "with one replica"),
                         (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
                          "lora_rank=0")]:
         with pytest.raises(ConfigError, match=words):

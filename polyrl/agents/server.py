@@ -3,8 +3,11 @@ together are sampled together.
 
 `generate(request_id, prompt_ids, ...)` parks the request; a pump batches the parked requests into one
 `engine.generate` call (in one engine thread, so tools keep running meanwhile) once every live trajectory is waiting
-for the engine, or `coalesce_s` after the first one arrived (trajectories whose tools are slow do not hold the others
-back: they join a later call). A request's KV cache is kept between its turns (`SamplingParams.keep_cache`, the
+for the engine, or a window after the first one arrived (trajectories whose tools are slow do not hold the others
+back: they join a later call). The window is `coalesce_s` or a quarter of the last engine call, whichever is longer:
+a turn left out costs a call of its own, which at decode sizes takes nearly as long as the full batch, so waiting a
+fraction of a call for a straggling tool is cheaper; and a window long against scheduling noise keeps a call's rows,
+hence its samples, the same from run to run (rows go in the trajectories' order; a seed then fixes the rollout). A request's KV cache is kept between its turns (`SamplingParams.keep_cache`, the
 native engine's `KeptRow`), so a turn prefills only the tokens that are new since the last one: the tool turn, plus
 the last sampled token whose K/V was not written yet. `stats['prefill_tokens_saved']` counts the rest. Fresh requests
 that share a prompt (the GRPO group of the first turn) go in as one prompt with n samples, so the prompt is prefilled
@@ -42,6 +45,8 @@ class _Request:
 
 
 class EngineServer:
+    WAIT_FRACTION = 0.25  # of the last engine call: the longest a ready turn waits for others (module docstring)
+
     def __init__(self, engine, sampling: SamplingParams, weight_version: int = 0, coalesce_s: float = 0.02,
                  budget: int | None = None):
         self.engine, self.sampling, self.weight_version, self.coalesce_s = engine, sampling, weight_version, coalesce_s
@@ -50,22 +55,26 @@ class EngineServer:
         self.parked: list[_Request] = []  # turns waiting for the next phase
         self.pending: list[_Request] = []
         self.handles: dict[str, object] = {}  # request id -> the engine's kept cache of its last turn
+        self.order: dict[str, int] = {}  # request id -> when it first asked: a call's rows go in this order
         self.released: list = []
         self.num_live = 0  # trajectories still running (set by the runner)
         self.stats = {"prefill_tokens_saved": 0, "prefill_tokens": 0, "num_generate_calls": 0, "engine_s": 0.0,
                       "turns_continued": 0}
+        self.last_call_s = 0.0  # the last engine call's seconds (the coalescing window, module docstring)
         self._wake: asyncio.Event | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="polyrl-engine")
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict | None = None,
                        max_new_tokens: int | None = None, **_) -> TokenOutput:
         fut = asyncio.get_running_loop().create_future()
+        self.order.setdefault(request_id, len(self.order))
         self.pending.append(_Request(request_id, list(prompt_ids), max_new_tokens or self.sampling.max_new_tokens, fut))
         self._kick()
         return await fut
 
     def finish(self, request_id: str) -> None:
         """A trajectory ended: its kept cache is let go before the next engine call."""
+        self.order.pop(request_id, None)
         h = self.handles.pop(request_id, None)
         if h is not None:
             self.released.append(h)
@@ -92,14 +101,16 @@ class EngineServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            deadline = loop.time() + self.coalesce_s
+            deadline = loop.time() + max(self.coalesce_s, self.WAIT_FRACTION * self.last_call_s)
             while len(self.pending) < self.num_live - len(self.parked) and loop.time() < deadline:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
-            batch, self.pending = self.pending, []
+            # rows in the trajectories' own order, not in the order their tools happened to finish: the engine's
+            # random stream is dealt to rows by position, so a call's samples then depend on its rows alone
+            batch, self.pending = sorted(self.pending, key=lambda r: self.order[r.request_id]), []
             try:
                 outs = await loop.run_in_executor(self._thread, self._generate, batch)
             except Exception as e:  # an engine failure ends every waiting trajectory with it (the trainer sees it)
@@ -149,7 +160,8 @@ class EngineServer:
         prompts = prompts[::n]
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, sp)
-        self.stats["engine_s"] += time.perf_counter() - t0
+        self.last_call_s = time.perf_counter() - t0
+        self.stats["engine_s"] += self.last_call_s
         self.stats["num_generate_calls"] += 1
         stats = getattr(self.engine, "stats", {})
         self.stats["prefill_tokens_saved"] += int(stats.get("prefill_tokens_saved", 0))

@@ -45,12 +45,16 @@ def under_torchrun() -> bool:
 
 
 def exit_child(code: int) -> None:
-    """The end of a torchrun child whose work is done (its files written, its process group torn down): exit without
-    interpreter finalization, where gloo's worker threads can still abort the process (SIGABRT, "terminate called
-    without an active exception", pytorch/pytorch#179291; seen in CI after complete runs), which torchrun then
-    reports as a failed job. Not a torchrun child: an ordinary exit."""
+    """The end of a torchrun child whose work is done (its files written, its process group torn down): the exit
+    handlers run (they stop the processes this one started, such as a reward worker, and flush loggers), then the
+    process exits without interpreter finalization, where gloo's worker threads can still abort it (SIGABRT,
+    "terminate called without an active exception", pytorch/pytorch#179291; seen in CI after complete runs), which
+    torchrun then reports as a failed job. Not a torchrun child: an ordinary exit."""
+    import atexit
+
     if not under_torchrun():
         sys.exit(code)
+    atexit._run_exitfuncs()  # noqa: SLF001 (what a normal exit runs first; no public spelling)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
