@@ -218,18 +218,24 @@ def test_two_processes_match_one_and_checkpoint_loads_at_one(tiny_model_dir, syn
         torch.testing.assert_close(w3[k], w1[k], rtol=0, atol=5e-6)
 
 
+def _beside_one_process(model_dir, data_dir, tmp_path, steps: int, extra: list[str], one_steps: int | None = None):
+    """The 2-process job (this file under torchrun, in tmp_path/two) and, meanwhile, the same run in this process (in
+    tmp_path/one, `one_steps` steps, default the same): the step rows of one process and of two."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = torchrun_command(2, [__file__, *_args(model_dir, data_dir, two, steps, *extra)])
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _train(_args(model_dir, data_dir, one, one_steps or steps, *extra))
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-3000:]
+    return _steps(one), _steps(two)
+
+
 def test_two_processes_match_one_with_the_head_gradient_in_the_forward(tiny_model_dir, synth_data_dir, tmp_path):
     """The on-policy single pass (one mini-batch, no KL loss: the LM head's backward runs in its forward) under FSDP2
     on 2 processes gives one process's step."""
     extra = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=False"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
-    two, one = tmp_path / "two", tmp_path / "one"
-    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 1, *extra)])
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _train(_args(tiny_model_dir, synth_data_dir, one, 1, *extra))
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-3000:]
-    (a,), (b,) = _steps(one), _steps(two)
+    (a,), (b,) = _beside_one_process(tiny_model_dir, synth_data_dir, tmp_path, 1, extra)
     assert a["training/old_log_prob_source_current"] == b["training/old_log_prob_source_current"] == 1.0
     assert a["critic/score/mean"] == b["critic/score/mean"]
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
@@ -254,14 +260,7 @@ def test_two_processes_match_one_with_a_critic_and_the_checkpoint_resumes_in_one
     does."""
     extra = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.ppo_micro_batch_size_per_gpu=2",
              "actor_rollout_ref.actor.use_kl_loss=False", _varied_reward(tmp_path, 3)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
-    two, one = tmp_path / "two", tmp_path / "one"
-    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 2, *extra)])
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _train(_args(tiny_model_dir, synth_data_dir, one, 3, *extra))
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-3000:]
-    ref, got = _steps(one), _steps(two)
+    ref, got = _beside_one_process(tiny_model_dir, synth_data_dir, tmp_path, 2, extra, one_steps=3)
     assert [r["step"] for r in got] == [1, 2]
     assert ref[1]["critic/vf_loss"] != ref[0]["critic/vf_loss"]  # the critic trained: matching it means something
     for a, b in zip(ref[:2], got):
@@ -271,7 +270,7 @@ def test_two_processes_match_one_with_a_critic_and_the_checkpoint_resumes_in_one
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     resumed = tmp_path / "resumed"  # the 2-process checkpoint of step 2, resumed by one process for step 3
     _train(_args(tiny_model_dir, synth_data_dir, resumed, 3, *extra, "trainer.resume_mode=resume_path",
-                 f"trainer.resume_from_path={two / 'ckpt' / 'global_step_2'}"))
+                 f"trainer.resume_from_path={tmp_path / 'two' / 'ckpt' / 'global_step_2'}"))
     r3, ref3 = _steps(resumed)[-1], ref[2]
     assert r3["step"] == 3
     for key in ("critic/vf_loss", "critic/values/mean", "actor/pg_loss"):  # the critic's weights and Adam came back
@@ -285,14 +284,7 @@ def test_two_processes_match_one_with_dapo_dynamic_sampling(tiny_model_dir, synt
     extra = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=20",
              "data.gen_batch_size=8", _varied_reward(tmp_path, 7), "actor_rollout_ref.rollout.n=3",
              "actor_rollout_ref.rollout.temperature=1.5", "actor_rollout_ref.actor.use_kl_loss=False"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
-    two, one = tmp_path / "two", tmp_path / "one"
-    cmd = torchrun_command(2, [__file__, *_args(tiny_model_dir, synth_data_dir, two, 2, *extra)])
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _train(_args(tiny_model_dir, synth_data_dir, one, 2, *extra))
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-3000:]
-    ref, got = _steps(one), _steps(two)
+    ref, got = _beside_one_process(tiny_model_dir, synth_data_dir, tmp_path, 2, extra)
     assert [r["step"] for r in got] == [1, 2]
     assert max(r["train/num_gen_batches"] for r in got) >= 2  # a step drew again: the job-wide count decided it
     for a, b in zip(ref, got):
@@ -313,19 +305,12 @@ def test_two_processes_match_one_on_a_moe_with_rollout_routing_replay(synth_data
                            intermediate=64, max_position_embeddings=128)
     extra = ["actor_rollout_ref.actor.router_replay.mode=R3",
              "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
-    two, one = tmp_path / "two", tmp_path / "one"
-    cmd = torchrun_command(2, [__file__, *_args(moe, synth_data_dir, two, 1, *extra)])
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _train(_args(moe, synth_data_dir, one, 1, *extra))
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-3000:]
-    (a,), (b,) = _steps(one), _steps(two)
+    (a,), (b,) = _beside_one_process(moe, synth_data_dir, tmp_path, 1, extra)
     assert a["critic/score/mean"] == b["critic/score/mean"]
     assert a["actor/router_agreement"] > 0.95 and abs(a["actor/router_agreement"] - b["actor/router_agreement"]) < 1e-6
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
-    w1, w2 = _weights(one / "ckpt" / "global_step_1"), _weights(two / "ckpt" / "global_step_1")
+    w1, w2 = (_weights(tmp_path / run / "ckpt" / "global_step_1") for run in ("one", "two"))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=5e-6)
 
