@@ -1,6 +1,11 @@
 """Actor update throughput and MFU on one GPU: polyrl's engine vs plain HF, Qwen2.5-1.5B shape, ~2k-token sequences.
 
     PYTHONPATH=. python benchmarks/train_step.py --rows-out history
+    PYTHONPATH=. python benchmarks/train_step.py --shape 30b-a3b --layers 4 --variants compiled,compiled_hfexperts --profile
+
+`--shape 30b-a3b` is Qwen3-30B-A3B's shape cut to `--layers` layers (issue 47's training MFU on the active
+parameters); the `_hfexperts` suffix keeps transformers' own experts forward instead of polyrl's
+(models/moe.grouped_experts), to show what that forward costs.
 
 Work per optimizer step (the same for every variant): 16 sequences of 128 prompt + 1536..1920 response tokens (random
 ids, random advantages), one PPO mini-batch, AdamW on fp32 master weights, bf16 autocast compute.
@@ -88,11 +93,14 @@ def timed(fn, warmup: int, steps: int) -> list[float]:
 
 
 def run_polyrl(cfg, batch, *, grad_ckpt, max_token_len, compile_layers, warmup, steps, profile=None,
-               fused_head=True, offload=False):
+               fused_head=True, offload=False, hf_experts=False):
     model = build_model(cfg, grad_ckpt=grad_ckpt)
     opt, sched = optimizer_for(model.parameters())
     fwd = ForwardSettings(compile_layers=compile_layers, fused_head=fused_head, activation_offload=offload)
     actor = Actor(model, opt, sched, fwd=fwd)
+    for mod in model.modules() if hf_experts else ():  # undo models/moe.grouped_experts (compile traces lazily)
+        if "_hf_forward" in vars(mod):
+            mod.forward = mod._hf_forward
     s = settings(batch["responses"].shape[0], max_token_len)
     torch.cuda.reset_peak_memory_stats()
     t_compile = time.perf_counter()
@@ -202,10 +210,17 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variants", default="packed,packed_ckpt,hf,compiled",
                     help="comma list: hf, or packed/compiled plus any of _ckpt, _offload, _unfused")
+    ap.add_argument("--shape", choices=["qwen2.5-1.5b", "30b-a3b"], default="qwen2.5-1.5b")
+    ap.add_argument("--layers", type=int, default=4, help="30b-a3b: keep the first N of its 48 layers")
     ap.add_argument("--rows-out", default=None)
     ap.add_argument("--profile", action="store_true", help="print GPU time by kernel family per variant")
     args = ap.parse_args(argv)
-    cfg = qwen25_1_5b()
+    if args.shape == "30b-a3b":
+        from moe_step import qwen3_30b_a3b
+
+        cfg = qwen3_30b_a3b(layers=args.layers, use_cache=False)
+    else:
+        cfg = qwen25_1_5b()
     batch = make_batch(args.num_seqs, args.prompt_len, args.resp_min, args.resp_max, cfg.vocab_size)
     lengths = batch["attention_mask"].sum(1).tolist()
     tokens = sum(lengths)
@@ -226,6 +241,7 @@ def main(argv=None):
                                                      compile_layers="compiled" in v, warmup=args.warmup,
                                                      steps=args.steps,
                                                      fused_head="unfused" not in v, offload="offload" in v,
+                                                     hf_experts="hfexperts" in v,
                                                      profile=v if args.profile else None)
                 extra = f"warmup+compile {first:.1f}s; update's own perf/mfu/actor {last.get('perf/mfu/actor', 0):.1%}"
         except Exception as e:  # one variant failing (OOM, compile) must not lose the others
@@ -246,22 +262,28 @@ def main(argv=None):
     print("\n| variant | tok/s | MFU | peak GiB |\n|---|---|---|---|")
     for v, (tps, m, gb) in results.items():
         print(f"| {v} | {tps:.0f} | {m:.1%} | {gb:.1f} |")
-    if args.rows_out and "packed" in results:
+    ours = [k for k in results if k != "hf" and "hfexperts" not in k]
+    if args.rows_out and ours:
         from _record import append_row
 
-        best = max((k for k in results if k != "hf"), key=lambda k: results[k][0])
+        best = max(ours, key=lambda k: results[k][0])
         tps, m, _ = results[best]
-        shape = (f"Qwen2.5-1.5B shape, {args.num_seqs}x({args.prompt_len}+{args.resp_min}-{args.resp_max}) tok, "
+        moe = args.shape == "30b-a3b"
+        name = f"Qwen3-30B-A3B shape cut to {args.layers} of 48 layers, MFU on active parameters" if moe else \
+            "Qwen2.5-1.5B shape"
+        shape = (f"{name}, {args.num_seqs}x({args.prompt_len}+{args.resp_min}-{args.resp_max}) tok, "
                  f"actor update ({best}), bf16 autocast/fp32 master")
-        hf = results.get("hf")
-        append_row(device, "train_step tok/s (MFU)", shape, f"{tps:.0f} ({m:.1%})",
-                   peer=f"plain HF padded+ckpt: {hf[0]:.0f} ({hf[1]:.1%})" if hf else "-",
+        peer_key = f"{best}_hfexperts" if moe else "hf"
+        peer = results.get(peer_key)
+        peer_name = "transformers' experts forward" if moe else "plain HF padded+ckpt"
+        append_row(device, "train_step 30b-a3b" if moe else "train_step tok/s (MFU)", shape, f"{tps:.0f} ({m:.1%})",
+                   peer=f"{peer_name}: {peer[0]:.0f} ({peer[1]:.1%})" if peer else "-",
                    limit=f"{tokens / (flops / peak):.0f} (100% of 989 TFLOP/s)",
-                   ratio_peer=f"{tps / hf[0]:.2f}x" if hf else "-", ratio_limit=f"{m:.1%}", path=args.rows_out)
-        append_row(device, "logprob+entropy peak mem", "16384 tok x 151936 vocab, fwd+bwd, bf16 autocast",
-                   f"chunked {mem['chunked'][0]:.2f} GiB", peer=f"naive fp32 logits: {mem['naive'][0]:.2f} GiB",
-                   ratio_peer=f"{mem['chunked'][0] / mem['naive'][0]:.2f}x", path=args.rows_out)
-
+                   ratio_peer=f"{tps / peer[0]:.2f}x" if peer else "-", ratio_limit=f"{m:.1%}", path=args.rows_out)
+        if not moe:
+            append_row(device, "logprob+entropy peak mem", "16384 tok x 151936 vocab, fwd+bwd, bf16 autocast",
+                       f"chunked {mem['chunked'][0]:.2f} GiB", peer=f"naive fp32 logits: {mem['naive'][0]:.2f} GiB",
+                       ratio_peer=f"{mem['chunked'][0] / mem['naive'][0]:.2f}x", path=args.rows_out)
 
 if __name__ == "__main__":
     main()

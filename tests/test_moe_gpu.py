@@ -45,3 +45,23 @@ def test_grouped_mm_matches_eager_experts_and_replay_is_exact_packed():
     model.config._experts_implementation = "grouped_mm"
     again = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=8, fwd=fwd)  # another micro-batch split
     assert (again - logp)[mask].abs().max() < 5e-2
+
+
+def test_compiled_layers_over_fp32_masters_run_bf16_grouped_gemms():
+    """The trainer's case: fp32 master weights, compiled decoder layers, bf16 autocast. HF's own experts forward
+    falls back to a per-expert fp32 loop there; polyrl's (models/moe.grouped_experts) runs `_grouped_mm` in bf16."""
+    from polyrl.learner.actor import compile_decoder_layers
+    from polyrl.models.moe import grouped_experts
+
+    model = _moe()
+    batch = _batch()
+    fwd = ForwardSettings(routing=MoERouting(model))
+    want = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=8, fwd=fwd)  # HF's, eager
+    assert grouped_experts(model) == 2
+    compile_decoder_layers(model)
+    with torch.profiler.profile() as prof:
+        got = compute_logprobs(model, batch, temperature=1.0, micro_batch_size=8, fwd=fwd)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_grouped_mm" in ops and not any("fallback" in k for k in ops), sorted(ops)
+    mask = batch["response_mask"].bool()
+    assert (want - got)[mask].abs().max() < 5e-2

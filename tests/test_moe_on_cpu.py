@@ -330,3 +330,29 @@ def test_lora_target_parameters_list_is_kept_under_all_linear():
     assert not any(".experts." in n for n in empty)
     assert {n for n in unset if ".experts." not in n} == set(empty)  # attention and routers keep theirs
     assert any(".gate." in n for n in empty) and any("q_proj" in n for n in empty)
+
+
+def test_grouped_experts_run_bf16_grouped_gemms_compiled_over_fp32_masters():
+    """Under torch.compile with fp32 weights, HF's grouped_mm experts fall back to a Python loop of per-expert fp32
+    matmuls (the MoE update's 4% MFU on GPUs). polyrl's experts forward runs `_grouped_mm` in the autocast dtype,
+    matches HF's numbers, trains the fp32 masters, and leaves fp32 forwards (no autocast) to HF's own code."""
+    from polyrl.models.moe import grouped_experts
+
+    hf, ours = _moe(), _moe()
+    assert grouped_experts(ours) == 2 and grouped_experts(ours) == 0  # once per module
+    ids = torch.randint(4, 90, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, ours(ids).logits)  # fp32, no autocast: HF's forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = hf(ids).logits.float(), ours(ids).logits.float()
+    assert (want - got).abs().max() < 2e-2 * want.abs().max()
+    got.square().mean().backward()
+    grad = ours.model.layers[0].mlp.experts.gate_up_proj.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+    experts = copy.deepcopy(ours).model.layers[1].mlp.experts  # a deep copy keeps the forward, bound to itself
+    x, top, w = torch.randn(10, 32), torch.randint(0, 8, (10, 2)), torch.rand(10, 2)
+    with torch.profiler.profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(experts, dynamic=True)(x, top, w).float().sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_grouped_mm" in ops and not any("fallback" in k for k in ops)

@@ -27,7 +27,7 @@ from polyrl.learner.dynamic_batch import balanced_micro_batches, shared_prompt_i
 from polyrl.learner.flops import peak_flops, training_flops
 from polyrl.learner.fused_head import fused_logprobs, fused_logprobs_grad_in_forward
 from polyrl.learner.logprobs import chunked_logprobs
-from polyrl.models.moe import MoERouting, find_routers
+from polyrl.models.moe import MoERouting, find_routers, grouped_experts
 from polyrl.learner.packing import attention_kwargs, pack, packed_attention, prompt_groups, trunk_work, unpack
 from polyrl.utils.device import DTYPES
 from polyrl.utils.oom_hook import oom_point
@@ -385,6 +385,7 @@ class Actor:
             self.fwd = dataclasses.replace(self.fwd, sp=dp.sp)
         if self.fwd.routing is None and find_routers(model):  # MoE: router hooks for replay and the aux loss
             self.fwd = dataclasses.replace(self.fwd, routing=MoERouting(model))
+            grouped_experts(model)  # as load_policy does (a no-op there): for a model built another way
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mini_batches_applied = 0  # of the current update: where an out-of-memory retry resumes
         if self.fwd.compile_layers:

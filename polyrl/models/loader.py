@@ -17,6 +17,7 @@ import torch
 from polyrl.errors import ConfigError
 from polyrl.models.config import ModelConfig
 from polyrl.models.gguf import find_gguf, load_gguf_causal_lm, load_gguf_tokenizer
+from polyrl.models.moe import grouped_experts
 from polyrl.utils.device import DTYPES, to_dtype
 
 def _check_dir(path: str | None, key: str) -> Path:
@@ -100,6 +101,7 @@ def load_policy(model_cfg: ModelConfig, *, device: torch.device, key: str = "act
     dtype = to_dtype(model_cfg.dtype, "actor_rollout_ref.model.dtype")
     model = load_causal_lm(model_cfg.path, dtype=dtype, key=key, trust_remote_code=model_cfg.trust_remote_code,
                            override_config=model_cfg.override_config, external_lib=model_cfg.external_lib)
+    grouped_experts(model)  # MoE: bf16 grouped GEMMs over fp32 master weights, compiled or not (models/moe.py)
     if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -23,6 +23,7 @@ must route exactly as in the forward (a recorded layer is overwritten with the s
 from __future__ import annotations
 
 import sys
+import types
 from contextlib import contextmanager
 
 import torch
@@ -180,6 +181,52 @@ class MoERouting:
         if getattr(module, "norm_topk_prob", False):
             gate = gate / gate.sum(dim=-1, keepdim=True)
         return logits, gate.to(weights.dtype), chosen
+
+
+# ------------------------------------------------------------------------------------------- training experts
+def _grouped_experts_forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
+    """An HF experts module's forward as two `torch._grouped_mm` calls in the compute dtype: the expert weights are
+    cast the way autocast casts a Linear's (the cast is differentiable, so fp32 master weights get their gradients).
+    HF's own `grouped_mm` forward runs a Python loop of per-expert fp32 matmuls instead whenever the weights are not
+    bf16 under torch.compile (transformers' `_can_use_grouped_mm`): the trainer's fp32 master weights with compiled
+    decoder layers, i.e. every planned GPU update. Other dtypes (fp32 on CPU) keep HF's forward."""
+    kind = hidden_TD.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.gate_up_proj.dtype
+    if dtype != torch.bfloat16:
+        return self._hf_forward(hidden_TD, ids_TK, weights_TK)
+    T, K = ids_TK.shape
+    expert_S, order_S = torch.sort(ids_TK.reshape(-1))
+    offs_E = torch.searchsorted(expert_S, torch.arange(self.num_experts, device=expert_S.device), right=True,
+                                out_int32=True)  # cumulative rows through each expert
+    x_SD = hidden_TD[order_S // K].to(dtype)
+    gate_up_SN = torch._grouped_mm(x_SD, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs_E)
+    gate, up = gate_up_SN.chunk(2, dim=-1)
+    y_SD = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs_E)
+    y_SD = y_SD * weights_TK.reshape(-1)[order_S, None].to(dtype)
+    out_SD = torch.empty_like(y_SD).index_copy(0, order_S, y_SD)  # back to (token, k) order: a permutation
+    return out_SD.view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+
+
+def grouped_experts(model) -> int:
+    """Give every routed-experts module of `model` `_grouped_experts_forward` (applied per instance, from outside the
+    model code; deep copies keep it). Modules in a layout it does not cover (transposed, biased, ungated, a post
+    norm, expert-parallel) keep HF's. Returns how many modules changed."""
+    changed = 0
+    for mod in model.modules():
+        gate_up, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+                and hasattr(mod, "num_experts") and hasattr(mod, "act_fn")):
+            continue
+        E, two_i, D = gate_up.shape
+        if (down.shape != (E, D, two_i // 2) or getattr(mod, "is_transposed", False) or getattr(mod, "has_bias", False)
+                or not getattr(mod, "has_gate", True) or not getattr(mod, "is_concatenated", True)
+                or getattr(mod, "has_post_expert_norm", False) or getattr(mod, "_is_expert_parallel", False)
+                or "_hf_forward" in vars(mod)):
+            continue
+        mod._hf_forward = mod.forward
+        mod.forward = types.MethodType(_grouped_experts_forward, mod)
+        changed += 1
+    return changed
 
 
 # ---------------------------------------------------------------------------------------------- parameter counts

