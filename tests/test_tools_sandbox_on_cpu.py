@@ -10,7 +10,7 @@ import time
 import pytest
 
 from polyrl.tools.python_tool import PythonTool
-from polyrl.tools.sandbox import NOBODY, SandboxLimits, isolation, run_python
+from polyrl.tools.sandbox import NOBODY, SandboxLimits, close_warm, isolation, run_python
 
 FAST = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, max_procs=16)
 needs_bwrap = pytest.mark.skipif(isolation() != "bwrap", reason="bubblewrap is not usable here")
@@ -27,52 +27,59 @@ def _sandbox_processes() -> list[str]:
 @pytest.fixture(autouse=True)
 def nothing_left_running():
     yield
+    close_warm()  # the pool's idle warm sandboxes are meant to outlive their calls; anything else is not
     time.sleep(0.2)
     assert _sandbox_processes() == [], "a sandboxed process outlived its run"
 
 
-def test_plain_code_runs_and_prints():
-    res = run_python("print(sum(i * i for i in range(10)))", FAST)
+@pytest.fixture(params=[False, True], ids=["cold", "warm"])
+def run(request):
+    """run_python in a fresh sandbox, or in a child of a warm one (the Python tool's default)."""
+    return lambda code, limits: run_python(code, limits, warm=request.param)
+
+
+def test_plain_code_runs_and_prints(run):
+    res = run("print(sum(i * i for i in range(10)))", FAST)
     assert (res.status, res.stdout.strip()) == ("ok", "285")
 
 
 @needs_bwrap
-def test_write_outside_workdir_is_refused_and_workdir_is_thrown_away(tmp_path):
+def test_write_outside_workdir_is_refused_and_workdir_is_thrown_away(run, tmp_path):
     target = tmp_path / "escaped.txt"
-    res = run_python(f"open('local.txt', 'w').write('ok')\nprint('local ok')\nopen({str(target)!r}, 'w').write('x')",
+    res = run(f"open('local.txt', 'w').write('ok')\nprint('local ok')\nopen({str(target)!r}, 'w').write('x')",
                      FAST)
     assert "local ok" in res.stdout and res.status == "error"
     assert "Read-only file system" in res.stderr or "No such file" in res.stderr
     assert not target.exists()
-    assert run_python("import os; print(os.path.exists('local.txt'))", FAST).stdout.strip() == "False"
+    assert run("import os; print(os.path.exists('local.txt'))", FAST).stdout.strip() == "False"
 
 
 @needs_bwrap
-def test_network_is_unreachable():
-    res = run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')", FAST)
+def test_network_is_unreachable(run):
+    res = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')", FAST)
     assert res.status == "error" and "connected" not in res.stdout
     assert "unreachable" in res.stderr.lower() or "errno" in res.stderr.lower()
 
 
-def test_fork_bomb_is_contained():
+def test_fork_bomb_is_contained(run):
     bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
     t0 = time.perf_counter()
-    res = run_python(bomb, SandboxLimits(wall_s=3, cpu_s=2, memory_mb=256, max_procs=16))
+    res = run(bomb, SandboxLimits(wall_s=3, cpu_s=2, memory_mb=256, max_procs=16))
     assert res.status in ("timeout", "killed") and time.perf_counter() - t0 < 10
 
 
-def test_infinite_loop_hits_the_cpu_limit():
-    res = run_python("while True:\n    pass", SandboxLimits(wall_s=10, cpu_s=1))  # wall: slack for a busy CPU
+def test_infinite_loop_hits_the_cpu_limit(run):
+    res = run("while True:\n    pass", SandboxLimits(wall_s=10, cpu_s=1))  # wall: slack for a busy CPU
     assert res.status == "killed" and "CPU" in res.as_text() and res.seconds < 10
 
 
-def test_sleeping_code_hits_the_wall_clock():
-    res = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.5, cpu_s=2))
+def test_sleeping_code_hits_the_wall_clock(run):
+    res = run("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.5, cpu_s=2))
     assert res.status == "timeout" and res.seconds < 5 and "time limit" in res.as_text()
 
 
-def test_memory_hog_gets_memory_error():
-    res = run_python("x = bytearray(1 << 30)\nprint('allocated')", FAST)
+def test_memory_hog_gets_memory_error(run):
+    res = run("x = bytearray(1 << 30)\nprint('allocated')", FAST)
     assert res.status == "error" and "MemoryError" in res.as_text() and "allocated" not in res.stdout
 
 
@@ -95,3 +102,26 @@ def test_tool_reports_errors_and_runs_concurrently():
     assert [o[0] for o in out[:2]] == ["a", "b"] and "ZeroDivisionError" in out[2][0] and out[3][0] == "42"
     assert out[2][1]["error"] == 1 and out[3][1]["error"] == 0
     assert time.perf_counter() - t0 < 1.9  # the two one-second sleeps overlapped
+
+
+@pytest.mark.skipif(isolation() == "rlimit", reason="no warm form on the rlimit path")
+def test_warm_calls_share_nothing_and_a_daemon_is_swept_or_recycled():
+    """Calls of one warm sandbox: a module one call imported or changed, or a file it left, is not seen by the next;
+    a process that setsid()s away from its call is killed after it (bwrap's and unshare's pid namespace); a timed-out
+    call's server is replaced."""
+    lim = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, max_procs=16)
+    first = run_python("import fractions, os\nos.marked = 1\nopen('left.txt', 'w').write('x')\nprint(os.getpid())",
+                       lim, warm=True)
+    servers = len(_sandbox_processes())
+    second = run_python("import sys, os\nprint('fractions' in sys.modules, hasattr(os, 'marked'), "
+                        "os.path.exists('left.txt'), os.getpid())", lim, warm=True)
+    assert first.status == second.status == "ok"
+    *seen, pid = second.stdout.split()
+    assert seen == ["False"] * 3 and pid != first.stdout.strip()  # a new child each call
+    if isolation() in ("bwrap", "unshare"):  # a pid namespace: the server sweeps it (unshare-net cannot)
+        daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\nprint('parent done')"
+        assert run_python(daemon, lim, warm=True).stdout.strip() == "parent done"
+        time.sleep(0.2)
+        assert len(_sandbox_processes()) == servers, _sandbox_processes()
+    slow = run_python("import time\ntime.sleep(30)", SandboxLimits(wall_s=1), warm=True)
+    assert slow.status == "timeout" and run_python("print(6 * 7)", lim, warm=True).stdout.strip() == "42"
