@@ -126,7 +126,7 @@ def overrides(args, work: Path, model_dir: Path, tok_dir: Path, prompt_len: int 
                 f"trainer.n_gpus_per_node={trainers}", f"rollout.n_gpus_per_node={world - trainers}",
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"]
     else:
-        out += [f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '2'))}"]
+        out += [f"trainer.n_gpus_per_node={int(os.environ.get('WORLD_SIZE', '1'))}"]  # plain python: one process
     return out + hand_keys(args) + list(args.extra)
 
 
