@@ -22,9 +22,9 @@ layers) or `hf`.
 Printed per run (means over the timed steps, after `--warmup`):
 - tokens/s/GPU over the whole step (every prompt and response token of the batch / step time / GPUs), against NeMo
   RL v0.6's 1,102 on-policy and 1,414 one-step off-policy (32 H100s) and the issue's goals (2,200 / 2,800);
-- gen: seconds beside the decode-bytes limit of the drawn lengths (every decode step reads the GPU's whole bf16
-  weights, as all 128 experts are touched from ~64 rows, plus the KV cache of its live rows) at the measured copy
-  bandwidth;
+- gen: seconds beside the decode-bytes limit of the drawn lengths (every decode step reads the GPU's bf16 weights
+  but the input embedding, of the 128 experts the share its live rows route to: all from ~64 rows, fewer in the
+  tail, plus the KV cache of its live rows) at the measured copy bandwidth;
 - update_actor (and old_log_prob where it runs) beside the training-FLOPs limit at the active parameters (a token
   passes 8 of 128 experts: 3.04B matmul weights, ~18.3 GFLOP a trained token plus attention; learner/flops.py) at
   989 TFLOP/s a GPU, and the MFU on active parameters.
@@ -119,9 +119,12 @@ def bandwidth(device: str) -> float:
 
 
 def decode_limit_s(lengths: list[int], *, prompt: int, rows_per_gpu: int, weight_bytes: float, kv_per_token: int,
-                   bw: float) -> float:
+                   bw: float, expert_bytes: float = 0.0, experts: int = 1, top_k: int = 1) -> float:
     """Seconds one GPU needs at least to decode its share of `lengths` (contiguous rows, as data shards take them):
-    every decode step reads the whole weights and each live row's KV cache; the GPU with the longest work bounds."""
+    every decode step reads the dense weights (`weight_bytes`: all but the routed experts and the input embedding),
+    the experts its live rows route to (with n live rows, a share 1 - (1 - top_k/experts)^n of `expert_bytes`, routing
+    taken as uniform, as random weights route: all of them from ~64 rows, fewer in the tail where rows have finished)
+    and each live row's KV cache; the GPU with the longest work bounds."""
     if bw <= 0:
         return 0.0
     worst = 0.0
@@ -132,7 +135,8 @@ def decode_limit_s(lengths: list[int], *, prompt: int, rows_per_gpu: int, weight
         t = np.arange(steps)
         live = len(mine) - np.searchsorted(mine, t, side="right")
         kv_tokens = float(np.sum(live * (prompt + t)))
-        worst = max(worst, (steps * weight_bytes + kv_tokens * kv_per_token) / bw)
+        touched = float(np.sum(1.0 - (1.0 - top_k / experts) ** live))
+        worst = max(worst, (steps * weight_bytes + touched * expert_bytes + kv_tokens * kv_per_token) / bw)
     return worst
 
 
@@ -200,8 +204,12 @@ def main(argv=None) -> None:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     draws = NemoLengths.drawn[-len(timed):] if NemoLengths.drawn else []
     rows = args.prompts * args.n
+    expert_params = sum(np.prod(s) for s in _param_shapes(cfg, experts_only=True))
+    dense_params = total_params - expert_params - cfg.vocab_size * cfg.hidden_size  # the input embedding: a lookup
     gen_limit = float(np.mean([decode_limit_s(d, prompt=args.prompt, rows_per_gpu=max(1, len(d) // gen_gpus),
-                                              weight_bytes=2 * total_params, kv_per_token=kv_per_token, bw=bw)
+                                              weight_bytes=2 * dense_params, kv_per_token=kv_per_token, bw=bw,
+                                              expert_bytes=2 * expert_params, experts=cfg.num_experts,
+                                              top_k=cfg.num_experts_per_tok)
                                for d in draws])) if draws and bw else 0.0
     lens = [[args.prompt + x for x in d] for d in draws] or [[args.prompt + args.mean_len] * rows]
     flops = float(np.mean([training_flops(cfg, s, lm_head_tokens=sum(s) - args.prompt * len(s)) for s in lens]))
@@ -256,11 +264,12 @@ def main(argv=None) -> None:
                    path=args.rows_out)
 
 
-def _param_shapes(cfg):
+def _param_shapes(cfg, experts_only: bool = False):
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 
-        return [p.shape for p in AutoModelForCausalLM.from_config(cfg).parameters()]
+        return [p.shape for n, p in AutoModelForCausalLM.from_config(cfg).named_parameters()
+                if not experts_only or (".experts." in n and p.dim() == 3)]
 
 
 if __name__ == "__main__":

@@ -19,15 +19,16 @@ dumps; plus the wall-clock deadline (a sleeping or blocked process uses no CPU).
 `max_output_bytes`. At the end the process group is killed whatever happened, and the directory removed.
 
 A cold call (`warm=False`) starts a sandbox for itself and stops it after. Starting one costs a Python start and new
-namespaces: 25 ms on a 2-core CPU, about 0.3 s on the GPU machine, where a multi-turn step's tool calls then set its
-pace. **Warm** calls (the Python tool's default) take a running sandbox from a pool (one per concurrent caller) and
-give it back: the child still gets its own session, directory, limits and deadline, and nothing an earlier call
-imported or wrote (it is forked from a server that never runs user code). What calls of one warm sandbox share is
-its namespaces: on bwrap and unshare a pid namespace, where the server kills every other process after each call (on
-unshare the server is its pid 1 and reaps them too), so nothing outlives its call; on unshare-net a process that
-leaves its process group outlives its call, warm or cold. A sandbox is replaced after `WARM_CALLS` calls or a call
-that timed out, and when it dies or stops answering (that call then runs cold). The rlimit path runs cold only (its
-process-count limit would count the other sandboxes of the pool).
+namespaces: 25 ms on a 2-core CPU, 54 ms on the H100 machine (more with several at once), where a multi-turn step's
+tool calls then set its pace (10.3 s steps, 1.25 s with warm sandboxes: docs/tools.md). **Warm** calls (the Python
+tool's default) take a running sandbox from a pool (one per concurrent caller) and give it back: the child still gets
+its own session, directory, limits and deadline, and nothing an earlier call imported or wrote (it is forked from a
+server that never runs user code). What calls of one warm sandbox share is its namespaces: on bwrap and unshare a pid
+namespace, where the server kills every other process after each call (on unshare the server is its pid 1 and reaps
+them too), so nothing outlives its call; on unshare-net a process that leaves its process group outlives its call,
+warm or cold. A sandbox is replaced after `WARM_CALLS` calls or a call that timed out, and when it dies or stops
+answering (that call then runs cold). The rlimit path runs cold only (its process-count limit would count the other
+sandboxes of the pool).
 """
 
 from __future__ import annotations
