@@ -125,3 +125,24 @@ def test_warm_calls_share_nothing_and_a_daemon_is_swept_or_recycled():
         assert len(_sandbox_processes()) == servers, _sandbox_processes()
     slow = run_python("import time\ntime.sleep(30)", SandboxLimits(wall_s=1), warm=True)
     assert slow.status == "timeout" and run_python("print(6 * 7)", lim, warm=True).stdout.strip() == "42"
+
+
+@pytest.mark.skipif(isolation() == "rlimit", reason="no warm form on the rlimit path")
+def test_a_forked_process_neither_shares_nor_stops_its_parents_warm_sandboxes():
+    """A child forked after warm calls (a data-loader worker, say) gets sandboxes of its own; its exit handlers leave
+    the parent's running, and the parent's next call still works."""
+    lim = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, max_procs=16)
+    from polyrl.tools import sandbox
+
+    assert run_python("print(1)", lim, warm=True).stdout.strip() == "1"
+    server = sandbox._WARM.idle[0].proc
+    pid = os.fork()
+    if pid == 0:  # the child: exit handlers (the pool's close among them), its own warm call, exit handlers again
+        close_warm()
+        ok = run_python("print(2)", lim, warm=True).stdout.strip() == "2"
+        close_warm()
+        os._exit(0 if ok else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    time.sleep(0.2)
+    assert server.poll() is None and sandbox._WARM.idle[0].proc is server  # the parent's sandbox lives on
+    assert run_python("print(3)", lim, warm=True).stdout.strip() == "3"

@@ -308,9 +308,19 @@ class _WarmPool:
     def __init__(self):
         self.lock = threading.Lock()
         self.idle: list[_Sandbox] = []
+        self.pid = os.getpid()
         atexit.register(self.close)
 
+    def _forked(self) -> bool:
+        """In a child forked from the process that started the idle sandboxes: their pipes are the parent's, so the
+        child forgets them (it starts its own) and never stops them."""
+        if os.getpid() == self.pid:
+            return False
+        self.lock, self.idle, self.pid = threading.Lock(), [], os.getpid()
+        return True
+
     def run(self, path: str, code: str, limits: SandboxLimits) -> SandboxResult:
+        self._forked()
         with self.lock:
             box = next((b for b in self.idle if b.path == path), None)
             if box is not None:
@@ -331,6 +341,8 @@ class _WarmPool:
 
     def close(self) -> None:
         """Stop every idle sandbox (at exit, and in tests that count the sandbox's processes)."""
+        if self._forked():
+            return
         with self.lock:
             boxes, self.idle = self.idle, []
         for box in boxes:
