@@ -356,3 +356,26 @@ def test_grouped_experts_run_bf16_grouped_gemms_compiled_over_fp32_masters():
         torch.compile(experts, dynamic=True)(x, top, w).float().sum().backward()
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_grouped_mm" in ops and not any("fallback" in k for k in ops)
+
+
+def test_grouped_experts_carry_lora_on_the_expert_tensors():
+    """peft's LoRA on the experts (`target_parameters`) parametrizes `gate_up_proj` / `down_proj`; polyrl's experts
+    forward reads them the same way, so with equal adapters it matches transformers' forward and trains them."""
+    from polyrl.models.loader import apply_lora
+    from polyrl.models.moe import grouped_experts
+
+    hf, ours = _moe(), _moe()
+    grouped_experts(ours)
+    hf, ours = (apply_lora(m, rank=4, alpha=8, target_modules="all-linear") for m in (hf, ours))
+    g = torch.Generator().manual_seed(3)
+    for (name, a), (_, b) in zip(hf.named_parameters(), ours.named_parameters()):
+        if "lora_" in name:  # equal, non-zero adapters (lora_B starts at zero)
+            a.data.copy_(torch.randn(a.shape, generator=g) * 0.1)
+            b.data.copy_(a.data)
+    ids = torch.randint(4, 90, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = hf(ids).logits.float(), ours(ids).logits.float()
+    assert (want - got).abs().max() < 2e-2 * want.abs().max()
+    got.square().mean().backward()
+    grads = [p.grad for n, p in ours.named_parameters() if ".experts." in n and "lora_" in n]
+    assert len(grads) == 8 and all(gr is not None and gr.abs().sum() > 0 for gr in grads)
