@@ -193,8 +193,8 @@ def main(argv=None) -> int:
                f"prefill saved {saved:.0f} of {saved + prefilled:.0f} tokens, turns "
                f"{statistics.mean(m.get('num_turns/mean', 2) for m in steps):.2f}, tool calls/trajectory "
                f"{statistics.mean(m.get('tool_calls/mean', 0) for m in steps):.2f}, engine idle "
-               f"{100 * idle_share:.1f}% of the rollout, tool time (summed over calls) {100 * tool_share:.1f}% of "
-               "the step")
+               f"{100 * idle_share:.1f}% of the rollout, a trajectory's tool time (waits for a worker included) "
+               f"{100 * tool_share:.1f}% of the step")
     print(f"\n{device}: {summary}; rollout {gen_s:.1f} s in total; peer: tools_trl.py")
     print(json.dumps({"before": before, "after": after, "step_s": step_s,
                       "steps_s": [m["timing_s/step"] for m in steps],

@@ -138,7 +138,10 @@ class AgentRunner:
             "num_turns/min": float(min(turns)),
             "tool_calls/total": float(calls), "tool_calls/mean": calls / len(outs),
             "tool_calls/errors": float(sum(o.metrics.get("tool_errors", 0) for o in outs)),
-            "timing_s/tool_calls": float(sum(o.metrics.get("tool_s", 0.0) for o in outs)),
+            # a trajectory's seconds in tool calls (a free tool worker waited for included): the mean and the slowest,
+            # not a sum (trajectories' calls overlap; a sum read as a stage of the step was many times the step)
+            "timing_s/tool_calls": float(np.mean([o.metrics.get("tool_s", 0.0) for o in outs])),
+            "timing_s/tool_calls_max": float(max(o.metrics.get("tool_s", 0.0) for o in outs)),
             "agent/client_timeouts": float(sum(o.metrics.get("client_timeouts", 0) for o in outs)),  # openai_agent
             "rollout/prefill_tokens_saved": float(stats["prefill_tokens_saved"]),
             "rollout/prefill_tokens": float(stats["prefill_tokens"]),
