@@ -249,11 +249,11 @@ def agent_turns(m: Metrics, env: dict) -> "tuple[Figure, str] | str | None":
 
 def agent_prefill(m: Metrics, env: dict) -> "tuple[Figure, str] | str | None":
     """Multi-turn runs only: prompt tokens the kept KV caches spared from prefilling again, beside those prefilled,
-    and the seconds tools ran (summed over trajectories)."""
+    and a trajectory's seconds in tool calls (the mean over trajectories)."""
     if not m.has("rollout/prefill_tokens_saved"):
         return None
     return _lines(m, [("rollout/prefill_tokens_saved", "prefill tokens saved"),
-                      ("rollout/prefill_tokens", "prefill tokens"), ("timing_s/tool_calls", "tool seconds")], "")
+                      ("rollout/prefill_tokens", "prefill tokens"), ("timing_s/tool_calls", "tool seconds / trajectory")], "")
 
 
 PLOTS: list[Plot] = [
