@@ -146,3 +146,26 @@ def test_a_forked_process_neither_shares_nor_stops_its_parents_warm_sandboxes():
     time.sleep(0.2)
     assert server.poll() is None and sandbox._WARM.idle[0].proc is server  # the parent's sandbox lives on
     assert run_python("print(3)", lim, warm=True).stdout.strip() == "3"
+
+
+def test_the_server_without_pidfd_polls_and_keeps_the_deadline(tmp_path):
+    """Where os.pidfd_open is missing (macOS) the sandbox's server polls its child: output, exit codes and the
+    wall-clock deadline are the same. The server runs here unsandboxed, with pidfd_open removed."""
+    import json
+    import sys
+
+    from polyrl.tools import sandbox
+
+    server = subprocess.Popen([sys.executable, "-I", "-c", "import os\ndel os.pidfd_open\n" + sandbox._SERVER,
+                               str(tmp_path), "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    answers = []
+    for code, wall in (("print(6 * 7)", 5), ("import time\ntime.sleep(30)", 0.5), ("import sys\nsys.exit(4)", 5)):
+        request = {"code": code, "wall": wall, "cpu": 5, "mem": 512 << 20, "nproc": 256, "fsize": 1 << 24, "cut": 99}
+        server.stdin.write((json.dumps(request) + "\n").encode())
+        server.stdin.flush()
+        answers.append(json.loads(server.stdout.readline()))
+    server.stdin.close()
+    server.wait()
+    assert (answers[0]["stdout"], answers[0]["code"]) == ("42\n", 0)
+    assert answers[1]["status"] == "timeout" and answers[1]["seconds"] < 3
+    assert (answers[2]["status"], answers[2]["code"]) == ("ok", 4)

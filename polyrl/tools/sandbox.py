@@ -105,15 +105,28 @@ for line in requests:
     pid = os.fork()
     if pid == 0:
         child(q, d)
-    fd, status = os.pidfd_open(pid), "ok"
-    if not select.select([fd], [], [], q["wall"])[0]:
-        status = "timeout"
+    status, st = "ok", None
+    if hasattr(os, "pidfd_open"):  # Linux: sleep until the child exits or the deadline
+        fd = os.pidfd_open(pid)
+        if not select.select([fd], [], [], q["wall"])[0]:
+            status = "timeout"
+        os.close(fd)
+    else:  # elsewhere (macOS): poll
+        while st is None:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                st = code
+            elif time.monotonic() - t0 > q["wall"]:
+                status = "timeout"
+                break
+            else:
+                time.sleep(0.002)
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
-    st = os.waitpid(pid, 0)[1]
-    os.close(fd)
+    if st is None:
+        st = os.waitpid(pid, 0)[1]
     if sweep:
         sweep_others()
     seconds = time.monotonic() - t0
