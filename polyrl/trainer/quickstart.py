@@ -254,6 +254,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="extra polyrl train overrides, e.g. trainer.logger=[console,file]")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from polyrl.errors import UserError
+
+    if args.task == "tools" and (args.scale != "cpu" or args.arch != "llama" or args.fast):
+        flag = "--scale gpu" if args.scale != "cpu" else f"--arch {args.arch}" if args.arch != "llama" else "--fast"
+        raise UserError(f"polyrl quickstart --task tools has one recipe, the tiny CPU one (about a minute), so "
+                        f"{flag} does not apply; drop it.")
+    if args.no_tools and args.task != "tools":
+        raise UserError("--no-tools is the control of --task tools; add --task tools or drop --no-tools.")
     if args.task == "tools":
         from polyrl.trainer.quickstart_tools import run_tools_quickstart
 
@@ -265,8 +273,6 @@ def main(argv: list[str]) -> int:
     settings = None
     if args.scale == "gpu":
         if not torch.cuda.is_available():
-            from polyrl.errors import UserError
-
             raise UserError("polyrl quickstart --scale gpu needs a CUDA GPU and none is visible; drop --scale gpu.")
         settings = QuickstartSettings(**{**GPU_SCALE, **(FAST if args.fast else {}), "arch": args.arch})
     elif args.arch != "llama":
