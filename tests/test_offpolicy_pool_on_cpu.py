@@ -6,6 +6,7 @@ The model is a tiny Llama with 2 kv heads (so TP 2 splits it); a saved tiny Qwen
 tokenizer instead of the char one (polyrl/models/tiny.py). The native engine runs both on CPU.
 """
 
+import json
 import os
 import re
 import socket
@@ -65,12 +66,14 @@ def test_pool_keys_are_checked_and_launched():
     pool = off + ["trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2", "data.train_batch_size=4",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
     check_async(build_config(PPOConfig(), pool))
+    check_async(build_config(PPOConfig(), pool + ["data.val_files=x.parquet"]))  # the trainer ranks validate in step
     job = launch_job(build_config(PPOConfig(), pool))
     assert (job.nnodes, job.num_processes) == (1, 4)
     for extra, words in [(["algorithm.filter_groups.enable=True"], "filter_groups"),
                          (["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                            "rollout.n_gpus_per_node=4"], "fewer than the 4 rollout replicas"),
-                         (["data.val_files=x.parquet"], "validation"),
+                         (["data.val_files=x.parquet", "actor_rollout_ref.rollout.multi_turn.enable=True"],
+                          "multi-turn rollouts"),
                          (["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                            "algorithm.rollout_correction.rollout_is=token"], "bypass_mode=True"),
                          (["reward_model.launch_reward_fn_async=True"], "one trainer and one rollout process"),
@@ -259,3 +262,28 @@ def test_a_tensor_parallel_replica_serves_the_trainer_ranks(kv2_model_dir, synth
     for r in rows:
         assert r["async/weight_version/max"] == r["step"] - 1
         assert r["training/rollout_probs_diff_mean"] < 1e-5, r["training/rollout_probs_diff_mean"]
+
+
+def test_two_trainer_ranks_validate_on_their_shards_as_one_trainer_does(kv2_model_dir, synth_data_dir, tmp_path):
+    """`data.val_files` with 2 trainer ranks: each rank validates its share of the prompts on its FSDP2 shards, the
+    ranks decoding in step (rollout/hf.py `lockstep`), and the gathered metrics equal one trainer's, before training
+    and after a step. One prompt: rank 1 has none and decodes a stand-in row in step with rank 0 (without lockstep
+    the ranks' FSDP collectives part ways and gloo fails)."""
+    from polyrl.data.dataset import write_parquet
+    from polyrl.data.synthetic import make_rows
+
+    val = tmp_path / "val3.parquet"
+    write_parquet(make_rows("reverse", 1, seed=5, split="val"), val)
+
+    def run(out, trainers):
+        argv = _pool_args(kv2_model_dir, synth_data_dir, out, 1, trainers, 1, "async_training.max_trajectory_age_steps=0",
+                          f"data.val_files={val}", "trainer.val_before_train=True", "trainer.test_freq=1")
+        codes, log = _wait(_pool_job(argv, trainers + 1))
+        assert codes == [0] * (trainers + 1), log[-4000:]
+        rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k.startswith("val-")} for r in rows if any(k.startswith("val-") for k in r)]
+
+    one, two = run(tmp_path / "one", 1), run(tmp_path / "two", 2)
+    assert len(one) == len(two) == 2 and one[0] and set(one[0]) == set(two[0])
+    for a, b in zip(one, two):
+        assert all(abs(a[k] - b[k]) < 1e-6 for k in a), (a, b)

@@ -18,10 +18,15 @@ from polyrl.rollout.token_sampling import sample
 
 
 class HFRollout:
-    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 512, seed: int = 0):
+    """`lockstep(n)`: the max of `n` over the ranks whose model shares collectives (an FSDP2-sharded model: the
+    off-policy trainer's ranks validating). Every forward all-gathers the weights, so every rank must run as many:
+    all ranks decode until the last is done and run as many chunks, a rank out of rows a one-row stand-in."""
+
+    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 512, seed: int = 0, lockstep=None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        self.lockstep = lockstep
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -44,7 +49,10 @@ class HFRollout:
         try:
             if routing is not None:
                 stack.enter_context(routing.plan(record=True))
-            for start in range(0, len(rows), self.max_batch_size):
+            starts = list(range(0, len(rows), self.max_batch_size))
+            for _ in range(len(starts), self.lockstep(len(starts)) if self.lockstep else 0):
+                self._generate_chunk([[self.pad_token_id]], sampling, [1])  # lockstep: a stand-in, discarded
+            for start in starts:
                 chunk = rows[start:start + self.max_batch_size]
                 caps = limits[start:start + len(chunk)] if limits is not None else None
                 prompts = [prompt_ids[i] for i in chunk]
@@ -77,6 +85,8 @@ class HFRollout:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(list(sampling.stop_token_ids) or [-1], device=dev)
         max_new = max(caps) if caps else sampling.max_new_tokens
+        if self.lockstep:
+            max_new = self.lockstep(max_new)
         limit_B = torch.tensor(caps, device=dev) if caps else torch.full((B,), max_new, device=dev)
         tokens_BT = torch.full((B, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         logp_BT = torch.zeros((B, max_new), device=dev)
@@ -107,7 +117,8 @@ class HFRollout:
                 stopped_B |= hit_B
                 done_B |= hit_B
             done_B |= length_B >= limit_B
-            if bool(done_B.all()):  # one host sync per step: fine for the reference backend
+            live = int(not bool(done_B.all()))  # one host sync per step: fine for the reference backend
+            if (self.lockstep(live) if self.lockstep else live) == 0:
                 break
             cur_ids = tok_B[:, None]
             cur_pos = cur_pos[:, -1:] + 1

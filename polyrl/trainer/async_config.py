@@ -136,9 +136,12 @@ def check_placement(cfg) -> None:
     if roles.actor.ulysses_sequence_parallel_size > 1:
         raise ConfigError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size > 1 is not supported by {what} "
                           "yet; set it to 1.")
-    if place.num_trainers > 1 and cfg.data.val_files:
-        raise ConfigError(f"data.val_files: validation is not supported yet by {what} (the trainer ranks hold "
-                          "shards, not a model to generate with); remove data.val_files or use 1 trainer process.")
+    if place.num_trainers > 1 and cfg.data.val_files and (roles.rollout.multi_turn.enable or cfg.reward_model.enable):
+        # the trainer ranks validate on their FSDP2 shards in lockstep (rollout/hf.py): agent loops and a reward
+        # model make data-dependent numbers of forwards per rank
+        which = "multi-turn rollouts" if roles.rollout.multi_turn.enable else "a reward model"
+        raise ConfigError(f"data.val_files with {which} is not supported by {what} yet; remove data.val_files or use "
+                          "1 trainer process.")
     per_trainer = cfg.data.train_batch_size // place.num_trainers
     if per_trainer < place.num_replicas:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} gives each of the {place.num_trainers} "
