@@ -19,7 +19,7 @@ dumps; plus the wall-clock deadline (a sleeping or blocked process uses no CPU).
 `max_output_bytes`. At the end the process group is killed whatever happened, and the directory removed.
 
 A cold call (`warm=False`) starts a sandbox for itself and stops it after. Starting one costs a Python start and new
-namespaces: 25 ms on a 2-core CPU, 54 ms on the H100 machine (more with several at once), where a multi-turn step's
+namespaces: 37 ms on a 2-core CPU, 54-67 ms on the H100 machine (more with several at once), where a multi-turn step's
 tool calls then set its pace (10.3 s steps, 1.25 s with warm sandboxes: docs/tools.md). **Warm** calls (the Python
 tool's default) take a running sandbox from a pool (one per concurrent caller) and give it back: the child still gets
 its own session, directory, limits and deadline, and nothing an earlier call imported or wrote (it is forked from a
