@@ -67,7 +67,8 @@ def main() -> None:
         cold, warm = out[(False, args.callers)], out[(True, args.callers)]
         append_row(device, "probes/sandbox_calls.py Python-tool call cost",
                    f"sandbox path {path}; `{CODE}`; {args.calls} calls through {args.callers} threads (one multi-turn "
-                   f"step's tool calls); alone: cold {out[(False, 1)][0]:.1f} ms, warm {out[(True, 1)][0]:.1f} ms a call",
+                   f"step's tool calls); alone: cold {out[(False, 1)][0]:.1f} ms, warm {out[(True, 1)][0]:.1f} ms "
+                   "a call",
                    f"warm: {warm[0]:.1f} ms a call, {warm[1]:.0f} calls/s",
                    peer=f"cold: {cold[0]:.1f} ms a call, {cold[1]:.0f} calls/s",
                    ratio_peer=f"{warm[1] / cold[1]:.1f}x calls/s", path=args.rows_out)
