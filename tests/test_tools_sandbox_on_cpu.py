@@ -148,24 +148,40 @@ def test_a_forked_process_neither_shares_nor_stops_its_parents_warm_sandboxes():
     assert run_python("print(3)", lim, warm=True).stdout.strip() == "3"
 
 
-def test_the_server_without_pidfd_polls_and_keeps_the_deadline(tmp_path):
-    """Where os.pidfd_open is missing (macOS) the sandbox's server polls its child: output, exit codes and the
-    wall-clock deadline are the same. The server runs here unsandboxed, with pidfd_open removed."""
+def _serve(tmp_path, requests, prelude=""):
+    """The sandbox's server run here unsandboxed (`prelude` first): one answer per (code, wall, limit overrides)."""
     import json
     import sys
 
     from polyrl.tools import sandbox
 
-    server = subprocess.Popen([sys.executable, "-I", "-c", "import os\ndel os.pidfd_open\n" + sandbox._SERVER,
-                               str(tmp_path), "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    server = subprocess.Popen([sys.executable, "-I", "-c", prelude + sandbox._SERVER, str(tmp_path), "0"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     answers = []
-    for code, wall in (("print(6 * 7)", 5), ("import time\ntime.sleep(30)", 0.5), ("import sys\nsys.exit(4)", 5)):
-        request = {"code": code, "wall": wall, "cpu": 5, "mem": 512 << 20, "nproc": 256, "fsize": 1 << 24, "cut": 99}
+    for code, wall, extra in requests:
+        request = {"code": code, "wall": wall, "cpu": 5, "mem": 512 << 20, "nproc": 256, "fsize": 1 << 24, "cut": 99,
+                   **extra}
         server.stdin.write((json.dumps(request) + "\n").encode())
         server.stdin.flush()
         answers.append(json.loads(server.stdout.readline()))
     server.stdin.close()
     server.wait()
+    return answers
+
+
+def test_the_server_without_pidfd_polls_and_keeps_the_deadline(tmp_path):
+    """Where os.pidfd_open is missing (macOS) the sandbox's server polls its child: output, exit codes and the
+    wall-clock deadline are the same."""
+    answers = _serve(tmp_path, [("print(6 * 7)", 5, {}), ("import time\ntime.sleep(30)", 0.5, {}),
+                                ("import sys\nsys.exit(4)", 5, {})], prelude="import os\ndel os.pidfd_open\n")
     assert (answers[0]["stdout"], answers[0]["code"]) == ("42\n", 0)
     assert answers[1]["status"] == "timeout" and answers[1]["seconds"] < 3
     assert (answers[2]["status"], answers[2]["code"]) == ("ok", 4)
+
+
+def test_a_child_that_fails_before_the_code_runs_exits_and_the_server_goes_on(tmp_path):
+    """A forked child whose set-up raises (here a limit of the wrong type) is answered as exit 1 and the server
+    answers the next call."""
+    answers = _serve(tmp_path, [("print(1)", 5, {"nproc": "x"}), ("print(2)", 5, {})])
+    assert (answers[0]["code"], answers[0]["stdout"]) == (1, "")
+    assert (answers[1]["code"], answers[1]["stdout"]) == (0, "2\n")

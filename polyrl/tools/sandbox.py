@@ -104,7 +104,10 @@ for line in requests:
     answers.flush()
     pid = os.fork()
     if pid == 0:
-        child(q, d)
+        try:
+            child(q, d)
+        finally:  # a failure before the code ran ends the child here, with no teardown of the server's state
+            os._exit(1)
     status, st = "ok", None
     if hasattr(os, "pidfd_open"):  # Linux: sleep until the child exits or the deadline
         fd = os.pidfd_open(pid)
