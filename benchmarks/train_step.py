@@ -1,7 +1,8 @@
 """Actor update throughput and MFU on one GPU: polyrl's engine vs plain HF, Qwen2.5-1.5B shape, ~2k-token sequences.
 
     PYTHONPATH=. python benchmarks/train_step.py --rows-out history
-    PYTHONPATH=. python benchmarks/train_step.py --shape 30b-a3b --layers 4 --variants compiled,compiled_hfexperts --profile
+    PYTHONPATH=. python benchmarks/train_step.py --shape 30b-a3b --layers 4 --num-seqs 64 \
+        --variants compiled,compiled_hfexperts --profile
 
 `--shape 30b-a3b` is Qwen3-30B-A3B's shape cut to `--layers` layers (issue 47's training MFU on the active
 parameters); the `_hfexperts` suffix keeps transformers' own experts forward instead of polyrl's
@@ -258,8 +259,9 @@ def main(argv=None):
           f" {packing._VARLEN_BROKEN[:1]}", flush=True)
     mem = logprob_memory(cfg) if args.shape != "30b-a3b" else None  # the dense head's question; MoE: memory is full
     if mem:
-        print(f"log-prob+entropy fwd+bwd on 16384 tokens x {cfg.vocab_size} vocab: naive {mem['naive'][0]:.2f} GiB "
-              f"({mem['naive'][1] * 1e3:.0f} ms), chunked {mem['chunked'][0]:.2f} GiB ({mem['chunked'][1] * 1e3:.0f} ms)")
+        naive, chunked = mem["naive"], mem["chunked"]
+        print(f"log-prob+entropy fwd+bwd on 16384 tokens x {cfg.vocab_size} vocab: naive {naive[0]:.2f} GiB "
+              f"({naive[1] * 1e3:.0f} ms), chunked {chunked[0]:.2f} GiB ({chunked[1] * 1e3:.0f} ms)")
     print("\n| variant | tok/s | MFU | peak GiB |\n|---|---|---|---|")
     for v, (tps, m, gb) in results.items():
         print(f"| {v} | {tps:.0f} | {m:.1%} | {gb:.1f} |")

@@ -276,12 +276,14 @@ def test_two_trainer_ranks_validate_on_their_shards_as_one_trainer_does(kv2_mode
     write_parquet(make_rows("reverse", 1, seed=5, split="val"), val)
 
     def run(out, trainers):
-        argv = _pool_args(kv2_model_dir, synth_data_dir, out, 1, trainers, 1, "async_training.max_trajectory_age_steps=0",
-                          f"data.val_files={val}", "trainer.val_before_train=True", "trainer.test_freq=1")
+        argv = _pool_args(kv2_model_dir, synth_data_dir, out, 1, trainers, 1,
+                          "async_training.max_trajectory_age_steps=0", f"data.val_files={val}",
+                          "trainer.val_before_train=True", "trainer.test_freq=1")
         codes, log = _wait(_pool_job(argv, trainers + 1))
         assert codes == [0] * (trainers + 1), log[-4000:]
         rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if k.startswith("val-")} for r in rows if any(k.startswith("val-") for k in r)]
+        vals = [{k: v for k, v in r.items() if k.startswith("val-")} for r in rows]
+        return [v for v in vals if v]
 
     one, two = run(tmp_path / "one", 1), run(tmp_path / "two", 2)
     assert len(one) == len(two) == 2 and one[0] and set(one[0]) == set(two[0])

@@ -7,11 +7,12 @@ for the engine, or a window after the first one arrived (trajectories whose tool
 back: they join a later call). The window is `coalesce_s` or a quarter of the last engine call, whichever is longer:
 a turn left out costs a call of its own, which at decode sizes takes nearly as long as the full batch, so waiting a
 fraction of a call for a straggling tool is cheaper; and a window long against scheduling noise keeps a call's rows,
-hence its samples, the same from run to run (rows go in the trajectories' order; a seed then fixes the rollout). A request's KV cache is kept between its turns (`SamplingParams.keep_cache`, the
-native engine's `KeptRow`), so a turn prefills only the tokens that are new since the last one: the tool turn, plus
-the last sampled token whose K/V was not written yet. `stats['prefill_tokens_saved']` counts the rest. Fresh requests
-that share a prompt (the GRPO group of the first turn) go in as one prompt with n samples, so the prompt is prefilled
-once. Backends without kept caches (hf) re-prefill every turn; the tokens are the same.
+hence its samples, the same from run to run (rows go in the trajectories' order; a seed then fixes the rollout). A
+request's KV cache is kept between its turns (`SamplingParams.keep_cache`, the native engine's `KeptRow`), so a turn
+prefills only the tokens that are new since the last one: the tool turn, plus the last sampled token whose K/V was
+not written yet. `stats['prefill_tokens_saved']` counts the rest. Fresh requests that share a prompt (the GRPO group
+of the first turn) go in as one prompt with n samples, so the prompt is prefilled once. Backends without kept caches
+(hf) re-prefill every turn; the tokens are the same.
 
 Partial rollouts (`budget`, trainer/partial_rollout.py): a pump is one generation call of the off-policy rollout,
 in which each trajectory samples at most `budget` tokens. A turn that reaches the budget is parked unanswered, on its

@@ -253,7 +253,8 @@ def agent_prefill(m: Metrics, env: dict) -> "tuple[Figure, str] | str | None":
     if not m.has("rollout/prefill_tokens_saved"):
         return None
     return _lines(m, [("rollout/prefill_tokens_saved", "prefill tokens saved"),
-                      ("rollout/prefill_tokens", "prefill tokens"), ("timing_s/tool_calls", "tool seconds / trajectory")], "")
+                      ("rollout/prefill_tokens", "prefill tokens"),
+                      ("timing_s/tool_calls", "tool seconds / trajectory")], "")
 
 
 PLOTS: list[Plot] = [
