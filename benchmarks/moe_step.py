@@ -104,7 +104,7 @@ def setup(work: Path, args) -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
-    model.save_pretrained(work / "model")
+    model.save_pretrained(work / "model", max_shard_size="4GB")  # not one 50 GB shard (transformers 5) in host memory
     del model
     if args.device == "cuda":  # rank 0's GPU would keep its bf16 copy cached (and the planner's free memory short)
         torch.cuda.empty_cache()

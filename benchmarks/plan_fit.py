@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.errors import ConfigError
+from polyrl.rollout.config import RolloutConfig
+from polyrl.rollout.native.engine import shared_weight_bytes
 from polyrl.learner.memory import (GiB, HEADROOM, ModelShape, choose, choose_tp_size, copies_bytes,
                                    engine_weight_bytes, trainer_state_bytes, update_bytes_per_token)
 
@@ -86,7 +88,9 @@ def lora_policy(name: str, experts: bool = True):
                            target_parameters=None if experts else [])
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())
     adapter_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()  # peft: fp32 adapters
-    return ModelShape.of(model), loaded, adapter_bytes, config
+    # the frozen bf16 weights a native engine on the trainer's GPU uses in place (NativeEngine.from_hf(share=))
+    shared = shared_weight_bytes(RolloutConfig(), model, torch.device("meta"))
+    return ModelShape.of(model), loaded, adapter_bytes, config, shared
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Case:
     fp8: bool  # rollout.quantization=fp8 (engine weights only)
     experts: bool = True  # LoRA on the MoE's expert tensors too (the default); False: attention only
     offload: bool = False  # actor.fsdp_config.offload_policy=True: FSDP2 keeps the base shard and LoRA state on the host
+    shared: bool = True  # one GPU, bf16 engine: the engine uses the frozen base in place (since 2026-12-06)
 
     @property
     def label(self) -> str:
@@ -104,6 +109,8 @@ class Case:
         lora = "" if self.experts else " attention only"
         if self.offload:
             what += ", offload_policy=True"
+        if self.world == 1 and not self.fp8:
+            what += ", frozen base shared with the engine" if self.shared else ", engine copy (before 2026-12-06)"
         return f"{self.model} LoRA r{LORA_RANK}{lora}, {self.world} x {self.gpu}, {what}"
 
 
@@ -116,9 +123,11 @@ CASES = (
     Case("Qwen3-30B-A3B", "H200", 1, fp8=False),
     Case("Qwen3-30B-A3B", "H100", 1, fp8=False),
     Case("Qwen3-30B-A3B", "H100", 1, fp8=True),
+    Case("Qwen3-30B-A3B", "H200", 1, fp8=False, experts=False, shared=False),
     Case("Qwen3-30B-A3B", "H200", 1, fp8=False, experts=False),
     Case("Qwen3-30B-A3B", "H200", 1, fp8=True, experts=False),
     Case("Qwen3-30B-A3B", "H100", 1, fp8=True, experts=False),
+    Case("Qwen3-30B-A3B", "H100", 1, fp8=False, experts=False),
 )
 
 
@@ -136,7 +145,7 @@ def _cfg(fp8: bool, offload: bool = False):
 
 def plan(case: Case) -> dict:
     """The planner's decisions for `case` and the byte account behind them (bytes; see the module docstring)."""
-    shape, loaded, adapter_bytes, config = lora_policy(case.model, case.experts)
+    shape, loaded, adapter_bytes, config, shared = lora_policy(case.model, case.experts)
     cfg, total, world = _cfg(case.fp8, case.offload), GPUS[case.gpu], case.world
     seq = MAX_PROMPT + MAX_RESPONSE
     free = total - CONTEXT - (loaded if world == 1 else 0)  # one GPU: the policy is loaded there at plan time
@@ -153,6 +162,8 @@ def plan(case: Case) -> dict:
             engine_bytes = engine_weight_bytes(shape, tp, fp8=case.fp8, tied=False)
     elif case.fp8:  # one GPU, TP 1: a whole replica in FP8 (plan_memory passes its bytes since 2026-11-28)
         engine_bytes = engine_weight_bytes(shape, 1, fp8=True, tied=False)
+    elif case.shared and shared:  # one GPU, bf16: the frozen weights are the trainer's (plan_memory, 2026-12-06)
+        engine_bytes = shape.num_params * 2 - shared
     engine = shape.num_params * 2 if engine_bytes is None else engine_bytes
     trainer_weights = loaded if world == 1 else copies_bytes(cfg, shape, world)
     on_gpu = not case.offload  # offloaded: FSDP2 keeps the state in host memory (plan_memory: trains=False)

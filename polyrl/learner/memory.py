@@ -235,6 +235,14 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
         want = engine + 2 * GiB + 1.25 * kv
         room = free - HEADROOM * total - (static - engine)
         one_row = (max_seq_len + 32) * shape.kv_bytes_per_token
+        lora = trains and shape.num_trainable < shape.num_params // 4
+        if lora and shape.param_bytes > 2:  # an fp32 frozen base: its bf16 twin could be the engine's weights
+            advice = ("set actor_rollout_ref.model.dtype=bfloat16 (a bf16 frozen LoRA base is the engine's weights "
+                      "too, not a copy), use more GPUs or a smaller model.")
+        else:
+            advice = (("set actor_rollout_ref.actor.fsdp_config.offload_policy=True, " if trains else "")
+                      + ("" if lora else "train LoRA (actor_rollout_ref.model.lora_rank=64), ")
+                      + "use more GPUs or a smaller model.")
         if engine_auto and room < engine + 2 * GiB + one_row:
             from polyrl.errors import ConfigError
 
@@ -242,9 +250,7 @@ def choose(shape: ModelShape, *, device: torch.device, free: int, total: int, ma
                 f"the rollout engine needs {(engine + 2 * GiB + one_row) / GiB:.1f} GiB per GPU ({engine / GiB:.1f} "
                 f"GiB of weights, a {max_seq_len}-token row of KV cache and its 2 GiB reserve) but only "
                 f"{room / GiB:.1f} GiB is left beside the trainer's {(static - engine) / GiB:.1f} GiB of optimizer "
-                f"state and copies ({gib}); " + ("set actor_rollout_ref.actor.fsdp_config.offload_policy=True, "
-                                                 if trains else "")
-                + "train LoRA (actor_rollout_ref.model.lora_rank=64), use more GPUs or a smaller model.")
+                f"state and copies ({gib}); " + advice)
         util = max(0.05, min(want, room) / total)
         out["engine"] = Choice("actor_rollout_ref.rollout.gpu_memory_utilization", round(min(0.95, util), 3),
                                f"KV cache for {num_rollout_rows} rows x {max_seq_len} tokens = {kv / GiB:.1f} GiB "
@@ -364,6 +370,12 @@ def plan_memory(cfg, model, device: torch.device, *, dist=None, log=print, role:
     if engine_bytes is None and r.quantization == "fp8":  # a whole replica, its layer GEMMs in e4m3
         engine_bytes = engine_weight_bytes(shape, 1, fp8=True,
                                            tied=bool(getattr(model.config, "tie_word_embeddings", False)))
+    if engine_bytes is None and r.name == "native" and role != "train":  # LoRA: the frozen base is shared, not copied
+        from polyrl.rollout.native.engine import shared_weight_bytes
+
+        shared = shared_weight_bytes(r, model, device)
+        if shared:
+            engine_bytes = shape.num_params * 2 - shared
     compile_set = a.use_torch_compile if a.use_torch_compile is not None else (a.fsdp_config.use_torch_compile or None)
     choices = choose(shape, device=device, free=free, total=total, max_seq_len=max_seq_len, num_rollout_rows=rows,
                      engine_on_device=device.type == "cuda" and r.name == "native" and role != "train",

@@ -56,7 +56,9 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path", custom_
 
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, key: str = "actor_rollout_ref.model.path",
                    trust_remote_code: bool = False, override_config: dict | None = None,
-                   external_lib: str | None = None):
+                   external_lib: str | None = None, device: torch.device | None = None):
+    """`from_pretrained(path)` (or a GGUF file). On a CUDA `device` the weights stream from the files to the GPU
+    (`device_map`), never all in host memory: a 61 GB checkpoint on a 128 GiB host whose /dev/shm holds it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if external_lib:
@@ -68,9 +70,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, key: str = 
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     for k, v in (override_config or {}).items():
         setattr(config, k, v)
-    model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
-    return model
+    placed = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+    return AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                **placed)
 
 
 def apply_lora(model, *, rank: int, alpha: int, target_modules, adapter_path: str | None = None,
@@ -100,7 +102,8 @@ def load_policy(model_cfg: ModelConfig, *, device: torch.device, key: str = "act
     """The trainable policy: HF model in `model_cfg.dtype`, with LoRA and gradient checkpointing as configured."""
     dtype = to_dtype(model_cfg.dtype, "actor_rollout_ref.model.dtype")
     model = load_causal_lm(model_cfg.path, dtype=dtype, key=key, trust_remote_code=model_cfg.trust_remote_code,
-                           override_config=model_cfg.override_config, external_lib=model_cfg.external_lib)
+                           override_config=model_cfg.override_config, external_lib=model_cfg.external_lib,
+                           device=device)
     grouped_experts(model)  # MoE: bf16 grouped GEMMs over fp32 master weights, compiled or not (models/moe.py)
     if model_cfg.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -152,23 +155,31 @@ def save_hf(model, out_dir: str | Path, *, dtype: torch.dtype, state_dict: dict 
     config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _adapted(model):
+    """(the base model, clean parameter name -> the LoRA layers adapting it); no adapters for a plain model."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        return model, {}
+    base = model.get_base_model()
+    adapted: dict[str, list] = {}
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            param = getattr(mod, "parameter_name", None) or "weight"
+            adapted.setdefault(f"{name.replace('.base_layer', '')}.{param}", []).append(mod)
+    return base, adapted
+
+
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """HF-named full weights of `model` for the rollout engine and HF export; LoRA adapters are merged in.
 
     Each adapted weight is merged into a copy (W + its adapters' deltas, peft's `get_delta_weight`), without touching
     the trained adapter: Linear layers (`target_modules`) and wrapped parameters (`target_parameters`, e.g. an MoE's
     3-D expert tensors, where wrappers nest and every `.base_layer` drops out of the name)."""
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-
-    if not isinstance(model, PeftModel):
+    base, adapted = _adapted(model)
+    if base is model:
         return {k: v.detach() for k, v in model.state_dict().items()}
-    base = model.get_base_model()
-    adapted: dict[str, list] = {}  # clean parameter name -> the LoRA layers adapting it
-    for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer):
-            param = getattr(mod, "parameter_name", None) or "weight"
-            adapted.setdefault(f"{name.replace('.base_layer', '')}.{param}", []).append(mod)
     out = {}
     with torch.no_grad():
         for name, tensor in base.state_dict().items():
@@ -184,4 +195,17 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
                 out[clean] = w
             else:
                 out[clean] = tensor.detach()
+    return out
+
+
+def frozen_weights(model) -> dict[str, torch.Tensor]:
+    """HF-named weights that training never changes: frozen parameters (requires_grad off) with no LoRA adapter
+    merged into them, as the live tensors themselves. Under LoRA that is the base model but its adapted weights; a
+    rollout engine on the same device and dtype may use them in place of a copy (native engine, `share=`)."""
+    base, adapted = _adapted(model)
+    out = {}
+    for name, p in base.named_parameters():
+        clean = name.replace(".base_layer", "")
+        if not p.requires_grad and ".lora_" not in name and clean not in adapted:
+            out[clean] = p.detach()
     return out

@@ -32,8 +32,8 @@ from polyrl.rollout.base import Generation, SamplingParams, register_rollout
 from polyrl.rollout.native.attention import (DECODE_KERNEL_CHOICES, FP8, AttnMeta, choose_decode_kernel,
                                              decode_kernel_module)
 from polyrl.rollout.native.block_manager import BlockManager
-from polyrl.rollout.native.model import (CausalLM, ModelSpec, UnsupportedModel, load_hf_weights, required_hf_names,
-                                        SUPPORTED_ROPE_TYPES)
+from polyrl.rollout.native.model import (CausalLM, ModelSpec, UnsupportedModel, load_hf_weights, materialize,
+                                        required_hf_names, shared_weights, SUPPORTED_ROPE_TYPES)
 from polyrl.rollout.native.moe import RouteRecorder, route_bytes_per_token
 from polyrl.rollout.native.scheduler import Scheduler, Sequence, Step
 from polyrl.rollout.token_sampling import sample, sample_fused
@@ -97,10 +97,14 @@ class NativeEngine:
         tp=None,
         prefill_kernel: bool = True,
         fp8_splitk: bool = True,
+        share: dict[str, torch.Tensor] | None = None,
     ) -> "NativeEngine":
         """Build from an HF `PreTrainedModel` or a local directory (`from_pretrained`). The HF model is not kept.
         `tp`: a `tensor_parallel.TPGroup` of more than one rank makes this engine one rank's slice of a replica
-        (tensor_parallel.py); every rank of the group then calls every method with the same arguments."""
+        (tensor_parallel.py); every rank of the group then calls every method with the same arguments.
+        `share`: HF-named tensors that never change (a LoRA trainer's frozen base, `loader.frozen_weights`); each
+        that is a whole engine weight in the engine's dtype and device becomes that weight, not a copy of it
+        (`shared_weights`), and is never written, offloaded or counted in the engine's memory."""
         if isinstance(model_or_path, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
@@ -120,7 +124,13 @@ class NativeEngine:
             from polyrl.rollout.native.tensor_parallel import shard_model
 
             shards = shard_model(model, tp)
-        model = model.to(dtype).to_empty(device=device)
+        model = model.to(dtype)
+        used = shared_weights(model, share or {}, dtype, device) if shards is None and quantization is None else {}
+        materialize(model, device, used)
+        if used:
+            gib = sum(t.numel() * t.element_size() for t in used.values()) / 2**30
+            print(f"polyrl: the rollout engine uses {len(used)} frozen weights of the trainer in place ({gib:.2f} GiB "
+                  "not copied)")
         model.set_rope(inv_freq, attn_scaling, max_model_len, device)
         named = hf.state_dict().items()
         loaded = load_hf_weights(model, shards.local_tensors(named) if shards else named)
@@ -209,8 +219,13 @@ class NativeEngine:
         self._alloc_kv()
 
     # ---- memory ------------------------------------------------------------------------------------------------
+    def own_weights(self) -> list[torch.Tensor]:
+        """The weights this engine holds: all but those it uses in place of the trainer's (`share`)."""
+        shared = getattr(self.model, "shared", frozenset())
+        return [p for p in self.model.parameters() if id(p) not in shared]
+
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())  # FP8: e4m3 bytes + scales
+        return sum(p.numel() * p.element_size() for p in self.own_weights())  # FP8: e4m3 bytes + scales
 
     def _plan_kv(self, util: float, num_kv_tokens: int | None) -> int:
         if not self.cuda:
@@ -286,8 +301,8 @@ class NativeEngine:
         if self.routes is not None:
             self.routes.release()
         if offload_weights and not self.offloaded:
-            if self.cuda:
-                for p in self.model.parameters():
+            if self.cuda:  # a shared weight stays: the trainer holds it on the GPU anyway
+                for p in self.own_weights():
                     host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
                     host.copy_(p.data)
                     p.data = host
@@ -300,7 +315,7 @@ class NativeEngine:
     def resume(self) -> None:
         """Bring weights back (if offloaded) and re-allocate the KV cache; graphs are recaptured on next generate."""
         if self.offloaded:
-            for p in self.model.parameters():
+            for p in self.own_weights():
                 p.data = p.data.to(self.device, non_blocking=True)
             self.offloaded = False
         if self.kv is None:
@@ -692,6 +707,7 @@ def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device,
     from polyrl.rollout.config import DEFAULT_MAX_NUM_SEQS
     from polyrl.utils.device import to_dtype
 
+    from polyrl.models.loader import frozen_weights
     from polyrl.rollout.native.fallback import check_routing_record, fall_back_to_hf
 
     dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
@@ -704,6 +720,7 @@ def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device,
             max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len or max_model_len, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
             kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, record_routes=record, tp=tp,
+            share=frozen_weights(model) if tp is None and isinstance(model, torch.nn.Module) else None,
             **(cfg.engine_kwargs.get("native") or {}))
     except UnsupportedModel as why:
         return fall_back_to_hf(cfg, model, why, record_routes=record, pad_token_id=pad_token_id, device=device,
@@ -713,6 +730,25 @@ def build_native_rollout(cfg, model, *, pad_token_id: int, device: torch.device,
 
         return ReplicaRollout(engine, tp)
     return engine
+
+
+def shared_weight_bytes(cfg, model, device: torch.device) -> int:
+    """Bytes of `model`'s frozen weights that `build_native_rollout` (rollout config `cfg`) on `device` would use in
+    place rather than copy (`NativeEngine.from_hf(share=)`): what the memory planner takes off the engine's replica."""
+    from polyrl.models.loader import frozen_weights
+    from polyrl.utils.device import to_dtype
+
+    if cfg.quantization is not None or (cfg.tensor_model_parallel_size or 1) > 1:
+        return 0
+    try:
+        spec = ModelSpec.from_hf_config(model.config)
+    except UnsupportedModel:
+        return 0
+    with torch.device("meta"):
+        meta = CausalLM(spec)
+    dtype = torch.float32 if device.type == "cpu" else to_dtype(cfg.dtype, "actor_rollout_ref.rollout.dtype")
+    used = shared_weights(meta.to(dtype), frozen_weights(model), dtype, device)
+    return sum(t.numel() * t.element_size() for t in used.values())
 
 
 class _MergedLoRAView:

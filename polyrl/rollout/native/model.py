@@ -343,6 +343,45 @@ def _hf_targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int, nn.M
 _PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
+def shared_weights(model: CausalLM, share: dict[str, torch.Tensor], dtype: torch.dtype,
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The tensors of `share` (HF names) that can stand for an engine weight as they are: each one HF name fills
+    whole (the experts, router, embedding, head, o_proj and norms; not q/k/v or a dense MLP's gate/up, which the
+    engine fuses), in its dtype, on its device, contiguous. `model` may be on the meta device."""
+    targets, device = _hf_targets(model), torch.device(device)
+    out = {}
+    for name, t in share.items():
+        for pre in _PREFIXES:
+            name = name.replace(pre, "")
+        dst, lo, hi, owner = targets.get(name, (None, 0, 0, None))
+        if (dst is not None and owner is None and lo == 0 and hi == dst.shape[0] and t.shape == dst.shape
+                and t.dtype == dtype and t.device.type == device.type
+                and (device.index is None or t.device.index == device.index) and t.is_contiguous()):
+            out[name] = t
+    return out
+
+
+def materialize(model: CausalLM, device: torch.device | str, shared: dict[str, torch.Tensor]) -> None:
+    """`model.to_empty(device)` but for the weights named in `shared` (`shared_weights`), which become those tensors
+    (same storage: nothing allocated or copied; `model.shared` holds their ids)."""
+    targets = _hf_targets(model)
+    by_param = {id(targets[name][0]): t for name, t in shared.items()}
+    made: dict[int, nn.Parameter] = {}  # old id -> new parameter (a parameter two modules hold stays one)
+    for mod in model.modules():
+        for key, p in mod._parameters.items():
+            if p is not None and id(p) not in made:
+                t = by_param.get(id(p))
+                made[id(p)] = nn.Parameter(t.detach() if t is not None else torch.empty_like(p, device=device),
+                                           requires_grad=p.requires_grad and t is None)
+            if p is not None:
+                mod._parameters[key] = made[id(p)]
+        for key, buf in mod._buffers.items():
+            if buf is not None:
+                mod._buffers[key] = torch.empty_like(buf, device=device)
+    model.shared = frozenset(id(made[i]) for i in by_param)
+    model._targets = None  # built again over the materialised weights
+
+
 @torch.no_grad()
 def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named tensors into the fused layout in place (dtype/device converted). Returns the names loaded."""
@@ -366,7 +405,9 @@ def load_hf_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Te
         view = dst.data[lo:hi]
         if tuple(t.shape) != tuple(view.shape):
             raise ValueError(f"parameter {name!r} has shape {tuple(t.shape)}, the engine expects {tuple(view.shape)}.")
-        if owner is not None:
+        if owner is None and id(dst) in getattr(model, "shared", ()) and t.data_ptr() == view.data_ptr():
+            pass  # a weight shared with the trainer (`materialize`): it is this tensor already
+        elif owner is not None:
             owner.load_rows(lo, hi, t)
         else:
             view.copy_(t, non_blocking=True)
