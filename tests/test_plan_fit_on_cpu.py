@@ -69,12 +69,23 @@ def test_30b_a3b_lora_with_expert_adapters_is_refused_on_one_h200(pf, results):
     assert r["verdict"] == "refused"
     # a loaded bf16 base with fp32 expert adapters plus a bf16 engine replica exceed the H200 by themselves
     assert r["trainer_weights"] + r["engine_weights"] > r["usable"]
-    attn = _one(results, model="Qwen3-30B-A3B", gpu="H200", fp8=False, experts=False)
+    attn = _one(results, model="Qwen3-30B-A3B", gpu="H200", fp8=False, experts=False, shared=False)
     assert attn["verdict"] == "fits" and attn["num_trainable"] < r["num_trainable"] / 10
-    # no H100 case fits: the bf16 training base (57 GiB) and even FP8 engine weights (29 GiB) exceed its 70 GiB
+    # an H100 holds no engine copy beside the bf16 training base (57 GiB), even FP8 engine weights (29 GiB)
     for c, h100 in results.items():
-        if c.model == "Qwen3-30B-A3B" and c.gpu == "H100":
+        if c.model == "Qwen3-30B-A3B" and c.gpu == "H100" and (c.fp8 or c.experts):
             assert h100["verdict"] == "refused"
+
+
+def test_30b_a3b_attention_lora_with_the_base_shared_fits_one_h100_and_every_row_on_an_h200(results):
+    """The engine uses the frozen bf16 experts in place (NativeEngine.from_hf(share=)): its own weights are the merged
+    attention, so an H100 takes the job and an H200 holds all 64 rows' KV at full length (15 with a copy)."""
+    copy = _one(results, model="Qwen3-30B-A3B", gpu="H200", fp8=False, experts=False, shared=False)
+    for gpu in ("H100", "H200"):
+        r = _one(results, model="Qwen3-30B-A3B", gpu=gpu, fp8=False, experts=False, shared=True)
+        assert r["verdict"] == "fits" and r["engine_weights"] < 2 * GiB < copy["engine_weights"] / 20
+        assert max(r["rollout_peak"], r["update_peak"]) <= r["usable"]
+    assert r["kv_rows_fit"] >= 64 > copy["kv_rows_fit"]
 
 
 def test_lora_state_is_counted_at_the_adapters_fp32_bytes():
