@@ -38,7 +38,9 @@ tools_off)
       --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
 moe_lora1)
   df -h /dev/shm > $L/shm.txt; free -g >> $L/shm.txt
-  run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts 8 --samples-per-prompt 8 --mini-prompts 8 \
+  # on an H100 (17 rows of KV at full length beside the 57 GiB base): LORA_PROMPTS=4 LORA_N=4, one wave of 16 rows
+  p=${LORA_PROMPTS:-8} n=${LORA_N:-8}
+  run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts $p --samples-per-prompt $n --mini-prompts $p \
       --steps 2 --warmup 1 --work /dev/shm/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
       --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=128 \
       actor_rollout_ref.model.dtype=bfloat16 "actor_rollout_ref.model.target_parameters=[]" \

@@ -9,7 +9,6 @@ checkpoint's `huggingface/` export is written in `trainer.export_dtype` (by defa
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -82,9 +81,11 @@ class CheckpointingMixin:
         from peft import PeftModel
 
         model = self.model
-        if isinstance(model, PeftModel):  # export merged weights so no separate merge step is ever needed
-            model = copy.deepcopy(model).merge_and_unload()
-        save_hf(model, out_dir, dtype=self.export_dtype)
+        if isinstance(model, PeftModel):  # merged weights, so no separate merge step is ever needed; the merge
+            # copies only the adapted weights (a deep copy of the model would hold a second base on the GPU)
+            save_hf(model.get_base_model(), out_dir, dtype=self.export_dtype, state_dict=merged_state_dict(model))
+        else:
+            save_hf(model, out_dir, dtype=self.export_dtype)
         self.tokenizer.save_pretrained(out_dir)
 
     def load_checkpoint_state(self, state: dict) -> None:
