@@ -76,6 +76,25 @@ def test_moe_r3_train_resume_bitwise_and_export(moe_dir, synth_data_dir, tmp_pat
     assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == export.config.num_experts
 
 
+def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(moe_dir, synth_data_dir, tmp_path, one_thread):
+    """A LoRA checkpoint keeps the trained parameters only (the frozen base comes back from model.path: 57 GB a
+    checkpoint for Qwen3-30B-A3B otherwise), and a run stopped after step 2 resumes to the same step 3 bit for bit."""
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.optim.lr=1e-2"]
+    clean, resumed = tmp_path / "clean", tmp_path / "resumed"
+    assert cli_main(_args(moe_dir, synth_data_dir, clean, 3, *lora)) == 0
+    assert cli_main(_args(moe_dir, synth_data_dir, resumed, 2, *lora)) == 0
+    assert cli_main(_args(moe_dir, synth_data_dir, resumed, 3, *lora)) == 0
+    a = load_file(str(clean / "ckpt" / "global_step_3" / "model.safetensors"))
+    b = load_file(str(resumed / "ckpt" / "global_step_3" / "model.safetensors"))
+    assert a and all(".lora_" in k for k in a) and any(".experts." in k for k in a) and a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ea, eb = (load_file(str(d / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors")) for d in (clean, resumed))
+    assert any(".experts." in k for k in ea) and not any("lora" in k for k in ea) and ea.keys() == eb.keys()
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)  # the merged export too
+
+
 def test_r2_replays_the_old_log_prob_pass_routes(moe_dir, synth_data_dir, tmp_path, one_thread):
     """R2: two mini-batches a step, so old log-probs are recomputed; that pass records its routes and the update
     replays them: the first mini-batch (weights unchanged) agrees with them."""
