@@ -40,7 +40,7 @@ def _policy(dtype=torch.bfloat16):
 
 
 def _engine(policy, share: bool):
-    return NativeEngine.from_hf(_merged_view(policy), device="cuda", dtype=torch.bfloat16, gpu_memory_utilization=0.3,
+    return NativeEngine.from_hf(_merged_view(policy), device="cuda", dtype=torch.bfloat16, num_kv_tokens=8192,
                                 max_num_seqs=8, max_model_len=256, share=frozen_weights(policy) if share else None)
 
 
