@@ -70,7 +70,10 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, key: str = 
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     for k, v in (override_config or {}).items():
         setattr(config, k, v)
-    placed = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+    placed = {}
+    if device is not None and device.type == "cuda":
+        placed["device_map"] = {"": torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                                 else device.index)}
     return AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                 **placed)
 
