@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -90,8 +91,6 @@ class NemoLengths(ForcedLengths):
 
 def setup(work: Path, args) -> None:
     """grpo_step.py's tokenizer, prompts and reward; the model directory replaced by the MoE (bf16, random)."""
-    from transformers import AutoModelForCausalLM
-
     from grpo_step import setup as dense_setup
 
     dense_setup(work, init_std=0.02, num_prompts=args.prompts * (args.steps + 2), prompt_tokens=args.prompt,
@@ -101,13 +100,71 @@ def setup(work: Path, args) -> None:
 
     tok = build_char_tokenizer()
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id, cfg.use_cache = tok.pad_token_id, tok.eos_token_id, None, True
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
-    model.save_pretrained(work / "model", max_shard_size="4GB")  # not one 50 GB shard (transformers 5) in host memory
-    del model
-    if args.device == "cuda":  # rank 0's GPU would keep its bf16 copy cached (and the planner's free memory short)
+    write_random_checkpoint(cfg, work / "model", device=args.device,
+                            dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
+    if args.device == "cuda":  # rank 0's GPU would keep its generator's blocks cached (the planner's free memory short)
         torch.cuda.empty_cache()
+
+
+def write_random_checkpoint(cfg, out: Path, *, device: str, dtype: torch.dtype, std: float = 0.02,
+                            shard_bytes: int = 4 << 30) -> None:
+    """A random checkpoint of `cfg` in HF's on-disk layout (experts one tensor each, as transformers saves and
+    loads them), written shard by shard: no model is ever built. (`from_config` + `save_pretrained` of all 48
+    layers ran out of memory on an 80 GB GPU: the save splits the fused experts into copies on the GPU.) Weights
+    ~ N(0, std), norms 1."""
+    import copy
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    one = copy.deepcopy(cfg)
+    one.num_hidden_layers = 1
+    with torch.device("meta"):
+        layer0 = AutoModelForCausalLM.from_config(one).state_dict()
+    names: list[tuple[str, tuple[int, ...]]] = []
+    for name, t in layer0.items():
+        if ".layers.0." not in name:
+            names.append((name, tuple(t.shape)))
+            continue
+        for i in range(cfg.num_hidden_layers):
+            n = name.replace(".layers.0.", f".layers.{i}.")
+            if n.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> each expert's gate and up [I, H]
+                e, two_i, h = t.shape
+                names += [(n.replace("gate_up_proj", f"{x}.{p}_proj.weight"), (two_i // 2, h))
+                          for x in range(e) for p in ("gate", "up")]
+            elif n.endswith("experts.down_proj"):  # [E, H, I] -> each expert's down [H, I]
+                names += [(n.replace("down_proj", f"{x}.down_proj.weight"), tuple(t.shape[1:]))
+                          for x in range(t.shape[0])]
+            else:
+                names.append((n, tuple(t.shape)))
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device).manual_seed(0)
+    shard, size, weight_map, files = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, files
+        files += 1
+        fname = f"model-{files:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+        shard, size = {}, 0
+
+    for name, shape in names:
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device) * std).to(dtype).cpu()
+        shard[name] = t
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    total = sum(math.prod(s) for _, s in names) * torch.finfo(dtype).bits // 8
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    cfg.dtype = dtype
+    cfg.save_pretrained(out)
 
 
 def bandwidth(device: str) -> float:
