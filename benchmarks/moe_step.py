@@ -138,6 +138,8 @@ def write_random_checkpoint(cfg, out: Path, *, device: str, dtype: torch.dtype, 
             else:
                 names.append((n, tuple(t.shape)))
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:  # grpo_step's dense model
+        old.unlink()
     gen = torch.Generator(device).manual_seed(0)
     shard, size, weight_map, files = {}, 0, {}, 0
 
