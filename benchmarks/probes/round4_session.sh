@@ -38,13 +38,14 @@ tools_off)
       --steps 30 --no-tools --rows-out $L/rows.jsonl ;;
 moe_lora1)
   df -h /dev/shm > $L/shm.txt; free -g >> $L/shm.txt
-  # on an H100 (17 rows of KV at full length beside the 57 GiB base): LORA_PROMPTS=4 LORA_N=4, one wave of 16 rows
+  # on an H100 (17 rows of KV at full length beside the 57 GiB base): LORA_PROMPTS=4 LORA_N=4, one wave of 16 rows;
+  # LORA_EXTRA adds keys (FP8 KV: LORA_EXTRA=actor_rollout_ref.rollout.kv_cache_dtype=fp8 LORA_PROMPTS=8 LORA_N=4)
   p=${LORA_PROMPTS:-8} n=${LORA_N:-8}
   run moe_lora1 560 python benchmarks/moe_step.py --layers 48 --prompts $p --samples-per-prompt $n --mini-prompts $p \
       --steps 2 --warmup 1 --work /dev/shm/moe_lora1 --rows-out $L/rows.jsonl --json-out $L/moe_lora1.json \
       --extra actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=128 \
       actor_rollout_ref.model.dtype=bfloat16 "actor_rollout_ref.model.target_parameters=[]" \
-      "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+      "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]" ${LORA_EXTRA:-}
   rm -rf /dev/shm/moe_lora1 ;;
 share_tests)
   run share_tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_shares_frozen_gpu.py \
