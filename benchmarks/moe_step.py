@@ -260,7 +260,9 @@ def main(argv=None) -> None:
     gen_gpus = world - args.trainers if args.mode == "offpolicy" else world
     train_gpus = args.trainers if args.mode == "offpolicy" else world
     bw = bandwidth(args.device)
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    fp8_kv = ppo_cfg.actor_rollout_ref.rollout.kv_cache_dtype in ("fp8", "fp8_e4m3")  # e4m3 + an fp32 scale a head
+    head_bytes = cfg.head_dim + 4 if fp8_kv else 2 * cfg.head_dim
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_bytes
     draws = NemoLengths.drawn[-len(timed):] if NemoLengths.drawn else []
     rows = args.prompts * args.n
     expert_params = sum(np.prod(s) for s in _param_shapes(cfg, experts_only=True))
