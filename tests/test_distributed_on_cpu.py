@@ -295,6 +295,24 @@ def test_two_processes_match_one_with_dapo_dynamic_sampling(tiny_model_dir, synt
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
 
 
+def test_two_processes_match_one_under_lora_with_the_native_engine(tiny_model_dir, synth_data_dir, tmp_path):
+    """LoRA under FSDP2 on 2 processes, the native engine on each rank's host replica: each sync all-gathers only the
+    merged adapted weights (`merged_state_dict(trained_only=True)`), so step 2's rollouts, sampled after the first
+    sync, equal one process's only if that sync carried every changed weight."""
+    extra = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+             "actor_rollout_ref.actor.optim.lr=2e-2", "actor_rollout_ref.rollout.name=native"]
+    one, two = _beside_one_process(tiny_model_dir, synth_data_dir, tmp_path, 2, extra)
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["response_length/mean"] == b["response_length/mean"]
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
+    w1, w2 = (_weights(tmp_path / run / "ckpt" / "global_step_2") for run in ("one", "two"))
+    for k in w1:  # the merged exports agree
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=5e-6)
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_on_a_moe_with_rollout_routing_replay(synth_data_dir, tmp_path):
     """A tiny Qwen3-MoE under FSDP2 (per-decoder-layer units, experts' 3-D tensors sharded) on 2 processes, routes

@@ -148,11 +148,22 @@ def check_lora_job(tmp_path, data_dir, device: str, moe: dict):
     engine = trainer.engine
     assert engine.model.shared and _expert_ptrs(engine.model) <= _expert_ptrs(trainer.model)
     before = {k: v.clone() for k, v in merged_state_dict(trainer.model).items() if "q_proj" in k}
+    synced, update = [], engine.update_weights
+
+    def recording(named, **kw):  # every weight sync of the job goes through here (one per step)
+        named = list(named)
+        synced.append({name for name, _ in named})
+        return update(named, **kw)
+
+    engine.update_weights = recording
     trainer.fit()
     after = merged_state_dict(trainer.model)
     assert any(not torch.equal(after[k], v) for k, v in before.items())  # the adapters trained and were merged
     assert _expert_ptrs(engine.model) <= _expert_ptrs(trainer.model)  # still the trainer's tensors after the syncs
-    engine.update_weights(after.items())  # as the next step's sync (fit ends on an update)
+    # each sync sends what training changed, the merged attention, and nothing of the frozen base
+    assert len(synced) == 2 and all(names == {k for k in after if k.endswith(("q_proj.weight", "k_proj.weight",
+                                                                              "v_proj.weight", "o_proj.weight"))}
+                                    for names in synced)
     prompts = [[3, 17, 40, 4, 30], [8, 8, 1], [20, 10, 30, 25]]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
     if engine.released:

@@ -470,15 +470,17 @@ class PPOTrainer(RolloutBatchMixin, CheckpointingMixin, TrainerCore):
     def _weights_for_rollout(self):
         if getattr(self.engine, "model", None) is self.model:
             return []  # the engine generates with the actor module itself: already up to date
+        # what training changed: under LoRA the merged adapted weights, never the frozen base the engine was built with
+        named = merged_state_dict(self.model, trained_only=True).items()
         if self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1:  # a layer at a time; each rank
             from polyrl.distributed.weights import full_tensors_by_layer  # keeps its TP slice
 
-            return full_tensors_by_layer(merged_state_dict(self.model).items())
+            return full_tensors_by_layer(named)
         if self.dist.is_distributed:  # all-gather one tensor at a time into this rank's replica
             from polyrl.distributed.weights import full_tensors
 
-            return full_tensors(merged_state_dict(self.model).items())
-        return merged_state_dict(self.model).items()
+            return full_tensors(named)
+        return named
 
     # ------------------------------------------------------------------------------------------------ validation
     @torch.no_grad()
