@@ -309,6 +309,7 @@ def test_two_processes_match_one_under_lora_with_the_native_engine(tiny_model_di
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 + 1e-4 * abs(a[key]), (key, a[key], b[key])
     w1, w2 = (_weights(tmp_path / run / "ckpt" / "global_step_2") for run in ("one", "two"))
+    assert w1.keys() == w2.keys()
     for k in w1:  # the merged exports agree
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=5e-6)
 

@@ -147,10 +147,13 @@ def gather_full_state_dict(named, env: DistEnv) -> dict[str, torch.Tensor]:
 
 
 def without_aliases(full: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
-    """Drop names that `like` (a plain HF model) stores as aliases of an earlier weight (tied embeddings), as
-    `save_pretrained` would on its own state dict."""
+    """Drop names that `like` (an HF model, LoRA layers and all) stores as aliases of an earlier weight (tied
+    embeddings), as `save_pretrained` would on its own state dict."""
     seen, keep = set(), {}
     for name, t in like.state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer", "")  # peft's wrapped layers: `full` has the HF names (merged_state_dict)
         key = (t.data_ptr(), t.shape)
         if key not in seen and name in full:
             keep[name] = full[name]

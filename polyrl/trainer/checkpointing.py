@@ -84,8 +84,11 @@ class CheckpointingMixin:
 
         full = gather_full_state_dict(merged_state_dict(self.model).items(), self.dist)  # collective
         if self.dist.is_rank0:  # the unsharded replica is the plain HF class: its config names the real architecture
-            full = without_aliases(full, self.rollout_replica)
-            save_hf(self.rollout_replica, out_dir, dtype=self.export_dtype, state_dict=full)
+            from peft import PeftModel
+
+            replica = self.rollout_replica  # under LoRA its base model: save_pretrained of peft writes adapters only
+            replica = replica.get_base_model() if isinstance(replica, PeftModel) else replica
+            save_hf(replica, out_dir, dtype=self.export_dtype, state_dict=without_aliases(full, replica))
             self.tokenizer.save_pretrained(out_dir)
 
     def _export_hf(self, out_dir: Path) -> None:
