@@ -80,7 +80,8 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(moe_dir, synth_d
     """A LoRA checkpoint keeps the trained parameters only (the frozen base comes back from model.path: 57 GB a
     checkpoint for Qwen3-30B-A3B otherwise), and a run stopped after step 2 resumes to the same step 3 bit for bit."""
     lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-            "actor_rollout_ref.actor.optim.lr=1e-2"]
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "actor_rollout_ref.rollout.name=native"]  # resume syncs the adapters into an engine built from the base
     clean, resumed = tmp_path / "clean", tmp_path / "resumed"
     assert cli_main(_args(moe_dir, synth_data_dir, clean, 3, *lora)) == 0
     assert cli_main(_args(moe_dir, synth_data_dir, resumed, 2, *lora)) == 0
@@ -90,6 +91,12 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(moe_dir, synth_d
     assert a and all(".lora_" in k for k in a) and any(".experts." in k for k in a) and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # step 3's rollout ran on the engine, which got the trained adapters back by the resume's sync: its log-probs
+    # against the trainer's (the mismatch KL) are those of the uninterrupted run
+    (kl_clean,), (kl_resumed,) = ([json.loads(line)["rollout_corr/kl"] for line in
+                                   (d / "run" / "metrics.jsonl").read_text().splitlines()
+                                   if '"step": 3' in line and "actor/pg_loss" in line] for d in (clean, resumed))
+    assert kl_resumed == kl_clean
     ea, eb = (load_file(str(d / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors")) for d in (clean, resumed))
     assert any(".experts." in k for k in ea) and not any("lora" in k for k in ea) and ea.keys() == eb.keys()
     assert all(torch.equal(ea[k], eb[k]) for k in ea)  # the merged export too
