@@ -107,3 +107,21 @@ def test_lora_state_is_counted_at_the_adapters_fp32_bytes():
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert shape.param_bytes == 2 and shape.trainable_bytes == 4
     assert shape.state_bytes == 12 * trained
+
+
+def test_an_fp32_lora_base_that_crowds_out_the_engine_is_refused_naming_the_bf16_base(pf):
+    """The default `model.dtype=float32` under LoRA: 30B-A3B's fp32 base (114 GiB) leaves an H200 no room for the
+    engine's bf16 copy, and a bf16 base would be the engine's weights themselves: the refusal says so."""
+    import dataclasses
+
+    import torch
+
+    from polyrl.errors import ConfigError
+    from polyrl.learner.memory import choose
+
+    shape = dataclasses.replace(pf.lora_policy("Qwen3-30B-A3B", False)[0], param_bytes=4)  # the fp32 base
+    total = pf.GPUS["H200"]
+    with pytest.raises(ConfigError, match=r"model\.dtype=bfloat16"):
+        choose(shape, device=torch.device("cuda"), free=total - pf.CONTEXT - shape.num_params * 4, total=total,
+               max_seq_len=4096, num_rollout_rows=64, engine_on_device=True, extra_static=0, world_size=1,
+               compile_layers=False, checkpointing=None, engine_auto=True)
