@@ -200,6 +200,32 @@ def test_age_zero_equals_the_on_policy_trainer_bit_for_bit(tiny_model_dir, synth
         assert torch.equal(w_ref[k], w_got[k]), k
 
 
+def test_lora_at_age_zero_equals_the_on_policy_lora_trainer_bit_for_bit(tiny_model_dir, synth_data_dir, tmp_path):
+    """LoRA in the off-policy pipeline: the trainer streams merged weights and the rollout process holds the plain
+    model; at age 0 every step equals the colocated LoRA trainer's, and the adapters are what was trained."""
+    from safetensors.torch import load_file
+
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.entropy_coeff=0.05"]  # a gradient whatever the rewards
+    job = _job(_args(tiny_model_dir, synth_data_dir, tmp_path / "async", 2, *lora,
+                     "actor_rollout_ref.hybrid_engine=False", "async_training.max_trajectory_age_steps=0"))
+    job.append(_process(_args(tiny_model_dir, synth_data_dir, tmp_path / "sync", 2, *lora)))
+    codes, log = _wait(job)
+    assert codes == [0, 0, 0], log[-4000:]
+    ref, got = _steps(tmp_path / "sync"), _steps(tmp_path / "async")
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(ref, got):  # step 2's rollout used the weights streamed after step 1
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_mean",
+                    "response_length/mean"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    w_ref, w_got = (load_file(str(tmp_path / run / "ckpt" / "global_step_2" / "model.safetensors"))
+                    for run in ("sync", "async"))
+    assert w_ref.keys() == w_got.keys() and all(".lora_" in k for k in w_ref)
+    assert any(w_ref[k].abs().max() > 0 for k in w_ref if "lora_B" in k)  # the adapters trained
+    for k in w_ref:
+        assert torch.equal(w_ref[k], w_got[k]), k
+
+
 def test_stale_batches_train_against_the_engine_log_probs_unless_rollout_correction_asks_for_a_pass(
         tiny_model_dir, synth_data_dir, tmp_path):
     """By default a stale batch's pi_old is the engine's log-probs (no behaviour pass); decoupled rollout correction
@@ -346,8 +372,8 @@ def test_pipeline_keys_are_refused_when_they_cannot_apply():
                          "partial_rollout_max_new_tokens=65"),
                         (["actor_rollout_ref.hybrid_engine=False", "rollout.n_gpus_per_node=2",
                           "async_training.partial_rollout=True"], "with one replica"),
-                        (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8"],
-                         "lora_rank=0")]:
+                        (["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.lora_rank=8",
+                          "actor_rollout_ref.model.lora_adapter_path=/x"], "lora_adapter_path")]:
         with pytest.raises(ConfigError, match=words):
             check_async(build_config(PPOConfig(), argv))
     check_async(build_config(PPOConfig(), ["actor_rollout_ref.hybrid_engine=False"]))  # the plain switch passes

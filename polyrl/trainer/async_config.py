@@ -50,9 +50,10 @@ def check_async(cfg) -> None:
     if a.weight_bucket_mb < 1:
         raise ConfigError(f"async_training.weight_bucket_mb={a.weight_bucket_mb}; use at least 1.")
     check_placement(cfg)
-    if cfg.actor_rollout_ref.model.lora_rank > 0:
-        raise ConfigError("actor_rollout_ref.hybrid_engine=False does not stream LoRA adapters yet; set "
-                          "actor_rollout_ref.model.lora_rank=0 or keep hybrid_engine=True.")
+    if cfg.actor_rollout_ref.model.lora_adapter_path:  # the rollout starts from the plain base (async_ppo.py)
+        raise ConfigError("actor_rollout_ref.hybrid_engine=False starts its rollout processes from the base model, "
+                          "not from a saved adapter; unset actor_rollout_ref.model.lora_adapter_path (train fresh "
+                          "adapters) or keep hybrid_engine=True.")
     rc = cfg.algorithm.rollout_correction
     engine_behaviour = a.max_trajectory_age_steps > 0 and (rc.bypass_mode or not rc.enabled)  # async_ppo.py
     if cfg.actor_rollout_ref.actor.router_replay.mode == "R2" and engine_behaviour:

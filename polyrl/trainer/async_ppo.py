@@ -456,6 +456,9 @@ class RolloutWorker:
         cfg.trainer.resume_mode = "disable"
         cfg.trainer.logger = []
         cfg.actor_rollout_ref.rollout.free_cache_engine = False  # the GPU is the engine's: keep the KV cache
+        # LoRA: the trainer streams merged weights under HF's names, so this side holds the plain model (fresh
+        # adapters merge to the base, so both start equal)
+        cfg.actor_rollout_ref.model.lora_rank = 0
         self.link, self.place, self.replica = link, place, place.replica_of(rank)
         self.leader = rank == place.leader(self.replica)
         cfg.actor_rollout_ref.rollout.seed += self.replica  # each replica samples its own stream
