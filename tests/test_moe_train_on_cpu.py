@@ -97,7 +97,8 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(moe_dir, synth_d
                                    (d / "run" / "metrics.jsonl").read_text().splitlines()
                                    if '"step": 3' in line and "actor/pg_loss" in line] for d in (clean, resumed))
     assert kl_resumed == kl_clean
-    ea, eb = (load_file(str(d / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors")) for d in (clean, resumed))
+    ea, eb = (load_file(str(d / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors"))
+              for d in (clean, resumed))
     assert any(".experts." in k for k in ea) and not any("lora" in k for k in ea) and ea.keys() == eb.keys()
     assert all(torch.equal(ea[k], eb[k]) for k in ea)  # the merged export too
 
