@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 
 NOBODY = 65534

@@ -265,14 +265,15 @@ class AsyncPPOTrainer(PPOTrainer):
     def _make_engine(self):
         from polyrl.rollout.hf import HFRollout
 
-        lockstep = None
-        if self.dist.is_distributed:  # validation on FSDP2 shards: the trainer ranks decode in step (rollout/hf.py)
-            def lockstep(n: int) -> int:
-                return int(self.dist.all_reduce(torch.tensor(n, device=self.device), "max"))
+        # validation on FSDP2 shards: the trainer ranks decode in step (rollout/hf.py)
+        lockstep = self._max_over_ranks if self.dist.is_distributed else None
         local = HFRollout(self.model, pad_token_id=self.tokenizer.pad_token_id,
                           seed=self.cfg.actor_rollout_ref.rollout.seed, lockstep=lockstep)
         max_age = self.cfg.async_training.max_trajectory_age_steps
         return RemoteRollout(local, weight_versions_needed(self.total_steps, max_age))
+
+    def _max_over_ranks(self, n: int) -> int:
+        return int(self.dist.all_reduce(torch.tensor(n, device=self.device), "max"))
 
     def _weights_for_rollout(self):
         """Full tensors a decoder layer at a time (one all-gather per layer over the trainer ranks)."""
